@@ -1,0 +1,41 @@
+"""What an engine hands back to its caller, and the interface the HTTP server drives.
+
+Both the in-process engine and the cluster implement ``EngineClient``; the server only ever
+sees this interface, so the same HTTP layer serves either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import NamedTuple, Protocol
+
+from pd.sampling_params import SamplingParams
+
+
+class RequestOutput(NamedTuple):
+    """One step of one request: the tokens generated since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (eos / stop token), "length", "abort", or None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from a prefix cache
+
+
+class EngineClient(Protocol):
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until one with ``finished=True``. Stop strings are the caller's
+        job (they need detokenized text); stop token ids, EOS and max_tokens are the engine's.
+        Cancelling the iterator (client gone) must abort the request and free its slots."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its slots are freed. Unknown ids are ignored."""
+        ...
+
+    async def is_ready(self) -> bool:
+        """True once every node can take requests (GET /health answers 200 only then)."""
+        ...
