@@ -1,0 +1,136 @@
+"""``pd``: the command line. ``pd generate`` runs the colocated engine; ``pd serve`` the server."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import uuid
+from typing import Any
+
+from pd.config import EngineConfig
+
+
+def _add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
+) -> None:
+    """One ``--flag`` per field, default and type read from the dataclass."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, int) and not isinstance(default, bool):
+            parser.add_argument(flag, type=int, default=default)
+        elif isinstance(default, float):
+            parser.add_argument(flag, type=float, default=default)
+        else:
+            kind = int if "int" in str(f.type) else str
+            parser.add_argument(flag, type=kind, default=default)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pd.detokenizer import TextStream
+    from pd.launch import build_engine
+    from pd.model.tokenizer import encode_chat, encode_prompt
+    from pd.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_sampling,
+        stop=tuple(args.stop or ()),
+    )
+    engine = build_engine(_engine_config(args))
+    tok = engine.tokenizer
+    if args.chat:
+        prompt_ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = encode_prompt(tok, args.prompt)
+    request_id = f"gen-{uuid.uuid4().hex[:8]}"
+    engine.add_request(prompt_ids, params, request_id)
+    stream = TextStream(tok, params, prompt_ids)
+    token_ids: list[int] = []
+    finish_reason = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            token_ids.extend(out.new_token_ids)
+            delta = stream.step(out.new_token_ids, out.finished)
+            if not args.json:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if delta.stop_str is not None:
+                engine.abort(request_id)
+                finish_reason = "stop"
+            elif out.finished:
+                finish_reason = out.finish_reason
+    if args.json:
+        result: dict[str, Any] = {
+            "text": stream.text,
+            "token_ids": token_ids,
+            "prompt_tokens": len(prompt_ids),
+            "finish_reason": finish_reason,
+        }
+        print(json.dumps(result))
+    else:
+        print()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pd.serve import serve
+
+    return serve(args, _engine_config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with the colocated engine")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_dataclass_args(gen, EngineConfig)
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_serve_args(srv)
+    _add_dataclass_args(srv, EngineConfig)
+    srv.set_defaults(func=cmd_serve)
+    return parser
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""``AsyncEngine``: the colocated engine behind the ``EngineClient`` interface.
+
+The engine steps on its own thread (torch releases the GIL in its kernels, so the HTTP event
+loop stays responsive); requests and aborts reach it through a queue, outputs come back to
+each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pd.engine.engine import Engine
+from pd.outputs import RequestOutput
+from pd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pd-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        out_q: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+        self._inbox.put(("add", (request_id, prompt_ids, params)))
+        finished = False
+        try:
+            while not finished:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled (client gone) or failed: free the request's slots
+                self._inbox.put(("abort", request_id))
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    async def is_ready(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Any) -> Any:
+        """Run ``fn(engine)`` on the engine thread and return its result (for stats, checks)."""
+        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, done)))
+        result = done.get(timeout=60)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, out_q = stream
+            loop.call_soon_threadsafe(out_q.put_nowait, item)
+
+    def _handle(self, cmd: str, arg: Any) -> None:
+        if cmd == "add":
+            request_id, prompt_ids, params = arg
+            try:
+                self.engine.add_request(prompt_ids, params, request_id)
+            except ValueError as e:
+                self._deliver(request_id, e)
+        elif cmd == "abort":
+            out = self.engine.abort(arg)
+            if out is not None:
+                self._deliver(arg, out)
+        elif cmd == "call":
+            fn, done = arg
+            try:
+                done.put(fn(self.engine))
+            except Exception as e:  # handed back to the caller
+                done.put(e)
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                block = not self.engine.has_unfinished
+                cmd, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
+                if cmd == "stop":
+                    return
+                self._handle(cmd, arg)
+                continue
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                logger.exception("engine step failed; failing every running request")
+                for rid in list(self._streams):
+                    self.engine.abort(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

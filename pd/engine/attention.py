@@ -1,0 +1,125 @@
+"""Attention backends behind one interface. ``torch`` (SDPA) is the reference on CPU and GPU."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pd.engine.batch import ForwardBatch
+from pd.engine.kv_pool import KVPool
+
+
+class BaseAttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Build the per-batch index tensors once (stored in ``batch.attn_metadata``); every
+        layer's ``forward`` reuses them."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` of the batch's new tokens into ``batch.out_slots`` of layer
+        ``layer``, then attend causally over each request's ``kv_slots``.
+
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns [T, num_heads, head_dim].
+        """
+
+
+class _DecodeMeta(NamedTuple):
+    idx: torch.Tensor  # [B, max_len] slot per key, padded with a valid slot
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] True where a key is real; None if no padding
+
+
+class _ExtendMeta(NamedTuple):
+    q_bounds: list[tuple[int, int]]
+    masks: list[torch.Tensor | None]  # [n, seq_len] bool, None for a cold prefill (plain causal)
+
+
+class TorchAttentionBackend(BaseAttentionBackend):
+    """SDPA per request for extends; one padded SDPA per layer for decode batches."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            batch.attn_metadata = self._decode_meta(batch)
+            return
+        bounds, masks = [], []
+        start = 0
+        for n, seq_len in zip(batch.extend_lens, batch.seq_lens):
+            bounds.append((start, start + n))
+            start += n
+            if n == seq_len:
+                masks.append(None)
+            else:
+                # query i sits at position seq_len - n + i and sees keys [0, seq_len - n + i]
+                masks.append(
+                    torch.ones(n, seq_len, dtype=torch.bool, device=batch.input_ids.device).tril(
+                        seq_len - n
+                    )
+                )
+        batch.attn_metadata = _ExtendMeta(bounds, masks)
+
+    @staticmethod
+    def _decode_meta(batch: ForwardBatch) -> _DecodeMeta:
+        max_len = max(batch.seq_lens)
+        if len(set(batch.seq_lens)) == 1:
+            return _DecodeMeta(torch.stack(batch.kv_slots), None)
+        device = batch.input_ids.device
+        idx = torch.zeros(batch.num_reqs, max_len, dtype=torch.int64, device=device)
+        for r, slots in enumerate(batch.kv_slots):
+            idx[r, : slots.shape[0]] = slots
+        lens = torch.tensor(batch.seq_lens, device=device)
+        mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+        return _DecodeMeta(idx, mask[:, None, None, :])
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        pool.write(layer, batch.out_slots, k, v)
+        meta = batch.attn_metadata
+        if isinstance(meta, _DecodeMeta):
+            # q: [B, H, 1, D]; keys: [B, KVH, max_len, D]
+            keys = pool.k[layer][meta.idx].transpose(1, 2)
+            values = pool.v[layer][meta.idx].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=meta.mask, enable_gqa=True
+            )
+            return out[:, :, 0, :]
+        out = torch.empty_like(q)
+        for (start, end), mask, slots in zip(meta.q_bounds, meta.masks, batch.kv_slots):
+            qr = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+            if mask is None:  # cold prefill: the keys are exactly this batch's new tokens
+                kr, vr = k[start:end], v[start:end]
+            else:
+                kr, vr = pool.k[layer][slots], pool.v[layer][slots]
+            o = F.scaled_dot_product_attention(
+                qr,
+                kr.transpose(0, 1)[None],
+                vr.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+def make_attention_backend(name: str, device: torch.device) -> BaseAttentionBackend:
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

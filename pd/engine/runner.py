@@ -1,0 +1,65 @@
+"""``ModelRunner``: the model, its KV pool and attention backend — the only part that touches
+tensors. Schedulers hand it plain-Python ``SeqInput`` lists and get token ids back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pd.config import EngineConfig
+from pd.engine.attention import make_attention_backend
+from pd.engine.batch import ForwardBatch, SeqInput
+from pd.engine.kv_pool import KVPool
+from pd.engine.sampler import sample
+from pd.model.config import ModelConfig
+from pd.model.llama import LlamaForCausalLM, Rotary
+from pd.model.loader import load_config, load_weights, resolve_model
+from pd.sampling_params import SamplingParams
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        self.dtype = cfg.torch_dtype
+        self.model_dir = resolve_model(cfg.model)
+        self.model_config = ModelConfig.from_hf(load_config(self.model_dir))
+        mc = self.model_config
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.model = self._load_model()
+        self.pool = KVPool(
+            mc.num_layers,
+            cfg.max_total_tokens,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attn = make_attention_backend(cfg.attention_backend, self.device)
+
+    def _load_model(self) -> LlamaForCausalLM:
+        mc = self.model_config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc)
+        model.to_empty(device=self.device)
+        model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
+        model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
+        return model.to(self.dtype).eval()
+
+    def forward(self, seqs: Sequence[SeqInput], *, return_all_logits: bool = False) -> torch.Tensor:
+        """Run one batch; logits [R, vocab] (or [T, vocab] with return_all_logits)."""
+        batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
+        return self.model(batch, self.pool, self.attn)
+
+    def forward_and_sample(
+        self,
+        seqs: Sequence[SeqInput],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        return sample(self.forward(seqs), params, generators)

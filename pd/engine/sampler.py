@@ -1,0 +1,47 @@
+"""Turn the last-token logits of a batch into next tokens, one SamplingParams per row."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pd.sampling_params import SamplingParams
+
+
+def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:
+    """A per-request RNG: seeded requests are reproducible; greedy ones need none."""
+    if params.is_greedy:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else fallback_seed)
+    return gen
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """logits: [R, vocab] float32 -> R token ids."""
+    out = logits.argmax(dim=-1).tolist()
+    for r, p in enumerate(params):
+        if not p.is_greedy:
+            out[r] = _sample_row(logits[r], p, generators[r])
+    return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    # logits: [vocab]
+    logits = logits.float().cpu() / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token once the mass before it already reaches top_p (the top-1 always stays)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,226 @@
+"""The colocated engine against HF transformers, and its handling of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pd.config import EngineConfig
+from pd.engine.batch import SeqInput
+from pd.engine.engine import Engine
+from pd.engine.kv_pool import SlotAllocator
+from pd.model.loader import ModelLoadError
+from pd.sampling_params import SamplingParams
+from tests.hf_reference import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+TINY = ["tiny_llama_dir", "tiny_llama_tied_dir", "tiny_qwen2_dir", "tiny_llama3_dir"]
+
+
+def _make_engine(model_dir, **kw) -> Engine:
+    cfg = EngineConfig(
+        model=str(model_dir), max_total_tokens=kw.pop("max_total_tokens", 4096), **kw
+    )
+    return Engine(cfg)
+
+
+def _assert_no_leak(engine: Engine) -> None:
+    assert not engine.has_unfinished
+    engine.check_integrity()
+    assert engine.allocator.num_free_slots == engine.allocator.num_slots
+
+
+def _prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("fixture", TINY)
+def test_tiny_greedy_matches_hf(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    engine = _make_engine(model_dir)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((7, 40, 90))]
+    results = engine.generate(prompts, GREEDY)
+    for prompt, res in zip(prompts, results):
+        assert res.token_ids == hf_greedy(model_dir, prompt, 32, ignore_eos=True)
+        assert res.finish_reason == "length"
+    assert len(set(results[0].token_ids)) > 4, "random weights too flat: greedy repeats itself"
+    _assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_dir) -> Engine:
+    return _make_engine(smollm2_dir, max_total_tokens=8192)
+
+
+def test_smollm2_greedy_matches_hf_chat_and_raw(smol_engine, smollm2_dir):
+    from pd.model.tokenizer import encode_chat, encode_prompt
+
+    tok = smol_engine.tokenizer
+    chat = encode_chat(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    raw = encode_prompt(tok, "The three primary colors are")
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    for prompt in (chat, raw):
+        res = smol_engine.generate([prompt], params)[0]
+        assert res.token_ids == hf_greedy(smollm2_dir, prompt, 40)
+    answer = smol_engine.generate([chat], params)[0]
+    assert "Paris" in tok.decode(answer.token_ids)
+    _assert_no_leak(smol_engine)
+
+
+def test_prefix_plus_extend_equals_cold_prefill(smol_engine):
+    runner = smol_engine.runner
+    alloc = SlotAllocator(runner.pool.num_slots, 1)
+    prompt = _prompt(300, seed=3)
+    cold_slots = alloc.allocate(300)
+    cold = runner.forward([SeqInput(prompt, cold_slots, 0)], return_all_logits=True)
+    split_slots = alloc.allocate(200)
+    runner.forward([SeqInput(prompt[:200], split_slots, 0)])
+    alloc.extend(split_slots, 300)
+    warm = runner.forward([SeqInput(prompt[200:], split_slots, 200)], return_all_logits=True)
+    # fp32 with different reduction orders: logits agree to ~1e-4 of their scale
+    assert torch.allclose(warm, cold[200:], atol=2e-3, rtol=1e-4), (warm - cold[200:]).abs().max()
+    assert torch.equal(warm.argmax(-1), cold[200:].argmax(-1))
+    alloc.free(cold_slots)
+    alloc.free(split_slots)
+    alloc.check_integrity()
+
+
+def test_batch_of_different_lengths_equals_each_alone(smol_engine):
+    prompts = [_prompt(n, seed) for seed, n in enumerate((5, 33, 120, 260))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    batched = smol_engine.generate(prompts, params)
+    for prompt, res in zip(prompts, batched):
+        assert res.token_ids == smol_engine.generate([prompt], params)[0].token_ids
+    _assert_no_leak(smol_engine)
+
+
+def test_chunked_prefill_and_pages_give_the_same_tokens(tiny_llama_dir):
+    prompt = _prompt(150, seed=11)
+    want = hf_greedy(tiny_llama_dir, prompt, 16, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for kw in (
+        {"max_prefill_tokens": 32},
+        {"page_size": 16},
+        {"page_size": 16, "max_prefill_tokens": 40},
+    ):
+        engine = _make_engine(tiny_llama_dir, **kw)
+        assert engine.generate([prompt], params)[0].token_ids == want, kw
+        _assert_no_leak(engine)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama_dir):
+    engine = _make_engine(tiny_llama_dir)
+    prompt = _prompt(20, seed=5)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a, b = engine.generate([prompt, prompt], seeded)
+    assert a.token_ids == b.token_ids
+    other = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True)
+    )
+    assert other[0].token_ids != a.token_ids
+    greedy = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )
+    top1 = engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.7, top_k=1, ignore_eos=True)
+    )
+    assert top1[0].token_ids == greedy[0].token_ids
+    _assert_no_leak(engine)
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama_dir):
+    engine = _make_engine(tiny_llama_dir)
+    prompt = _prompt(12, seed=8)
+    free_run = engine.generate([prompt], GREEDY)[0].token_ids
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    res = engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=(stop_at,), ignore_eos=True),
+    )[0]
+    assert res.token_ids == free_run[: first + 1] and res.finish_reason == "stop"
+    res = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[
+        0
+    ]
+    assert res.token_ids == free_run[:3] and res.finish_reason == "length"
+    _assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
+def test_bad_sampling_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_queue_nothing(tiny_llama_dir):
+    engine = _make_engine(tiny_llama_dir, max_model_len=128, max_total_tokens=512)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(
+        ValueError,
+        match=r"prompt \(120 tokens\) \+ max_tokens \(32\) = 152 exceeds the context length \(128\)",
+    ):
+        engine.add_request(_prompt(120, 1), GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 2, 10**9], GREEDY)
+    small = _make_engine(tiny_llama_dir, max_total_tokens=64)
+    with pytest.raises(ValueError, match="needs 79 KV slots, the pool has 64"):
+        small.add_request(_prompt(48, 2), GREEDY)
+    assert not engine.has_unfinished and not small.has_unfinished
+    _assert_no_leak(engine)
+
+
+def test_unknown_model_and_corrupt_weights(tiny_llama_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        Engine(EngineConfig(model=str(tmp_path / "no-such-model")))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=weights.name):
+        Engine(EngineConfig(model=str(broken)))
+
+
+def test_pool_pressure_queues_instead_of_failing(tiny_llama_dir):
+    # 8 requests x (40 + 31) slots do not fit in 256 slots at once: they must queue and all finish
+    engine = _make_engine(tiny_llama_dir, max_total_tokens=256)
+    prompts = [_prompt(40, seed) for seed in range(8)]
+    results = engine.generate(prompts, GREEDY)
+    for prompt, res in zip(prompts, results):
+        assert res.token_ids == hf_greedy(tiny_llama_dir, prompt, 32, ignore_eos=True)
+    _assert_no_leak(engine)
+
+
+def test_cli_generate_json(smollm2_dir, capsys):
+    from pd.cli import main
+
+    rc = main(
+        [
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--json",
+            "--max-tokens",
+            "16",
+            "--max-total-tokens",
+            "1024",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "Paris" in out["text"]
+    assert out["prompt_tokens"] > 5 and len(out["token_ids"]) <= 16
