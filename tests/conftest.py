@@ -1,0 +1,162 @@
+"""Suite-wide fixtures: the default model and tiny random HF checkpoints.
+
+Keep this file light at import time: heavy imports happen inside fixtures.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.hf_reference import hf_greedy as _hf_greedy
+
+# The machine has 2 cores shared by many test processes.
+torch.set_num_threads(1)
+
+# Tokenizer pieces of an HF model dir; copied so tiny checkpoints are complete model dirs.
+_TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "chat_template*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+# Shared by all tiny checkpoints. Weights drawn with std 0.2 (not HF's 0.02) so that logits
+# spread out: greedy decoding then varies its tokens and argmax near-ties are rare.
+_TINY_DIMS: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+TINY_KINDS = ("llama", "llama_tied", "qwen2", "llama3")
+
+
+def _make_tiny_config(kind: str, vocab_size: int) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    if kind == "llama":
+        return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=False, **_TINY_DIMS)
+    if kind == "llama_tied":
+        return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **_TINY_DIMS)
+    if kind == "qwen2":
+        return Qwen2Config(
+            vocab_size=vocab_size,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            **_TINY_DIMS,
+        )
+    if kind == "llama3":
+        # original_max_position_embeddings=64 puts the scaling's smooth band (wavelengths
+        # 16..64 tokens) inside head_dim 16's spectrum, so test-length prompts feel it.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(
+            vocab_size=vocab_size, tie_word_embeddings=False, rope_parameters=rope, **_TINY_DIMS
+        )
+    raise ValueError(f"unknown tiny model kind {kind!r}; known: {TINY_KINDS}")
+
+
+def _randomize_defaults(model: torch.nn.Module) -> None:
+    """HF initializes norm weights to 1 and biases to 0; draw them too, so a model that
+    forgets a norm weight or a q/k/v bias cannot match the reference by luck."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+
+
+def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random HF checkpoint of ``kind`` (see TINY_KINDS) plus the tokenizer
+    files of ``tokenizer_dir`` into ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    vocab_size = len(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True))
+    config = _make_tiny_config(kind, vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_defaults(model)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for pattern in _TOKENIZER_GLOBS:
+        for path in tokenizer_dir.glob(pattern):
+            shutil.copy(path, out_dir / path.name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model (SmolLM2-135M-Instruct); converted once per machine."""
+    from pd.model.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Callable[[str], Path]:
+    """``make(kind) -> dir``: a tiny random checkpoint with the SmolLM2 tokenizer, written
+    once per session per kind."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            out_dir = tmp_path_factory.mktemp(f"tiny_{kind}")
+            made[kind] = write_tiny_checkpoint(kind, out_dir, smollm2_dir)
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    """Llama, GQA 4/2 heads, head_dim 16, 3 layers, untied embeddings."""
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    """As tiny_llama_dir with tie_word_embeddings=True (no lm_head.weight stored)."""
+    return tiny_model_factory("llama_tied")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    """Qwen2 (q/k/v biases, rope_theta 1e6), same dims as tiny_llama_dir."""
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    """Llama with llama3 rope scaling (factor 8, original max 64) and 512 positions."""
+    return tiny_model_factory("llama3")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[..., list[int]]:
+    """``tests.hf_reference.hf_greedy`` as a fixture, for tests that cannot import it."""
+    return _hf_greedy
