@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
+from pd.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello 世界 🎉 café",
+    "👨‍👩‍👧‍👦 family of four",
+    "日本語のテキストです。한국어 텍스트",
+    "a  b   c\n\n  d\t e",
+    "Ünïcödé ✓ ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🇫🇷",
+    " hello . , world ' s (don't)",
+]
+
+
+def _full_decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("tokens_per_step", [1, 2, 3])
+def test_incremental_equals_full_decode(tokenizer: Any, text: str, tokens_per_step: int) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Prompt: ", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.step(ids[i : i + tokens_per_step]) for i in range(0, len(ids), tokens_per_step)]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == _full_decode(tokenizer, ids) == text
+    assert all("\ufffd" not in d for d in deltas), deltas
+    assert detok.output_ids == ids
+    assert detok.text == text
+
+
+def test_multibyte_char_is_held_until_complete(tokenizer: Any) -> None:
+    ids = tokenizer.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1, "the emoji must span several tokens for this test to mean anything"
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.step([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.step(ids[-1:]) == "🎉"
+
+
+def test_flush_emits_an_incomplete_char_as_replacement(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ab 🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.step([i]) for i in ids[:-1])
+    rest = detok.flush()
+    assert text + rest == _full_decode(tokenizer, ids[:-1])
+    assert rest.endswith("\ufffd")
+
+
+def test_special_tokens_are_skipped(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hi there", add_special_tokens=False) + [tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.step([i]) for i in ids) + detok.flush() == "Hi there"
+    keep = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(keep.step([i]) for i in ids) + keep.flush() == "Hi there" + tokenizer.eos_token
+
+
+def _run_checker(
+    stop: list[str], deltas: list[str], include: bool = False
+) -> tuple[str, str | None]:
+    checker = StopChecker(stop, include_stop_str_in_output=include)
+    out = []
+    for delta in deltas:
+        check = checker.step(delta)
+        out.append(check.text)
+        if check.stop_str is not None:
+            return "".join(out), check.stop_str
+    return "".join(out) + checker.flush(), None
+
+
+def test_stop_string_spanning_deltas_is_found_and_truncated() -> None:
+    assert _run_checker(["STOP"], ["abc S", "TO", "P def"]) == ("abc ", "STOP")
+    assert _run_checker(["STOP"], ["abc S", "TO", "P def"], include=True) == ("abc STOP", "STOP")
+
+
+def test_tail_that_may_start_a_stop_string_is_held_back() -> None:
+    checker = StopChecker(["STOP"])
+    assert checker.step("abc ST") == ("abc ", None)
+    assert checker.step("x") == ("STx", None)  # no longer a prefix: released
+    assert checker.step("ST") == ("", None)
+    assert checker.flush() == "ST"
+
+
+def test_first_stop_to_end_wins_and_longer_breaks_ties() -> None:
+    # "cd" ends before "abcdef" could, whatever the delta boundaries.
+    assert _run_checker(["abcdef", "cd"], ["abcdef"]) == ("ab", "cd")
+    assert _run_checker(["abcdef", "cd"], list("abcdef")) == ("ab", "cd")
+    assert _run_checker(["cd", "bcd"], ["abcde"]) == ("a", "bcd")
+
+
+def test_no_stop_strings_passes_through() -> None:
+    checker = StopChecker([])
+    assert checker.step("anything") == ("anything", None)
+    assert checker.flush() == ""
+
+
+def _reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    hits = [(text.find(s) + len(s), -len(s), s) for s in stop if s in text]
+    if not hits:
+        return text, None
+    end, neg_len, s = min(hits)
+    return text[: end if include else end + neg_len], s
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    include=st.booleans(),
+)
+def test_stop_checker_matches_reference_for_any_split(
+    text: str, stop: list[str], cuts: list[int], include: bool
+) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert _run_checker(stop, deltas, include) == _reference_stop(text, stop, include)
+
+
+def test_text_stream_stops_on_a_string_spanning_two_tokens(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello world! The answer", add_special_tokens=False)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert pieces[1:3] == [" world", "!"], pieces
+    stream = TextStream(tokenizer, SamplingParams(stop=("ld!",)))
+    stopped_at = next(k for k, i in enumerate(ids) if stream.step([i]).stop_str is not None)
+    assert stopped_at == 2
+    assert stream.text == "Hello wor"
+    assert stream.is_stopped
+
+
+def test_text_stream_flushes_held_text_on_finish(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    stream = TextStream(tokenizer, SamplingParams(stop=("world peace",)))
+    texts = [stream.step([i]).text for i in ids[:-1]]
+    last = stream.step(ids[-1:], finished=True)
+    assert last.stop_str is None
+    assert "".join(texts) + last.text == stream.text == "Hello world"
