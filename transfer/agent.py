@@ -1,0 +1,161 @@
+"""``TransferAgent``: one per node. It owns the control socket, the pair workers and every
+transfer's state, and advances them in ``progress()``, which never blocks."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from transfer.backend import BaseTransferBackend, FakeTransferBackend
+from transfer.control import ControlPlane
+from transfer.datapath import JobResult, KVLayout, PairWorker
+from transfer.group import TorchPairGroup, host_store
+from transfer.messages import TransferRequestMsg
+from transfer.receiver import KVReceiver, ReceiverSide
+from transfer.sender import KVSender, SenderSide
+from transfer.state import BaseSlotOwner, KVPoll, TransferConfig
+
+
+class TransferAgent:
+    """Moves KV between this node's buffers and other nodes' (see the package docstring).
+
+    ``buffers`` is the flat list ``k[0..L-1] + v[0..L-1]`` (all ``[num_slots, ...]``, one
+    dtype and device); ``num_layers`` splits it into layers. ``slot_owner`` is required to
+    receive. Call ``progress()`` (or any handle's ``poll()``) from the node's loop; the slot
+    owner is only ever called from inside it.
+    """
+
+    def __init__(
+        self,
+        cfg: TransferConfig,
+        buffers: Sequence[torch.Tensor],
+        num_layers: int,
+        slot_owner: BaseSlotOwner | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.layout = KVLayout(buffers, num_layers)
+        kind = cfg.backend
+        if kind == "auto":
+            kind = "nccl" if self.layout.device.type == "cuda" else "gloo"
+        if kind == "nccl" and self.layout.device.type != "cuda":
+            raise ValueError(f"backend nccl needs CUDA buffers, got {self.layout.device}")
+        self.kind = kind
+        # gloo moves CPU tensors (CUDA buffers are staged through the host); nccl and fake
+        # move tensors where the buffers live.
+        self._pair_device = torch.device("cpu") if kind == "gloo" else self.layout.device
+        self._uid = uuid.uuid4().hex[:12]
+        self._incarnations = itertools.count()
+        self._store: dist.TCPStore | None = None
+        self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._ctrl = ControlPlane(cfg.host, cfg.port)
+        self._sender = SenderSide(
+            cfg, self._ctrl, self.layout, kind, self._new_send_worker, self._store_addr
+        )
+        self._receiver = ReceiverSide(
+            cfg, self._ctrl, self.layout, kind, slot_owner, self._new_recv_worker
+        )
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        """Where peers send control messages; announce it (e.g. to the coordinator)."""
+        return self._ctrl.endpoint
+
+    @property
+    def num_dropped_msgs(self) -> int:
+        return self._ctrl.num_dropped
+
+    def sender(
+        self, transfer_id: str, peer: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> KVSender:
+        """Start a transfer of ``num_tokens`` tokens to the agent at ``peer``: the handshake
+        begins now, the data when ``send()`` has been called and the receiver is ready."""
+        rec = self._sender.create(transfer_id, peer, num_tokens, token_ids)
+        return KVSender(self._sender, rec, self.progress)
+
+    def receiver(self, transfer_id: str) -> KVReceiver:
+        """The incoming transfer ``transfer_id``, whether its request came yet or not."""
+        return KVReceiver(self._receiver, self._receiver.get(transfer_id), self.progress)
+
+    def poll(self, transfer_id: str) -> KVPoll | None:
+        """State of a transfer this agent sends or receives (None if unknown here)."""
+        self.progress()
+        rec = self._sender.records.get(transfer_id) or self._receiver.records.get(transfer_id)
+        return None if rec is None else rec.state
+
+    def progress(self) -> None:
+        """Handle waiting messages, finished data jobs and deadlines. Never blocks."""
+        if self._closed:
+            return
+        for inc in self._ctrl.recv_all():
+            if inc.identity is not None:
+                self._receiver.on_msg(inc.identity, inc.msg)
+            else:
+                assert inc.peer is not None
+                self._sender.on_msg(inc.peer, inc.msg)
+        while True:
+            try:
+                res = self._results.get_nowait()
+            except queue.Empty:
+                break
+            (self._sender if res.job.is_send else self._receiver).on_result(res)
+        now = time.monotonic()
+        self._sender.tick(now)
+        self._receiver.tick(now)
+
+    def close_peer(self, peer: str) -> None:
+        """A receiver left: fail what is in flight to it and drop its pair group."""
+        self._sender.close_peer(peer)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.close()
+        self._receiver.close()
+        self._ctrl.close()
+
+    # -- pair groups
+
+    def _store_addr(self) -> tuple[str, int]:
+        if self.kind == "fake":
+            return self.cfg.host, 0
+        if self._store is None:
+            self._store = host_store(self.cfg.host, self.cfg.connect_timeout_s)
+        return self.cfg.host, self._store.port
+
+    def _new_send_worker(self, peer: str) -> tuple[PairWorker, str]:
+        prefix = f"kvx/{self._uid}/{next(self._incarnations)}"
+        host, port = self._store_addr()
+        worker = PairWorker(
+            prefix, lambda: self._open_pair(prefix, 0, host, port), self.layout, self._results
+        )
+        return worker, prefix
+
+    def _new_recv_worker(self, msg: TransferRequestMsg) -> PairWorker:
+        def connect() -> BaseTransferBackend:
+            return self._open_pair(msg.group_prefix, 1, msg.store_host, msg.store_port)
+
+        return PairWorker(msg.group_prefix, connect, self.layout, self._results)
+
+    def _open_pair(self, prefix: str, rank: int, host: str, port: int) -> BaseTransferBackend:
+        # Runs on the pair's worker thread: the rendezvous blocks until the peer joins.
+        if self.kind == "fake":
+            return FakeTransferBackend(prefix, rank, self._pair_device)
+        return TorchPairGroup(
+            self.kind,
+            store_host=host,
+            store_port=port,
+            prefix=prefix,
+            rank=rank,
+            timeout_s=self.cfg.connect_timeout_s,
+            device=self._pair_device,
+            local_host=self.cfg.host,
+            store=self._store if rank == 0 else None,
+        )

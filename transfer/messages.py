@@ -1,0 +1,92 @@
+"""Wire messages of the transfer control plane (msgspec Structs over zmq, never pickle).
+
+One tagged union, ``ControlMsg``, covers every frame either side may send; ``decode_msg``
+raises ``msgspec.ValidationError``/``msgspec.DecodeError`` on anything else, and the caller
+drops the frame and goes on.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True):
+    """Sender -> receiver: reserve ``num_tokens`` slots for ``transfer_id``.
+
+    ``token_ids`` (optional) lets the receiver match a prefix it already holds. The pair group
+    to carry the data is named by the sender's store address and ``group_prefix`` (one per
+    group incarnation; a new prefix means "drop the old group, build this one"). The layout
+    fields let the receiver refuse an incompatible KV pool before any data moves.
+    """
+
+    transfer_id: str
+    num_tokens: int
+    store_host: str
+    store_port: int
+    group_prefix: str
+    backend: str  # "gloo" | "nccl" | "fake"
+    num_layers: int
+    elems_per_token: int  # per layer, summed over the layer's buffers (K and V)
+    dtype: str
+    token_ids: list[int] | None = None
+
+
+class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True):
+    """Receiver -> sender: slots reserved; only tokens ``[num_cached_tokens:]`` are sent."""
+
+    transfer_id: str
+    slots: list[int]
+    num_cached_tokens: int = 0
+
+
+class NoRoomMsg(msgspec.Struct, tag="no_room", frozen=True):
+    """Receiver -> sender: no slots now; the sender may ask again later."""
+
+    transfer_id: str
+    num_free_hint: int = -1
+
+
+class TransferStartMsg(msgspec.Struct, tag="transfer_start", frozen=True):
+    """Sender -> receiver: the payload of ``seq`` is next on the pair group.
+
+    Needed because a receive posted on a gloo pair that times out closes the pair: the
+    receiver posts its receives only when data is known to be coming.
+    """
+
+    transfer_id: str
+    seq: int
+    group_prefix: str
+
+
+class TransferDoneMsg(msgspec.Struct, tag="transfer_done", frozen=True):
+    """Receiver -> sender: every layer is scattered into the destination slots."""
+
+    transfer_id: str
+
+
+class TransferAbortMsg(msgspec.Struct, tag="transfer_abort", frozen=True):
+    """Either way: give up ``transfer_id``; the receiver frees its slots."""
+
+    transfer_id: str
+    reason: str = ""
+
+
+ControlMsg = (
+    TransferRequestMsg
+    | TransferReadyMsg
+    | NoRoomMsg
+    | TransferStartMsg
+    | TransferDoneMsg
+    | TransferAbortMsg
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(ControlMsg)
+
+
+def encode_msg(msg: ControlMsg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_msg(data: bytes) -> ControlMsg:
+    return _DECODER.decode(data)

@@ -1,0 +1,267 @@
+"""The receiving side (decode node): one record per transfer id, driven by ``progress()``.
+
+BOOTSTRAPPING (no request yet; only when the owner asked about the id first)
+  -> WAITING (request accepted, slots reserved, ready sent; deadline = now + timeout_s)
+  -> TRANSFERRING (start message seen; the pair worker receives and scatters)
+  -> SUCCESS (done sent; the slots are now the owner's) | FAILED (slots released)
+
+Slots are released only once no worker job can still write into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from transfer.control import ControlPlane
+from transfer.datapath import DataJob, JobResult, KVLayout, PairWorker
+from transfer.messages import (
+    NoRoomMsg,
+    TransferAbortMsg,
+    TransferDoneMsg,
+    TransferReadyMsg,
+    TransferRequestMsg,
+    TransferStartMsg,
+)
+from transfer.state import BaseSlotOwner, KVPoll, SlotReservation, TransferConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RecvRecord:
+    transfer_id: str
+    state: KVPoll = KVPoll.BOOTSTRAPPING
+    deadline: float = math.inf  # no deadline until a request arrives
+    identity: bytes | None = None
+    prefix: str = ""
+    reservation: SlotReservation | None = None
+    job: DataJob | None = None
+    is_job_running: bool = False
+    is_released: bool = False
+    failure: str | None = None
+    finished_at: float = math.inf
+
+
+class KVReceiver:
+    """Handle of one incoming transfer. Every method returns at once."""
+
+    def __init__(self, side: ReceiverSide, rec: RecvRecord, progress: Callable[[], None]) -> None:
+        self._side, self._rec, self._progress = side, rec, progress
+
+    @property
+    def transfer_id(self) -> str:
+        return self._rec.transfer_id
+
+    @property
+    def slots(self) -> list[int]:
+        """Destination slots of tokens ``[num_cached_tokens:]`` (the owner's after SUCCESS)."""
+        return [] if self._rec.reservation is None else self._rec.reservation.slots
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return 0 if self._rec.reservation is None else self._rec.reservation.num_cached_tokens
+
+    @property
+    def failure(self) -> str | None:
+        return self._rec.failure
+
+    def poll(self) -> KVPoll:
+        self._progress()
+        return self._rec.state
+
+    def abort(self, reason: str = "aborted by receiver") -> None:
+        self._side.fail(self._rec, reason)
+
+
+class ReceiverSide:
+    def __init__(
+        self,
+        cfg: TransferConfig,
+        ctrl: ControlPlane,
+        layout: KVLayout,
+        kind: str,
+        owner: BaseSlotOwner | None,
+        new_worker: Callable[[TransferRequestMsg], PairWorker],
+    ) -> None:
+        self._cfg, self._ctrl, self._layout, self._kind, self._owner = (
+            cfg,
+            ctrl,
+            layout,
+            kind,
+            owner,
+        )
+        self._new_worker = new_worker  # a request naming a new group -> worker as rank 1
+        self._workers: dict[str, PairWorker] = {}  # group prefix -> pair
+        self._prefix_of_store: dict[tuple[str, int], str] = {}  # a sender's newest group
+        self.records: dict[str, RecvRecord] = {}
+
+    def get(self, transfer_id: str) -> RecvRecord:
+        if (rec := self.records.get(transfer_id)) is None:
+            rec = self.records[transfer_id] = RecvRecord(transfer_id)
+        return rec
+
+    def fail(self, rec: RecvRecord, reason: str, notify: bool = True) -> None:
+        if rec.state.is_final:
+            return
+        log.info("receive %s failed: %s", rec.transfer_id, reason)
+        if notify and rec.identity is not None:
+            self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, reason))
+        rec.state, rec.failure, rec.finished_at = KVPoll.FAILED, reason, time.monotonic()
+        if rec.job is not None:
+            rec.job.cancel()
+        self._release_if_idle(rec)
+
+    # -- progress
+
+    def on_msg(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, TransferRequestMsg):
+            self._on_request(identity, msg)
+            return
+        rec = self.records.get(getattr(msg, "transfer_id", ""))
+        if isinstance(msg, TransferStartMsg):
+            self._on_start(identity, msg, rec)
+        elif isinstance(msg, TransferAbortMsg) and rec is not None and rec.identity == identity:
+            self.fail(rec, f"aborted by sender: {msg.reason}", notify=False)
+        else:
+            log.warning("receiver dropped %s from %s", type(msg).__name__, identity.hex())
+
+    def on_result(self, res: JobResult) -> None:
+        rec = self.records.get(res.job.transfer_id)
+        if rec is None or rec.job is not res.job:
+            return  # a drain job
+        rec.is_job_running = False
+        if res.error is None and rec.state == KVPoll.TRANSFERRING:
+            rec.state, rec.finished_at = KVPoll.SUCCESS, time.monotonic()
+            assert rec.identity is not None
+            self._ctrl.reply(rec.identity, TransferDoneMsg(rec.transfer_id))
+        else:
+            self.fail(rec, res.error or "cancelled")
+            self._release_if_idle(rec)
+        self._drop_broken()
+
+    def tick(self, now: float) -> None:
+        for rec in list(self.records.values()):
+            if rec.state.is_final:
+                if now - rec.finished_at > self._cfg.linger_s and not rec.is_job_running:
+                    del self.records[rec.transfer_id]
+            elif now > rec.deadline:
+                self.fail(rec, f"{rec.state.name.lower()} for over {self._cfg.timeout_s} s")
+        self._drop_broken()
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close(join_timeout_s=1.0)
+        self._workers.clear()
+
+    # -- helpers
+
+    def _on_request(self, identity: bytes, msg: TransferRequestMsg) -> None:
+        rec = self.records.get(msg.transfer_id)
+        if rec is not None and rec.state != KVPoll.BOOTSTRAPPING:
+            if rec.state == KVPoll.FAILED:
+                self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, rec.failure or ""))
+            elif rec.identity == identity and rec.state == KVPoll.WAITING:
+                assert rec.reservation is not None  # a repeated request: answer the same
+                self._ctrl.reply(identity, TransferReadyMsg(msg.transfer_id, *rec.reservation))
+            return
+        if (why := self._incompatible(msg)) is not None:
+            log.warning("refused transfer %s: %s", msg.transfer_id, why)
+            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            return
+        self._worker_for(msg)  # start the rendezvous now, off the critical path
+        res = (
+            self._owner.reserve(msg.transfer_id, msg.num_tokens, msg.token_ids)
+            if self._owner
+            else None
+        )
+        if res is None:
+            self._ctrl.reply(identity, NoRoomMsg(msg.transfer_id))
+            return
+        self._check_reservation(msg, res)
+        rec = self.get(msg.transfer_id)
+        rec.state, rec.identity, rec.prefix, rec.reservation = (
+            KVPoll.WAITING,
+            identity,
+            msg.group_prefix,
+            res,
+        )
+        rec.deadline = time.monotonic() + self._cfg.timeout_s
+        slots = torch.tensor(res.slots, dtype=torch.int64, device=self._layout.device)
+        rec.job = DataJob(msg.transfer_id, -1, False, slots, rec.deadline, self._layout.num_layers)
+        self._ctrl.reply(
+            identity, TransferReadyMsg(msg.transfer_id, res.slots, res.num_cached_tokens)
+        )
+
+    def _on_start(self, identity: bytes, msg: TransferStartMsg, rec: RecvRecord | None) -> None:
+        worker = self._workers.get(msg.group_prefix)
+        if worker is None:
+            log.warning("start of %s names unknown group %s", msg.transfer_id, msg.group_prefix)
+            return  # the sender's data times out and it rebuilds its pair
+        live = rec is not None and rec.identity == identity and rec.state == KVPoll.WAITING
+        if rec is not None and live and rec.prefix == msg.group_prefix:
+            assert rec.job is not None
+            rec.job.seq, rec.state, rec.is_job_running = msg.seq, KVPoll.TRANSFERRING, True
+            worker.submit(rec.job)
+        else:  # failed or unknown here: still read the payload so the stream stays in step
+            drain = DataJob(
+                msg.transfer_id, msg.seq, False, None, time.monotonic() + self._cfg.timeout_s, 0
+            )
+            worker.submit(drain)
+
+    def _incompatible(self, msg: TransferRequestMsg) -> str | None:
+        lo = self._layout
+        mine = (self._kind, lo.num_layers, lo.elems_per_token, lo.dtype_name)
+        theirs = (msg.backend, msg.num_layers, msg.elems_per_token, msg.dtype)
+        if mine != theirs:
+            return f"layout (backend, layers, elems/token, dtype) {theirs} != receiver's {mine}"
+        if msg.num_tokens < 1 or (
+            msg.token_ids is not None and len(msg.token_ids) != msg.num_tokens
+        ):
+            return f"bad num_tokens {msg.num_tokens}"
+        return None
+
+    def _check_reservation(self, msg: TransferRequestMsg, res: SlotReservation) -> None:
+        n_new = msg.num_tokens - res.num_cached_tokens
+        if not 0 <= res.num_cached_tokens <= msg.num_tokens or len(res.slots) != n_new:
+            raise ValueError(
+                f"slot owner reserved {len(res.slots)} slots with {res.num_cached_tokens} cached "
+                f"for {msg.num_tokens} tokens (need {n_new} slots)"
+            )
+        if res.slots and not 0 <= min(res.slots) <= max(res.slots) < self._layout.num_slots:
+            raise ValueError(f"slot owner gave slots outside [0, {self._layout.num_slots})")
+
+    def _worker_for(self, msg: TransferRequestMsg) -> PairWorker:
+        worker = self._workers.get(msg.group_prefix)
+        if worker is None or worker.is_broken:
+            store = (msg.store_host, msg.store_port)
+            old = self._prefix_of_store.get(store)
+            if old is not None and old != msg.group_prefix:
+                self._retire(old, "the sender moved on to a new pair group")
+            worker = self._workers[msg.group_prefix] = self._new_worker(msg)
+            self._prefix_of_store[store] = msg.group_prefix
+        return worker
+
+    def _release_if_idle(self, rec: RecvRecord) -> None:
+        if rec.is_job_running or rec.is_released or rec.reservation is None:
+            return
+        rec.is_released = True
+        assert self._owner is not None
+        self._owner.release(rec.transfer_id, rec.reservation)
+
+    def _drop_broken(self) -> None:
+        for prefix, worker in list(self._workers.items()):
+            if worker.is_broken:
+                self._retire(prefix, "pair group broken")
+
+    def _retire(self, prefix: str, reason: str) -> None:
+        if (worker := self._workers.pop(prefix, None)) is not None:
+            worker.close()
+        for rec in self.records.values():
+            if rec.prefix == prefix and rec.state == KVPoll.WAITING:
+                self.fail(rec, reason)

@@ -1,0 +1,105 @@
+"""Config, poll states and the slot-owner seam shared by both sides of a transfer."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class KVPoll(enum.IntEnum):
+    """What ``poll()`` returns. SUCCESS and FAILED are final."""
+
+    BOOTSTRAPPING = 0  # handshake: asking the receiver for slots (or waiting to be asked)
+    WAITING = 1  # slots reserved on the receiver; the sender has not started the data
+    TRANSFERRING = 2  # data on the pair (sender: until the receiver's ack)
+    SUCCESS = 3  # receiver: KV is in the destination slots, now the owner's
+    FAILED = 4  # see ``failure``; the receiver's reserved slots are (or will be) released
+
+    @property
+    def is_final(self) -> bool:
+        return self >= KVPoll.SUCCESS
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    host: str = "127.0.0.1"  # address this node's control socket and pair groups bind to
+    port: int = 0  # control (ROUTER) port; 0 = a free one
+    backend: str = "auto"  # auto (nccl for CUDA buffers, else gloo) | gloo | nccl | fake
+    handshake_timeout_s: float = 10.0  # request -> ready, no-room retries included
+    retry_interval_s: float = 0.02  # between requests after a "no room" answer
+    timeout_s: float = 30.0  # sender: start -> ack; receiver: ready -> data scattered
+    connect_timeout_s: float = 10.0  # pair group rendezvous
+    linger_s: float = 60.0  # finished transfers stay pollable (by id) this long
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl", "fake"):
+            raise ValueError(f"backend must be auto, gloo, nccl or fake, got {self.backend!r}")
+        for name in ("handshake_timeout_s", "timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_interval_s < 0 or self.linger_s < 0:
+            raise ValueError(
+                f"retry_interval_s ({self.retry_interval_s}) and linger_s ({self.linger_s}) "
+                "must be >= 0"
+            )
+
+
+class SlotReservation(NamedTuple):
+    slots: list[int]  # destination slots of tokens [num_cached_tokens, num_tokens)
+    num_cached_tokens: int = 0  # leading tokens the receiver already holds
+
+
+class BaseSlotOwner(ABC):
+    """The receiving node's slot allocator (and cache), as the transfer agent sees it.
+
+    Both methods are called on the thread that calls ``TransferAgent.progress()``, so a plain
+    non-thread-safe allocator is fine.
+    """
+
+    @abstractmethod
+    def reserve(
+        self, transfer_id: str, num_tokens: int, token_ids: Sequence[int] | None
+    ) -> SlotReservation | None:
+        """Slots for the last ``num_tokens - num_cached_tokens`` tokens, or None for "no room"
+        (the sender retries). Anything taken for ``transfer_id`` (a locked cached prefix) is
+        the owner's until ``release`` or until the transfer succeeds."""
+
+    @abstractmethod
+    def release(self, transfer_id: str, reservation: SlotReservation) -> None:
+        """The transfer failed or was aborted: free ``reservation.slots`` (and unlock a prefix).
+        Called exactly once per failed reservation, and only when no data thread can still
+        write into those slots. Never called after SUCCESS: the slots then belong to the owner."""
+
+
+class CallbackSlotOwner(BaseSlotOwner):
+    """A ``BaseSlotOwner`` from plain callables, e.g. a ``SlotAllocator``:
+
+    ``CallbackSlotOwner(lambda n: a.allocate(n) if a.can_allocate(n) else None, a.free)``
+
+    ``match_prefix(token_ids) -> int`` (optional) says how many leading tokens are already
+    held; it must not lock anything (use ``BaseSlotOwner`` directly for that).
+    """
+
+    def __init__(
+        self,
+        allocate: Callable[[int], list[int] | None],
+        free: Callable[[list[int]], None],
+        match_prefix: Callable[[Sequence[int]], int] | None = None,
+    ) -> None:
+        self._allocate, self._free, self._match_prefix = allocate, free, match_prefix
+
+    def reserve(
+        self, transfer_id: str, num_tokens: int, token_ids: Sequence[int] | None
+    ) -> SlotReservation | None:
+        num_cached = 0
+        if self._match_prefix is not None and token_ids is not None:
+            num_cached = min(self._match_prefix(token_ids), num_tokens)
+        slots = self._allocate(num_tokens - num_cached) if num_tokens > num_cached else []
+        return None if slots is None else SlotReservation(list(slots), num_cached)
+
+    def release(self, transfer_id: str, reservation: SlotReservation) -> None:
+        if reservation.slots:
+            self._free(reservation.slots)
