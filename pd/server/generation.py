@@ -1,0 +1,123 @@
+"""One request's run on the engine: outputs in, text steps out.
+
+Drives ``EngineClient.generate``, detokenizes, applies stop strings (aborting the engine side
+when one is hit), and records the request's metrics. Every exit path that leaves the engine
+still working on the request (stop string, client gone, error) aborts it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+
+from pd.detokenizer import TextStream
+from pd.outputs import EngineClient, RequestOutput
+from pd.sampling_params import SamplingParams
+from pd.server.metrics import ServerMetrics
+
+# An abort that takes longer than this is given up on: the handler must not hang on a dead engine.
+_ABORT_TIMEOUT_S = 5.0
+
+
+class Step(NamedTuple):
+    text: str  # text to emit (may be "" when the step only carries ids or the finish)
+    token_ids: list[int]  # ids the engine produced in this step
+    finish_reason: str | None  # set on the last step only
+
+
+@dataclass
+class Generation:
+    client: EngineClient
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Any
+    metrics: ServerMetrics
+    arrival: float = field(default_factory=time.perf_counter)
+    num_cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_ids)
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Yield text steps until one with ``finish_reason``. Close it (``aclosing``) when
+        stopping early: closing aborts the engine request."""
+        stream = TextStream(self.tokenizer, self.params, self.prompt_ids)
+        engine_done = False
+        first_token: float | None = None
+        last_token: float | None = None
+        outcome = "abort"
+        self.metrics.running.inc()
+        outputs = self.client.generate(self.request_id, self.prompt_ids, self.params)
+        if inspect.isawaitable(outputs):  # an `async def` returning an iterator
+            outputs = await outputs
+        try:
+            async for out in outputs:
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if first_token is None:
+                        first_token = now
+                        self.metrics.record_first_token(self.arrival, now)
+                    last_token = now
+                self._add(out)
+                engine_done = out.finished
+                delta = stream.step(out.new_token_ids, out.finished)
+                self.text += delta.text
+                if delta.stop_str is not None:
+                    self.finish_reason = "stop"
+                elif out.finished:
+                    self.finish_reason = out.finish_reason or "stop"
+                if self.finish_reason is not None:
+                    outcome = self.finish_reason
+                    yield Step(delta.text, out.new_token_ids, self.finish_reason)
+                    return
+                if delta.text or out.new_token_ids:
+                    yield Step(delta.text, out.new_token_ids, None)
+            outcome = "error"
+            raise RuntimeError(
+                f"engine stream of {self.request_id} ended without a finished output"
+            )
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            # Shielded: a cancelled stream (client gone) must still reach the engine.
+            with anyio.move_on_after(_ABORT_TIMEOUT_S, shield=True):
+                aclose = getattr(outputs, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                if not engine_done:
+                    await self.client.abort(self.request_id)
+            self.metrics.running.dec()
+            self.metrics.record_finished(
+                finish_reason=outcome,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_cached_tokens=self.num_cached_tokens,
+                num_output_tokens=len(self.output_ids),
+                arrival=self.arrival,
+                first_token=first_token,
+                last_token=last_token,
+                finished=time.perf_counter(),
+            )
+
+    def _add(self, out: RequestOutput) -> None:
+        assert out.request_id == self.request_id, (out.request_id, self.request_id)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.output_ids.extend(out.new_token_ids)
+
+    async def run(self) -> str:
+        """Run to the end; return the finish reason."""
+        async for _ in self.steps():
+            pass
+        assert self.finish_reason is not None
+        return self.finish_reason

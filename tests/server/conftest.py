@@ -1,0 +1,92 @@
+"""Fixtures of the HTTP server tests: the SmolLM2 tokenizer, a scripted fake engine, and an
+app builder. No model runs here."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pd.server import ServerMetrics, build_app
+from tests.server.fake_engine import FakeEngineClient
+
+MODEL_NAME = "smollm2-test"
+MAX_MODEL_LEN = 256
+# Tokenizes to ids whose text splits "42", the CJK pair and the emoji across tokens.
+SCRIPT_TEXT = "Hello world! The answer is 42. 世界 🎉 Done."
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``pytest.mark.anyio``) run on asyncio only, as the server does."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir: Path) -> Any:
+    """The one place tests/server get their tokenizer from."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def script_ids(tokenizer: Any) -> list[int]:
+    return list(tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False))
+
+
+@pytest.fixture
+def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, FakeEngineClient]]:
+    """``make_app(**fake_kwargs) -> (app, fake)``; fake_kwargs go to FakeEngineClient, plus
+    ``stats_fn`` / ``extra_health`` for build_app."""
+
+    def make(
+        stats_fn: Any = None, extra_health: Any = None, **fake_kwargs: Any
+    ) -> tuple[Any, FakeEngineClient]:
+        fake_kwargs.setdefault("output_ids", script_ids)
+        fake_kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        fake = FakeEngineClient(**fake_kwargs)
+        app = build_app(
+            fake,
+            tokenizer=tokenizer,
+            model_name=MODEL_NAME,
+            max_model_len=MAX_MODEL_LEN,
+            metrics=ServerMetrics(),
+            stats_fn=stats_fn,
+            extra_health=extra_health,
+        )
+        return app, fake
+
+    return make
+
+
+@contextmanager
+def serve(app: Any, timeout_s: float = 10.0) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a thread on a free loopback port; yield its base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited during start-up"
+        assert time.monotonic() < deadline, f"uvicorn did not start within {timeout_s} s"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
+        assert not thread.is_alive(), f"uvicorn did not stop within {timeout_s} s"
