@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pd.model.tokenizer import encode_chat, encode_prompt
 from pd.outputs import EngineClient
 from pd.sampling_params import SamplingParams
 from pd.server.generation import Generation
@@ -135,19 +136,14 @@ class _Server:
     def encode(self, text: str, param: str) -> list[int]:
         if not text:
             raise APIError(f"{param} must not be empty", param=param)
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return encode_prompt(self.tokenizer, text)
 
     def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as e:  # the template itself rejects the conversation (jinja raise)
+            return encode_chat(self.tokenizer, messages)
+        except Exception as e:  # no template, or the template rejects the conversation
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
-        if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
-            ids = ids["input_ids"]
-        return list(ids)
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         """The completion budget; 400 when the prompt and the request do not fit the context."""
