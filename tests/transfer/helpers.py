@@ -13,9 +13,9 @@ from transfer import BaseSlotOwner, SlotReservation, TransferAgent
 NUM_LAYERS, NUM_SLOTS, NUM_HEADS, HEAD_DIM = 3, 64, 2, 4
 
 
-def make_pool(seed: int | None, num_slots: int = NUM_SLOTS) -> KVPool:
+def make_pool(seed: int | None, num_slots: int = NUM_SLOTS, device: str = "cpu") -> KVPool:
     """A small pool; ``seed`` fills it with reproducible noise, None with a -7 sentinel."""
-    pool = KVPool(NUM_LAYERS, num_slots, NUM_HEADS, HEAD_DIM)
+    pool = KVPool(NUM_LAYERS, num_slots, NUM_HEADS, HEAD_DIM, device=device)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     for t in pool.k + pool.v:
         if seed is None:
@@ -83,11 +83,11 @@ def assert_moved(
 ) -> None:
     s, d = torch.tensor(list(src_slots)), torch.tensor(list(dst_slots))
     for a, b in zip(buffers(src), buffers(dst), strict=True):
-        assert torch.equal(a[s], b[d])
+        assert torch.equal(a.cpu()[s], b.cpu()[d])
 
 
 def assert_untouched(dst: KVPool, written: Sequence[int]) -> None:
     keep = torch.ones(dst.num_slots, dtype=torch.bool)
     keep[list(written)] = False
     for b in buffers(dst):
-        assert bool((b[keep] == -7.0).all()), "a slot outside the destination was written"
+        assert bool((b.cpu()[keep] == -7.0).all()), "a slot outside the destination was written"
