@@ -1,0 +1,302 @@
+"""Serving benchmark for any OpenAI-compatible server (pd, vLLM, SGLang, ...).
+
+Streams /v1/completions and reports TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99),
+request and output-token throughput, and the prefix-cache hit rate two ways: from the
+responses' ``usage.prompt_tokens_details.cached_tokens``, and from the server's /metrics
+(pd counters, before/after delta) when it exposes them.
+
+Workloads:
+  shared-prefix  --num-groups G × --prompts-per-group M prompts; each group shares a prefix of
+                 --prefix-len words (or tokens with --tokenizer), then a unique suffix.
+  fixed          one prompt (--prefix-len + --suffix-len) sent --num-prompts times.
+
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 --workload shared-prefix \\
+        --num-groups 4 --prompts-per-group 8 --max-concurrency 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_WORDS = (
+    "the of and to in is for on that with as by at from this be are it an or was which have "
+    "data model cache token prefix server request stream latency memory layer batch decode "
+    "prefill node cluster router shared value system network time first second result paper "
+    "method large small fast slow question answer example number table figure section"
+).split()
+_PD_PROMPT = "pd_prompt_tokens_total"
+_PD_CACHED = "pd_cached_prompt_tokens_total"
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def make_prompts(args: argparse.Namespace) -> list[str]:
+    rng = random.Random(args.seed)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        vocab = len(tok)
+
+        def text(n: int) -> str:  # random ids decode to n-ish tokens of noise
+            return tok.decode([rng.randrange(1000, vocab) for _ in range(n)])
+    else:
+
+        def text(n: int) -> str:
+            return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    if args.workload == "fixed":
+        return [text(args.prefix_len + args.suffix_len)] * args.num_prompts
+    prompts = []
+    for g in range(args.num_groups):
+        prefix = f"[group {g}] " + text(args.prefix_len)
+        prompts += [prefix + " " + text(args.suffix_len) for _ in range(args.prompts_per_group)]
+    rng.shuffle(prompts)  # interleave groups so routing and eviction matter
+    return prompts
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> Result:
+    body: dict[str, Any] = {
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # vLLM/SGLang/pd extension: every request runs max_tokens
+    res = Result(ok=False)
+    start = last = time.perf_counter()
+    num_chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = str(event["error"].get("message"))
+                    return res
+                if event.get("usage"):
+                    usage = event["usage"]
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    res.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if num_chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                    num_chunks += 1
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+        return res
+    res.e2e = time.perf_counter() - start
+    res.output_tokens = res.output_tokens or num_chunks  # servers without usage in streams
+    res.ok = num_chunks > 0
+    res.error = "" if res.ok else "no output"
+    return res
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """Sum of each sample name in /metrics (labels dropped); {} when there is none."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = make_prompts(args)
+    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
+    timeout = httpx.Timeout(args.timeout)
+    async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits) as client:
+        if args.model is None:
+            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        before = await scrape(client)
+        sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        rng = random.Random(args.seed + 1)
+
+        async def limited(prompt: str) -> Result:
+            async with sem:
+                return await one_request(client, args, prompt)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):  # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        after = await scrape(client)
+    return summarize(args, results, duration, before, after)
+
+
+def _pcts(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"mean": statistics.fmean(values), "p50": qs[49], "p90": qs[89], "p99": qs[98]}
+
+
+def summarize(
+    args: argparse.Namespace,
+    results: list[Result],
+    duration: float,
+    before: dict[str, float],
+    after: dict[str, float],
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    server_hit = None
+    if _PD_PROMPT in after:
+        d_prompt = after[_PD_PROMPT] - before.get(_PD_PROMPT, 0.0)
+        d_cached = after.get(_PD_CACHED, 0.0) - before.get(_PD_CACHED, 0.0)
+        server_hit = d_cached / d_prompt if d_prompt else None
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "label": args.label,
+        "config": {k: _finite(v) for k, v in vars(args).items() if k not in ("json", "label")},
+        "num_requests": len(results),
+        "num_failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "cache_hit_rate_usage": (sum(r.cached_tokens for r in ok) / prompt_tokens)
+        if prompt_tokens
+        else None,
+        "cache_hit_rate_metrics": server_hit,
+        "ttft_s": _pcts([r.ttft for r in ok]),
+        "tpot_s": _pcts([t for r in ok if (t := r.tpot) is not None]),
+        "itl_s": _pcts([x for r in ok for x in r.itls]),
+        "e2e_s": _pcts([r.e2e for r in ok]),
+    }
+
+
+def _finite(v: Any) -> Any:
+    return None if v == float("inf") else v  # JSON has no Infinity
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def markdown(s: dict[str, Any]) -> str:
+    lines = [
+        f"### {s['label'] or s['config']['workload']}: {s['num_requests']} requests "
+        f"({s['num_failed']} failed) in {s['duration_s']:.2f} s",
+        "",
+        "| latency (ms) | mean | p50 | p90 | p99 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        p = s[key]
+        lines.append(
+            f"| {name} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p90'])} | {_ms(p['p99'])} |"
+        )
+    lines += [
+        "",
+        "| throughput / cache | value |",
+        "|---|---:|",
+        f"| requests/s | {s['request_throughput']:.2f} |",
+        f"| output tokens/s | {s['output_throughput']:.1f} |",
+        f"| prompt / output tokens | {s['prompt_tokens']} / {s['output_tokens']} |",
+        f"| cache hit rate (usage) | {_rate(s['cache_hit_rate_usage'])} |",
+        f"| cache hit rate (/metrics) | {_rate(s['cache_hit_rate_metrics'])} |",
+    ]
+    if s["errors"]:
+        lines += ["", "errors: " + "; ".join(s["errors"])]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--workload", choices=("shared-prefix", "fixed"), default="shared-prefix")
+    p.add_argument("--num-groups", type=int, default=4)
+    p.add_argument("--prompts-per-group", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=32, help="fixed workload only")
+    p.add_argument("--prefix-len", type=int, default=256, help="words, or tokens with --tokenizer")
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument(
+        "--tokenizer", default=None, help="HF tokenizer dir: prompts of random token ids"
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="", help="name of this run in the table and JSON")
+    p.add_argument("--json", default=None, help="also write the summary to this file ('-': stdout)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.url = args.url.rstrip("/").removesuffix("/v1")
+    summary = asyncio.run(run(args))
+    print(markdown(summary))
+    if args.json == "-":
+        json.dump(summary, sys.stdout, indent=2)
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 1 if summary["num_failed"] == summary["num_requests"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
