@@ -1,0 +1,270 @@
+"""A token radix tree: the one structure behind the prefill RadixCache and the coordinator's
+PrefixIndex (plain Python, no torch).
+
+Keys are token-id sequences cut into pages of ``page_size`` tokens. Every edge holds a whole
+number of pages, and a node's children are keyed by the first page of their edge, so each step
+down the tree is one dict probe. Each namespace (tenant / LoRA id) has its own root, so prefixes
+never match across namespaces.
+
+A node may carry a value list aligned with its key (the RadixCache stores slot indices, the
+PrefixIndex stores nothing); values split with their keys. ``lock_ref`` and ``last_access`` live
+on the node so that a split copies them, but only the RadixCache gives them meaning. Nodes are
+never merged: a node object keeps its identity (and its path end) until it is removed, which is
+what lets a caller hold one as a handle while other requests split the path above it.
+
+Page arithmetic (page_size = 4), a node whose edge starts at path position 8:
+
+    key   = (t8 .. t15)       two pages
+    split(node, 4)  ->  upper.key = (t8 .. t11), node.key = (t12 .. t15), node.parent = upper
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+
+class RadixNode:
+    """One edge of the tree: ``key`` tokens (whole pages) and the values aligned with them."""
+
+    __slots__ = ("key", "value", "children", "parent", "namespace", "lock_ref", "last_access")
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        value: list[int] | None,
+        parent: RadixNode | None,
+        namespace: str,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.namespace = namespace
+        # Number of holders whose locked path runs through this node (RadixCache only).
+        self.lock_ref = 0
+        # Logical clock of the last match/insert that walked through this node.
+        self.last_access = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.key
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(ns={self.namespace!r}, num_tokens={len(self.key)}, "
+            f"children={len(self.children)}, lock_ref={self.lock_ref})"
+        )
+
+
+class TreeMatch(NamedTuple):
+    node: RadixNode  # deepest node of the match (ends exactly at num_tokens when split=True)
+    num_tokens: int  # matched tokens, a multiple of page_size
+    values: list[int]  # values along the matched path, a fresh list ([] when none are stored)
+
+
+class TreeInsert(NamedTuple):
+    node: RadixNode  # the node whose path ends exactly at the end of the inserted key
+    num_existing: int  # leading tokens of the key that were already in the tree
+    existing_values: list[int]  # their values (a fresh list)
+
+
+class RadixTree:
+    """Page-granular radix tree over token sequences, one subtree per namespace."""
+
+    def __init__(self, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.roots: dict[str, RadixNode] = {}
+        self.clock = 0
+
+    def root(self, namespace: str = "") -> RadixNode:
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = RadixNode((), None, None, namespace)
+        return node
+
+    def match(self, tokens: Sequence[int], namespace: str = "", *, split: bool = True) -> TreeMatch:
+        """Longest page-aligned prefix of ``tokens`` held in ``namespace``; touches its nodes.
+
+        With ``split`` a match that ends inside a node splits it, so that ``node`` ends exactly
+        at the match; without it the tree's shape is unchanged and ``node`` is the deepest node
+        matched in full.
+        """
+        self.clock += 1
+        key = tuple(tokens)
+        ps = self.page_size
+        node = self.root(namespace) if split else self.roots.get(namespace)
+        if node is None:  # read-only lookup in a namespace never inserted into
+            return TreeMatch(RadixNode((), None, None, namespace), 0, [])
+        pos = 0
+        values: list[int] = []
+        while pos + ps <= len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            if common < len(child.key):
+                if not split:
+                    if child.value is not None:
+                        values.extend(child.value[:common])
+                    pos += common
+                    break
+                child = self.split(child, common)
+            child.last_access = self.clock
+            if child.value is not None:
+                values.extend(child.value)
+            pos += common
+            node = child
+        return TreeMatch(node, pos, values)
+
+    def insert(
+        self, tokens: Sequence[int], values: Sequence[int] | None, namespace: str = ""
+    ) -> TreeInsert:
+        """Add the page-aligned path ``tokens`` (sharing any prefix already held); touches it.
+
+        The part already in the tree keeps its values; ``values[num_existing:]`` go to the new
+        node. A key that ends inside a node or diverges inside it splits that node.
+        """
+        key = tuple(tokens)
+        ps = self.page_size
+        if len(key) % ps:
+            raise ValueError(f"insert key of {len(key)} tokens is not a multiple of page {ps}")
+        if values is not None and len(values) != len(key):
+            raise ValueError(f"{len(values)} values for a key of {len(key)} tokens")
+        self.clock += 1
+        node = self.root(namespace)
+        pos = 0
+        existing: list[int] = []
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            if common < len(child.key):
+                # Diverges (or ends) inside the child: the next probe finds no child and stops.
+                child = self.split(child, common)
+            child.last_access = self.clock
+            if child.value is not None:
+                existing.extend(child.value)
+            pos += common
+            node = child
+        num_existing = pos
+        if pos < len(key):
+            new = RadixNode(
+                key[pos:], None if values is None else list(values[pos:]), node, namespace
+            )
+            new.last_access = self.clock
+            node.children[key[pos : pos + ps]] = new
+            node = new
+        return TreeInsert(node, num_existing, existing)
+
+    def split(self, node: RadixNode, num_tokens: int) -> RadixNode:
+        """Cut ``node`` after ``num_tokens``; returns the new upper node, ``node`` keeps the rest.
+
+        The upper node inherits lock_ref and last_access: every lock through the old node runs
+        through both halves.
+        """
+        ps = self.page_size
+        assert node.parent is not None, "cannot split a root"
+        assert 0 < num_tokens < len(node.key) and num_tokens % ps == 0, (
+            f"split at {num_tokens} of a {len(node.key)}-token node (page {ps})"
+        )
+        upper = RadixNode(
+            node.key[:num_tokens],
+            None if node.value is None else node.value[:num_tokens],
+            node.parent,
+            node.namespace,
+        )
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        node.parent.children[upper.key[:ps]] = upper
+        node.key = node.key[num_tokens:]
+        if node.value is not None:
+            node.value = node.value[num_tokens:]
+        node.parent = upper
+        upper.children[node.key[:ps]] = node
+        return upper
+
+    def trim_leaf(self, node: RadixNode, num_tokens: int) -> list[int]:
+        """Drop the last ``num_tokens`` of a leaf (the whole leaf detaches it); returns their values.
+
+        A detached node gets ``parent = None`` so that a stale handle to it fails loudly.
+        """
+        ps = self.page_size
+        assert node.parent is not None and not node.children, f"trim of a non-leaf {node}"
+        assert 0 < num_tokens <= len(node.key) and num_tokens % ps == 0, (
+            f"trim {num_tokens} of a {len(node.key)}-token node (page {ps})"
+        )
+        keep = len(node.key) - num_tokens
+        removed = [] if node.value is None else node.value[keep:]
+        if keep == 0:
+            del node.parent.children[node.key[:ps]]
+            node.parent = None
+        else:
+            node.key = node.key[:keep]
+            if node.value is not None:
+                node.value = node.value[:keep]
+        return removed
+
+    def path_tokens(self, node: RadixNode) -> list[int]:
+        """The full token path from the namespace root to the end of ``node``."""
+        keys: list[tuple[int, ...]] = []
+        cur: RadixNode | None = node
+        while cur is not None:
+            keys.append(cur.key)
+            cur = cur.parent
+        return [t for key in reversed(keys) for t in key]
+
+    def path_values(self, node: RadixNode) -> list[int]:
+        """The values from the namespace root to the end of ``node``."""
+        parts: list[list[int]] = []
+        cur: RadixNode | None = node
+        while cur is not None:
+            if cur.value is not None:
+                parts.append(cur.value)
+            cur = cur.parent
+        return [v for part in reversed(parts) for v in part]
+
+    def iter_nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, parents before children."""
+        stack = [child for root in self.roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self) -> None:
+        """Shape invariants: keys are whole pages, children keyed by their first page, parents
+        and namespaces consistent, values aligned with keys."""
+        ps = self.page_size
+        for namespace, root in self.roots.items():
+            assert root.is_root and root.namespace == namespace, f"bad root {root}"
+        for node in self.iter_nodes():
+            parent = node.parent
+            assert parent is not None, f"attached node without parent {node}"
+            assert node.key, "node with an empty key below the root"
+            assert len(node.key) % ps == 0, f"node of {len(node.key)} tokens, page {ps}"
+            assert parent.children.get(node.key[:ps]) is node, "child not keyed by its first page"
+            assert node.namespace == parent.namespace, "namespace differs from parent's"
+            assert node.value is None or len(node.value) == len(node.key), (
+                f"{len(node.value)} values for {len(node.key)} tokens"
+            )
+
+    def _common_len(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
+        """Leading tokens of ``key`` equal to ``tokens[pos:]``, rounded down to whole pages."""
+        n = min(len(key), len(tokens) - pos)
+        if key[:n] == tokens[pos : pos + n]:  # the common case: the whole edge matches
+            i = n
+        else:
+            i = next(j for j in range(n) if key[j] != tokens[pos + j])
+        return i - i % self.page_size

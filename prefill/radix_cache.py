@@ -1,0 +1,249 @@
+"""RadixCache: the prefill node's KV prefix cache, a RadixTree whose values are slot indices.
+
+A node's key is whole pages of tokens and its value is the slots holding their KV, so a node
+owns whole allocator pages and evicting it frees exactly those. Locks cover the path
+root..node; eviction takes unlocked leaves, least recently used first, trimming a leaf from its
+end by pages when less than the whole leaf is needed. Every insertion and eviction becomes a
+CacheEventMsg that the coordinator's PrefixIndex replays. The request-side protocol is in
+``pd.engine.prefix_cache``.
+
+Counts (tokens): num_cached = num_evictable + num_protected; protected = on a locked path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from pd.engine.kv_pool import SlotAllocator
+from pd.engine.prefix_cache import (
+    BasePrefixCache,
+    CacheStats,
+    MatchResult,
+    NodeHandle,
+    check_slot_count,
+)
+from pd.messages import CacheEventMsg
+from pd.radix_tree import RadixNode, RadixTree, TreeInsert
+
+
+class RadixCache(BasePrefixCache):
+    """Token-level (page-granular) prefix cache over ``allocator``'s slots."""
+
+    def __init__(
+        self, allocator: SlotAllocator, node_id: str = "", *, max_pending_events: int = 65536
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.node_id = node_id
+        self._tree = RadixTree(self.page_size)
+        self._num_cached = 0
+        self._num_protected = 0
+        self._num_hit = 0
+        self._num_miss = 0
+        self._num_evicted = 0
+        self._next_seq = 0
+        # Bounded so an undrained cache cannot grow without limit; a consumer that falls behind
+        # sees a seq gap and asks for take_snapshot().
+        self._events: deque[CacheEventMsg] = deque(maxlen=max_pending_events)
+
+    # -- matching and locking ---------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
+        m = self._tree.match(tokens, namespace)
+        self._num_hit += m.num_tokens
+        self._num_miss += len(tokens) - m.num_tokens
+        return MatchResult(m.values, m.node, m.num_tokens)
+
+    def inc_lock_ref(self, node: NodeHandle) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._num_protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        assert node.is_root, f"lock on a node that is no longer in the tree: {node}"
+
+    def dec_lock_ref(self, node: NodeHandle) -> None:
+        while node.parent is not None:
+            assert node.lock_ref > 0, f"unlock of an unlocked node {node}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_protected -= len(node.key)
+            node = node.parent
+        assert node.is_root, f"unlock of a node that is no longer in the tree: {node}"
+
+    # -- handing slots over -----------------------------------------------------------------
+
+    def cache_finished(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        last_node: NodeHandle,
+        namespace: str = "",
+    ) -> None:
+        check_slot_count(tokens, slots)
+        aligned = len(tokens) - len(tokens) % self.page_size
+        self._insert(tokens[:aligned], slots[:aligned], last_node, namespace)
+        if aligned < len(slots):
+            self.allocator.free(slots[aligned:])
+        self.dec_lock_ref(last_node)
+
+    def cache_unfinished(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        last_node: NodeHandle,
+        namespace: str = "",
+    ) -> MatchResult:
+        check_slot_count(tokens, slots)
+        aligned = len(tokens) - len(tokens) % self.page_size
+        ins = self._insert(tokens[:aligned], slots[:aligned], last_node, namespace)
+        new_slots = ins.existing_values
+        new_slots.extend(slots[ins.num_existing :])
+        self.inc_lock_ref(ins.node)
+        self.dec_lock_ref(last_node)
+        return MatchResult(new_slots, ins.node, len(new_slots))
+
+    def _insert(
+        self, tokens: Sequence[int], slots: Sequence[int], last_node: RadixNode, namespace: str
+    ) -> TreeInsert:
+        """Insert an aligned path; free the request's pages that duplicate cached ones."""
+        ins = self._tree.insert(tokens, slots, namespace)
+        locked = self._tree.path_values(last_node)
+        assert ins.num_existing >= len(locked) and list(slots[: len(locked)]) == locked, (
+            f"request does not hold the {len(locked)} slots of its locked path "
+            f"({ins.num_existing} tokens of it cached)"
+        )
+        # Pages after the locked path that another request cached first: keep the cache's.
+        ps = self.page_size
+        existing = ins.existing_values
+        duplicates = [
+            s
+            for i in range(len(locked), ins.num_existing, ps)
+            if slots[i] != existing[i]
+            for s in slots[i : i + ps]
+        ]
+        if duplicates:
+            self.allocator.free(duplicates)
+        num_new = len(tokens) - ins.num_existing
+        if num_new:
+            self._num_cached += num_new
+            self._emit("inserted", namespace, list(tokens))
+        return ins
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        ps = self.page_size
+        heap = [
+            (node.last_access, i, node)
+            for i, node in enumerate(self._tree.iter_nodes())
+            if not node.children and node.lock_ref == 0
+        ]
+        heapq.heapify(heap)
+        tiebreak = len(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            wanted = num_tokens - freed
+            take = min(len(node.key), wanted + (-wanted) % ps)
+            path = self._tree.path_tokens(node)
+            self.allocator.free(self._tree.trim_leaf(node, take))
+            freed += take
+            self._emit("evicted", node.namespace, path, take)
+            if node.parent is None and not parent.is_root and not parent.children:
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, tiebreak, parent))
+                    tiebreak += 1
+        self._num_cached -= freed
+        self._num_evicted += freed
+        return freed
+
+    # -- counters and events ----------------------------------------------------------------
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached
+
+    @property
+    def num_evictable_tokens(self) -> int:
+        return self._num_cached - self._num_protected
+
+    @property
+    def num_protected_tokens(self) -> int:
+        return self._num_protected
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(self._num_hit, self._num_miss, self._num_evicted)
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next event will carry."""
+        return self._next_seq
+
+    def take_events(self) -> list[CacheEventMsg]:
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def take_snapshot(self) -> list[CacheEventMsg]:
+        """A ``reset`` then one ``inserted`` per leaf path: the whole cache as events.
+
+        Replaces the pending events (they are dropped), so a consumer that applies the snapshot
+        and then the later ``take_events`` is exactly in step again.
+        """
+        self._events.clear()
+        self._emit("reset", "", [])
+        for node in self._tree.iter_nodes():
+            if not node.children:
+                self._emit("inserted", node.namespace, self._tree.path_tokens(node))
+        return self.take_events()
+
+    def _emit(self, kind: str, namespace: str, tokens: list[int], num_evicted: int = 0) -> None:
+        self._events.append(
+            CacheEventMsg(self.node_id, self._next_seq, kind, namespace, tokens, num_evicted)
+        )
+        self._next_seq += 1
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self._tree.check_integrity()
+        ps = self.page_size
+        num_cached = num_protected = 0
+        seen: set[int] = set()
+        for node in self._tree.iter_nodes():
+            value = node.value
+            assert value is not None, f"cache node without slots {node}"
+            num_cached += len(node.key)
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), (
+                f"lock_ref {node.lock_ref} below its children's"
+            )
+            if node.lock_ref:
+                num_protected += len(node.key)
+            for i in range(0, len(value), ps):
+                page = value[i : i + ps]
+                assert page == list(range(page[0], page[0] + ps)) and page[0] % ps == 0, (
+                    f"slots {page} are not one allocator page"
+                )
+            seen.update(value)
+            assert len(seen) == num_cached, f"a slot of {node} is cached twice"
+        assert num_cached == self._num_cached, f"{num_cached} cached, counter {self._num_cached}"
+        assert num_protected == self._num_protected, (
+            f"{num_protected} protected, counter {self._num_protected}"
+        )
+
+    def check_slot_ownership(self, running: Iterable[tuple[Sequence[int], NodeHandle]]) -> None:
+        owned: list[Sequence[int]] = [n.value for n in self._tree.iter_nodes() if n.value]
+        for slots, node in running:
+            assert node.is_root or node.lock_ref > 0, f"running request's node is unlocked {node}"
+            shared = self._tree.path_values(node)
+            assert list(slots[: len(shared)]) == shared, (
+                f"running request does not share the {len(shared)} slots of its locked path"
+            )
+            owned.append(slots[len(shared) :])
+        self.allocator.check_integrity(owned)
