@@ -56,11 +56,12 @@ class Generation:
         first_token: float | None = None
         last_token: float | None = None
         outcome = "abort"
+        outputs: Any = None
         self.metrics.running.inc()
-        outputs = self.client.generate(self.request_id, self.prompt_ids, self.params)
-        if inspect.isawaitable(outputs):  # an `async def` returning an iterator
-            outputs = await outputs
         try:
+            outputs = self.client.generate(self.request_id, self.prompt_ids, self.params)
+            if inspect.isawaitable(outputs):  # an `async def` returning an iterator
+                outputs = await outputs
             async for out in outputs:
                 now = time.perf_counter()
                 if out.new_token_ids:

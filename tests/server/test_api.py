@@ -254,6 +254,10 @@ async def test_engine_failure_is_500_in_openai_shape(make_app: MakeApp) -> None:
     r = await _post(app, "/v1/completions", {"prompt": "a", "stream": True})
     events = _sse_events(r.text)
     assert events[-1]["error"]["type"] == "server_error"
+    async with _client(app) as c:
+        text = (await c.get("/metrics")).text
+    assert 'pd_requests_total{finish_reason="error"} 2.0' in text
+    assert "pd_server_running_requests 0.0" in text
 
 
 async def test_models_health_and_metrics(make_app: MakeApp) -> None:
