@@ -8,18 +8,15 @@ or its waiting handler, and the request is aborted on the engine.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +45,7 @@ from pd.server.protocol import (
     Usage,
     make_sampling_params,
 )
+from pd.server.streaming import ClientGone, cancel_on_disconnect, sse_response, sse_steps
 
 logger = logging.getLogger(__name__)
 
@@ -56,46 +54,9 @@ MaybeAwaitable = T | Awaitable[T]
 StatsFn = Callable[[], MaybeAwaitable[Mapping[str, Any]]]
 HealthFn = Callable[[], MaybeAwaitable[Mapping[str, Any]]]
 
-_DONE = "data: [DONE]\n\n"
-
-
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else _json(payload)
-    return f"data: {body}\n\n"
-
-
-def _json(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
 
 async def _maybe_await(value: MaybeAwaitable[T]) -> T:
     return await value if inspect.isawaitable(value) else value  # type: ignore[return-value]
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _cancel_on_disconnect(request: Request, coro: Awaitable[T]) -> T:
-    """Await ``coro``; cancel it if the client disconnects first (a plain handler is not
-    cancelled by the server when its client goes away, only streams are)."""
-
-    async def wait_for_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_for_disconnect())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
 
 
 class _Server:
@@ -183,8 +144,8 @@ class _Server:
     async def run(self, request: Request, gen: Generation) -> Response | None:
         """Run a non-streaming request; a Response only when there is nothing to answer with."""
         try:
-            await _cancel_on_disconnect(request, gen.run())
-        except _ClientGone:
+            await cancel_on_disconnect(request, gen.run())
+        except ClientGone:
             return Response(status_code=499)
         except Exception as e:
             logger.exception("request %s failed", gen.request_id)
@@ -193,36 +154,6 @@ class _Server:
 
     def usage(self, gen: Generation) -> Usage:
         return Usage.make(gen.num_prompt_tokens, len(gen.output_ids), gen.num_cached_tokens)
-
-
-def _stream(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-async def _sse_steps(
-    gen: Generation,
-    make_chunk: Callable[[str, list[int], str | None], BaseModel | None],
-    usage_chunk: Callable[[], BaseModel] | None,
-    first: BaseModel | None = None,
-) -> AsyncIterator[str]:
-    """SSE lines of one request; an engine failure mid-stream becomes an error event."""
-    try:
-        if first is not None:
-            yield _sse(first)
-        async with aclosing(gen.steps()) as steps:
-            async for text, ids, finish_reason in steps:
-                chunk = make_chunk(text, ids, finish_reason)
-                if chunk is not None:
-                    yield _sse(chunk)
-        if usage_chunk is not None:
-            yield _sse(usage_chunk())
-    except Exception as e:
-        logger.exception("stream %s failed", gen.request_id)
-        err = APIError(f"internal error: {e!r}", status_code=500, type="server_error")
-        yield _sse(err.to_dict())
-    yield _DONE
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -298,7 +229,7 @@ def build_app(
             )
 
         if req.stream:
-            return _stream(_sse_steps(gen, chunk, usage if req.include_usage else None))
+            return sse_response(sse_steps(gen, chunk, usage if req.include_usage else None))
         if (gone := await server.run(request, gen)) is not None:
             return gone
         choice = CompletionChoice(text=gen.text, finish_reason=gen.finish_reason)
@@ -331,7 +262,7 @@ def build_app(
         if req.stream:
             role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
             first = ChatCompletionChunk(id=gen.request_id, model=model_name, choices=[role])
-            return _stream(_sse_steps(gen, chunk, usage if req.include_usage else None, first))
+            return sse_response(sse_steps(gen, chunk, usage if req.include_usage else None, first))
         if (gone := await server.run(request, gen)) is not None:
             return gone
         choice = ChatChoice(
@@ -380,7 +311,7 @@ def build_app(
             )
 
         if req.stream:
-            return _stream(_sse_steps(gen, result, None))
+            return sse_response(sse_steps(gen, result, None))
         if (gone := await server.run(request, gen)) is not None:
             return gone
         return result(gen.text, gen.output_ids, gen.finish_reason)
