@@ -10,6 +10,8 @@ import uuid
 from typing import Any
 
 from pd.config import EngineConfig
+from pd.coordinator import POLICIES
+from pd.model.loader import ModelLoadError
 
 
 def _add_dataclass_args(
@@ -121,13 +123,19 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    parser.add_argument("--decode", type=int, default=1, help="decode nodes")
+    parser.add_argument(
+        "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"
+    )
+    parser.add_argument("--policy", default="cache_aware", choices=POLICIES)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ModelLoadError) as e:
         print(f"pd: error: {e}", file=sys.stderr)
         return 2
 

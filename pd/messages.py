@@ -22,3 +22,84 @@ class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
     namespace: str
     tokens: list[int]
     num_evicted: int = 0
+
+
+class SamplingMsg(msgspec.Struct, frozen=True):
+    """``SamplingParams`` on the wire (rebuilt, and so re-validated, on arrival)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+
+class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True):
+    """Server -> prefill node: prefill this prompt, then hand its KV to ``decode_node``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingMsg
+    namespace: str
+    decode_node: str  # node id
+    decode_addr: str  # the decode node's request socket (for PrefilledMsg)
+    decode_transfer_addr: str  # the decode node's transfer control endpoint
+
+
+class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
+    """Server -> decode node: a request whose KV will arrive from ``prefill_node``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingMsg
+    prefill_node: str
+
+
+class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True):
+    """Prefill node -> decode node: the KV is in your slots; here is the first token."""
+
+    request_id: str
+    first_token: int
+    num_cached_tokens: int
+
+
+class AbortMsg(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+    reason: str = "abort"
+
+
+class TokenMsg(msgspec.Struct, tag="token", frozen=True):
+    """Node -> server: new tokens of a request (the first from the prefill node, the rest from
+    the decode node). ``error`` is set when the request failed inside the cluster."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
+    """Node -> server, a few times a second: what /metrics and the router need."""
+
+    node_id: str
+    role: str  # "prefill" | "decode"
+    num_waiting: int
+    num_running: int
+    num_transferring: int
+    num_slots: int
+    num_free_slots: int
+    num_cached_tokens: int
+    num_hit_tokens: int
+    num_miss_tokens: int
+    transfer_bytes: int
+    transfer_seconds: float
+    num_queued_tokens: int  # prompt tokens waiting or being prefilled
+
+
+NodeMsg = PrefillReqMsg | DecodeReqMsg | PrefilledMsg | AbortMsg
+ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg

@@ -94,9 +94,7 @@ class Engine:
         return [self._output(r) for r in produced]
 
     def run(self, batch: ScheduledBatch) -> list[int]:
-        return self.runner.forward_and_sample(
-            batch.seqs, [r.params for r in batch.reqs], [r.generator for r in batch.reqs]
-        )
+        return self.runner.run(batch.reqs, batch.seqs)
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[len(req.output_ids) - req.num_new_outputs :]

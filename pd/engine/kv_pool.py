@@ -122,8 +122,7 @@ class SlotAllocator:
                 seen[page] = 1
         num_owned = sum(seen)
         assert num_owned + len(self._free_pages) == self.num_pages, (
-            f"leaked pages: {self.num_pages} total, {len(self._free_pages)} free, "
-            f"{num_owned} owned"
+            f"leaked pages: {self.num_pages} total, {len(self._free_pages)} free, {num_owned} owned"
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from pd.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     request_id: str
     prompt_ids: list[int]

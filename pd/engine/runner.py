@@ -11,11 +11,11 @@ from pd.config import EngineConfig
 from pd.engine.attention import make_attention_backend
 from pd.engine.batch import ForwardBatch, SeqInput
 from pd.engine.kv_pool import KVPool
+from pd.engine.request import Req
 from pd.engine.sampler import sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
-from pd.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -56,10 +56,7 @@ class ModelRunner:
         batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
         return self.model(batch, self.pool, self.attn)
 
-    def forward_and_sample(
-        self,
-        seqs: Sequence[SeqInput],
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        return sample(self.forward(seqs), params, generators)
+    def run(self, reqs: Sequence[Req], seqs: Sequence[SeqInput]) -> list[int]:
+        """Forward one scheduled batch and sample each request's next token."""
+        logits = self.forward(seqs)
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

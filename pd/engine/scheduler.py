@@ -15,13 +15,18 @@ The life of a request:
 A step prefills when any request is prefilling, else decodes (prefill-first, as SGLang).
 Because admission reserves each request's worst case, a step never runs out of slots and no
 running request is ever preempted.
+
+Roles: ``colocated`` runs all four stages. ``prefill`` (a prefill node) reserves only the
+prompt, and a request that has sampled its first token leaves ``running`` for ``prefilled``
+with its slots still held, for the node to send. ``decode`` (a decode node) never prefills:
+requests arrive through ``add_prefilled`` with their prompt KV already in their slots.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pd.engine.batch import SeqInput
 from pd.engine.kv_pool import SlotAllocator
@@ -45,7 +50,11 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        role: str = "colocated",
     ) -> None:
+        if role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
+        self.role = role
         self.allocator = allocator
         self.cache = cache
         self.max_running_requests = max_running_requests
@@ -54,6 +63,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.prefilled: list[Req] = []  # prefill role: first token sampled, KV still held
+        self.num_pending_reserved = 0  # decode role: slots promised to KV still arriving
+        self.num_admitted_tokens = 0  # prompt tokens of admitted requests ...
+        self.num_admitted_cached_tokens = 0  # ... and how many of them the cache served
 
     # -- queues -----------------------------------------------------------------------------
 
@@ -71,7 +84,7 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) = "
                 f"{n + req.params.max_tokens} exceeds the context length ({self.max_model_len})"
             )
-        pages = self.allocator.num_pages_for(req.max_len)
+        pages = self.allocator.num_pages_for(self._reserve_len(req))
         if pages > self.allocator.num_pages:
             raise ValueError(
                 f"request needs {pages * self.allocator.page_size} KV slots, "
@@ -108,8 +121,33 @@ class Scheduler:
             return self._decode_batch()
         return None
 
+    def _reserve_len(self, req: Req) -> int:
+        return req.num_prompt_tokens if self.role == "prefill" else req.max_len
+
     def _outstanding(self, req: Req) -> int:
-        return self.allocator.num_new_pages(req.slots, req.max_len) * self.allocator.page_size
+        return (
+            self.allocator.num_new_pages(req.slots, self._reserve_len(req))
+            * self.allocator.page_size
+        )
+
+    def num_available_tokens(self) -> int:
+        """Slots a new request could still be promised: free + evictable, less what running
+        requests (and KV still arriving) may yet take."""
+        reserved = sum(self._outstanding(r) for r in self.running) + self.num_pending_reserved
+        return self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens waiting or not yet computed (the load a router balances)."""
+        waiting = sum(r.num_prompt_tokens for r in self.waiting)
+        return waiting + sum(
+            r.num_prompt_tokens - r.num_computed for r in self.running if r.is_prefilling
+        )
+
+    def add_prefilled(self, req: Req) -> None:
+        """Decode role: ``req.slots`` hold its prompt's KV and ``output_ids`` its first token."""
+        assert req.num_computed == req.num_prompt_tokens and len(req.output_ids) == 1
+        self.running.append(req)
 
     def _admit(self) -> None:
         reserved = sum(self._outstanding(r) for r in self.running)
@@ -173,7 +211,10 @@ class Scheduler:
             req.finish_reason = self._finish_reason(req, token)
             if req.is_finished:
                 self._release(req)
-        self.running = [r for r in self.running if not r.is_finished]
+            elif self.role == "prefill":
+                self.prefilled.append(req)
+        handed_off = {id(r) for r in self.prefilled}
+        self.running = [r for r in self.running if not r.is_finished and id(r) not in handed_off]
         return produced
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
@@ -184,12 +225,19 @@ class Scheduler:
             return "length"
         return None
 
+    def release(self, req: Req) -> None:
+        """Hand a request's tokens and slots to the cache (it keeps what it can, frees the rest)."""
+        self._release(req)
+
     def _release(self, req: Req) -> None:
         tokens = req.all_ids[: req.num_computed]
         self.cache.cache_finished(tokens, req.slots, req.cache_node, req.namespace)
         req.slots = []
         req.cache_node = None
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, other_holders: Sequence[tuple[list[int], Any]] = ()) -> None:
+        """Cache invariants, and every slot free, cached, or held by exactly one request
+        (``other_holders``: slot lists a node holds outside the scheduler, with their locks)."""
         self.cache.check_integrity()
-        self.cache.check_slot_ownership([(r.slots, r.cache_node) for r in self.running])
+        held = [(r.slots, r.cache_node) for r in self.running + self.prefilled]
+        self.cache.check_slot_ownership(held + list(other_holders))

@@ -1,0 +1,251 @@
+"""``ClusterClient``: the cluster behind the ``EngineClient`` interface, in the server process.
+
+For each request it asks the coordinator for a (prefill, decode) pair, tells the decode node
+what to expect and the prefill node what to compute, then streams the ``TokenMsg``s both send
+back (the first token from the prefill node, the rest from the decode node). One PULL socket
+receives everything the nodes send: tokens, cache events (fed to the coordinator) and stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pd.coordinator import Coordinator, NoCapacityError
+from pd.messages import (
+    AbortMsg,
+    CacheEventMsg,
+    DecodeReqMsg,
+    NodeStatsMsg,
+    PrefillReqMsg,
+    ServerMsg,
+    TokenMsg,
+)
+from pd.node import params_to_msg
+from pd.outputs import RequestOutput
+from pd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """A request failed inside the cluster (a node rejected it or a transfer failed)."""
+
+
+class ClusterClient:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        pull_addr: str,
+        *,
+        stale_after_s: float = 5.0,
+        capacity_timeout_s: float = 300.0,
+    ) -> None:
+        self.coordinator = coordinator
+        self.pull_addr = pull_addr
+        self.stale_after_s = stale_after_s
+        self.capacity_timeout_s = capacity_timeout_s
+        self.nodes: dict[str, dict[str, Any]] = {}  # node_id -> info (addr, transfer_addr, ...)
+        self.node_stats: dict[str, NodeStatsMsg] = {}
+        self._last_seen: dict[str, float] = {}
+        self._streams: dict[str, asyncio.Queue[TokenMsg]] = {}
+        self._routes: dict[str, tuple[str, str]] = {}
+        self._capacity = asyncio.Event()
+        self._num_waiting = 0
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ServerMsg)
+
+    # -- membership (the launcher calls these) ----------------------------------------------
+
+    def add_node(self, info: dict[str, Any]) -> None:
+        node_id = info["node_id"]
+        self.nodes[node_id] = info
+        if info["role"] == "prefill":
+            self.coordinator.add_prefill(node_id)
+        else:
+            self.coordinator.add_decode(node_id, info["num_slots"])
+
+    def drain_node(self, node_id: str) -> None:
+        self.coordinator.drain(node_id)
+
+    def remove_node(self, node_id: str) -> None:
+        self.coordinator.remove(node_id)
+        self.nodes.pop(node_id, None)
+        self.node_stats.pop(node_id, None)
+        sock = self._push.pop(node_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    # -- EngineClient -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self.pull_addr)
+        self._reader = asyncio.create_task(self._read_loop())
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        await self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        route = await self._route(request_id, prompt_ids, params)
+        queue: asyncio.Queue[TokenMsg] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._routes[request_id] = (route.prefill, route.decode)
+        sampling = params_to_msg(params)
+        p_info, d_info = self.nodes[route.prefill], self.nodes[route.decode]
+        finished = False
+        try:
+            self._send(route.decode, DecodeReqMsg(request_id, prompt_ids, sampling, route.prefill))
+            self._send(
+                route.prefill,
+                PrefillReqMsg(
+                    request_id,
+                    prompt_ids,
+                    sampling,
+                    "",
+                    route.decode,
+                    d_info["addr"],
+                    d_info["transfer_addr"],
+                ),
+            )
+            num_cached = 0
+            while not finished:
+                msg = await queue.get()
+                if msg.error is not None:
+                    finished = True
+                    raise ClusterError(msg.error)
+                num_cached = max(num_cached, msg.num_cached_tokens)
+                finished = msg.finished
+                yield RequestOutput(
+                    request_id,
+                    msg.token_ids,
+                    finished,
+                    msg.finish_reason,
+                    len(prompt_ids),
+                    num_cached,
+                )
+        finally:
+            if not finished:
+                self._abort_on_nodes(request_id, p_info["node_id"], d_info["node_id"])
+            self._streams.pop(request_id, None)
+            self._routes.pop(request_id, None)
+            self.coordinator.on_finished(request_id)
+            self._capacity.set()
+
+    async def abort(self, request_id: str) -> None:
+        route = self._routes.get(request_id)
+        if route is not None:
+            self._abort_on_nodes(request_id, *route)
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(TokenMsg(request_id, [], True, "abort", 0, 0))
+
+    async def is_ready(self) -> bool:
+        await self.start()
+        now = time.monotonic()
+        return bool(self.nodes) and all(
+            now - self._last_seen.get(n, -1e9) < self.stale_after_s for n in self.nodes
+        )
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for sock in [*self._push.values(), *([self._pull] if self._pull else [])]:
+            sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _route(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
+        deadline = time.monotonic() + self.capacity_timeout_s
+        self._num_waiting += 1
+        try:
+            while True:
+                try:
+                    return self.coordinator.route(request_id, prompt_ids, params.max_tokens)
+                except NoCapacityError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    self._capacity.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._capacity.wait(), timeout=min(left, 1.0))
+        finally:
+            self._num_waiting -= 1
+
+    def _send(self, node_id: str, msg: Any) -> None:
+        sock = self._push.get(node_id)
+        if sock is None:
+            assert self._ctx is not None
+            sock = self._push[node_id] = self._ctx.socket(zmq.PUSH)
+            sock.connect(self.nodes[node_id]["addr"])
+        sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+
+    def _abort_on_nodes(self, request_id: str, prefill: str, decode: str) -> None:
+        for node_id in (prefill, decode):
+            if node_id in self.nodes:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(node_id, AbortMsg(request_id))
+
+    async def _read_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            raw = await self._pull.recv()
+            try:
+                msg = self._decoder.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                logger.warning("dropped a malformed node message: %s", e)
+                continue
+            if isinstance(msg, TokenMsg):
+                # the first token of a request comes from its prefill node (idempotent after)
+                self.coordinator.on_prefilled(msg.request_id)
+                queue = self._streams.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, CacheEventMsg):
+                self.coordinator.apply_event(msg)
+            elif isinstance(msg, NodeStatsMsg):
+                self.node_stats[msg.node_id] = msg
+                self._last_seen[msg.node_id] = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        """Cluster gauges for GET /metrics (shape: ``pd.server.metrics``)."""
+        nodes = {}
+        moved_bytes, moved_s = 0, 0.0
+        for node_id, s in self.node_stats.items():
+            nodes[node_id] = {
+                "role": s.role,
+                "queue_depth": s.num_waiting,
+                "running": s.num_running,
+                "slots_used": s.num_slots - s.num_free_slots,
+                "slots_total": s.num_slots,
+                "cache_hit_tokens": s.num_hit_tokens,
+                "prompt_tokens": s.num_hit_tokens + s.num_miss_tokens,
+            }
+            moved_bytes += s.transfer_bytes
+            moved_s += s.transfer_seconds
+        return {
+            "nodes": nodes,
+            "transfer": {"bytes": moved_bytes, "seconds": moved_s},
+            "coordinator": {"queue_depth": self._num_waiting},
+        }

@@ -1,0 +1,145 @@
+"""``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
+
+Ray is the lifecycle plane only (placement, health, scale up/down); requests, tokens, cache
+events and transfer handshakes never go through Ray. Locally (``address=None``) a Ray instance
+is started with the nodes as CPU actors; with ``address="auto"`` (or a Ray address) the nodes
+join an existing cluster, one GPU each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pd.cluster.client import ClusterClient
+from pd.config import EngineConfig
+from pd.coordinator import Coordinator, RouterConfig
+from pd.node import NodeConfig
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    address: str | None = None  # None: start a local Ray instance; "auto": join a running one
+    host: str = "127.0.0.1"  # where the server's PULL socket binds (the head's IP on a cluster)
+    threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(
+                f"need at least one prefill and one decode node, got {self.num_prefill} and {self.num_decode}"
+            )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, engine_cfg: EngineConfig, cfg: ClusterConfig, router: RouterConfig) -> None:
+        self.engine_cfg = engine_cfg
+        self.cfg = cfg
+        self.router = dataclasses.replace(router, page_size=engine_cfg.page_size)
+        self.client = ClusterClient(
+            Coordinator(self.router), f"tcp://{cfg.host}:{_free_port(cfg.host)}"
+        )
+        self.actors: dict[str, Any] = {}
+        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._on_gpu = False
+
+    # -- start / stop -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not ray.is_initialized():
+            if self.cfg.address is None:
+                total = self.cfg.num_prefill + self.cfg.num_decode
+                ray.init(
+                    num_cpus=max(2, total),
+                    include_dashboard=False,
+                    object_store_memory=80 * 2**20,
+                    log_to_driver=True,
+                )
+            else:
+                ray.init(address=self.cfg.address)
+        self._on_gpu = self.cfg.address is not None and ray.cluster_resources().get("GPU", 0) > 0
+        if self.cfg.address is not None and self.cfg.host in ("127.0.0.1", "localhost"):
+            # nodes on other machines must reach the server: bind on this machine's cluster IP
+            host = ray.util.get_node_ip_address()
+            self.client.pull_addr = f"tcp://{host}:{_free_port(host)}"
+        refs = [self._spawn("prefill") for _ in range(self.cfg.num_prefill)]
+        refs += [self._spawn("decode") for _ in range(self.cfg.num_decode)]
+        for info in ray.get(refs, timeout=self.cfg.ready_timeout_s):
+            self.client.add_node(info)
+
+    def shutdown(self) -> None:
+        for node_id in list(self.actors):
+            self._kill(node_id)
+
+    # -- scaling ----------------------------------------------------------------------------
+
+    def add_node(self, role: str) -> str:
+        """Start one more node of ``role`` and register it with the coordinator."""
+        info = ray.get(self._spawn(role), timeout=self.cfg.ready_timeout_s)
+        self.client.add_node(info)
+        return info["node_id"]
+
+    def remove_node(self, node_id: str, timeout_s: float = 120.0) -> None:
+        """Drain a node (no new requests, in-flight ones finish), then stop its actor."""
+        actor = self.actors[node_id]
+        self.client.drain_node(node_id)
+        ray.get(actor.drain.remote())
+        deadline = time.monotonic() + timeout_s
+        while ray.get(actor.num_unfinished.remote()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.client.remove_node(node_id)
+        self._kill(node_id)
+
+    def check_integrity(self) -> dict[str, dict[str, int]]:
+        """Every node's slot accounting (asserts inside each node)."""
+        ids = list(self.actors)
+        return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _threads(self) -> int | None:
+        if self._on_gpu:
+            return self.engine_cfg.num_threads
+        if self.cfg.threads_per_node is not None:
+            return self.cfg.threads_per_node
+        total = self.cfg.num_prefill + self.cfg.num_decode
+        return max(1, (os.cpu_count() or 1) // total)
+
+    def _spawn(self, role: str) -> Any:
+        from decode.node import DecodeNode
+        from prefill.node import PrefillNode
+
+        node_id = f"{role}-{next(self._ids[role])}"
+        cls = PrefillNode if role == "prefill" else DecodeNode
+        options: dict[str, Any] = {"name": None, "max_concurrency": 4}
+        options.update({"num_gpus": 1, "num_cpus": 1} if self._on_gpu else {"num_cpus": 0})
+        engine_cfg = dataclasses.replace(self.engine_cfg, num_threads=self._threads())
+        host = self.cfg.host if self.cfg.address is None else "auto"  # the actor's own IP
+        node_cfg = NodeConfig(node_id=node_id, server_addr=self.client.pull_addr, host=host)
+        actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
+        handle = actor.remote(engine_cfg, node_cfg)
+        self.actors[node_id] = handle
+        return handle.info.remote()
+
+    def _kill(self, node_id: str) -> None:
+        actor = self.actors.pop(node_id)
+        try:
+            ray.get(actor.shutdown.remote(), timeout=15)
+        except Exception:  # noqa: BLE001 - a dead actor is what we want anyway
+            pass
+        ray.kill(actor)

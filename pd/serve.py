@@ -1,0 +1,77 @@
+"""``pd serve``: start the cluster, then the OpenAI-compatible HTTP server in this process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+import urllib.request
+
+import uvicorn
+
+from pd.cluster.launcher import Cluster, ClusterConfig
+from pd.config import EngineConfig
+from pd.coordinator import RouterConfig
+from pd.model.tokenizer import load_tokenizer
+from pd.server.app import build_app
+
+logger = logging.getLogger("pd.serve")
+
+
+def build_cluster_app(cluster: Cluster, model_name: str):  # noqa: ANN201 - FastAPI
+    """The HTTP app over a started cluster."""
+    runner_dir = cluster.engine_cfg.model
+    tokenizer = load_tokenizer(runner_dir)
+    info = next(iter(cluster.client.nodes.values()))
+    client = cluster.client
+    app = build_app(
+        client,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        max_model_len=info["max_model_len"],
+        stats_fn=client.stats,
+        extra_health=lambda: {"nodes": sorted(client.nodes)},
+    )
+    return app
+
+
+def _announce_when_healthy(url: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    print(f"pd is serving {url}/v1 (OpenAI-compatible)", flush=True)
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cluster_cfg = ClusterConfig(
+        num_prefill=args.prefill, num_decode=args.decode, address=args.address, host=args.host
+    )
+    router = RouterConfig(policy=args.policy)
+    cluster = Cluster(engine_cfg, cluster_cfg, router)
+    print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
+    cluster.start()
+    model_name = args.served_model_name or _default_name(engine_cfg)
+    app = build_cluster_app(cluster, model_name)
+    url = f"http://{args.host}:{args.port}"
+    stop = threading.Event()
+    threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        stop.set()
+        cluster.shutdown()
+    return 0
+
+
+def _default_name(engine_cfg: EngineConfig) -> str:
+    from pd.model.loader import resolve_model
+
+    return resolve_model(engine_cfg.model).name
