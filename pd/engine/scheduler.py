@@ -150,24 +150,20 @@ class Scheduler:
         self.running.append(req)
 
     def _admit(self) -> None:
-        reserved = sum(self._outstanding(r) for r in self.running)
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             match = self.cache.match_prompt(req.prompt_ids, req.namespace)
             self.cache.inc_lock_ref(match.last_node)
-            need = (
-                self.allocator.num_pages_for(req.max_len) * self.allocator.page_size
-                - match.num_tokens
-            )
-            available = self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
-            if need > available:
+            need = self.allocator.num_pages_for(self._reserve_len(req)) * self.allocator.page_size
+            if need - match.num_tokens > self.num_available_tokens():
                 self.cache.dec_lock_ref(match.last_node)
                 break
             self.waiting.popleft()
             req.slots = list(match.slots)
             req.num_cached = match.num_tokens
             req.cache_node = match.last_node
-            reserved += self._outstanding(req)
+            self.num_admitted_tokens += req.num_prompt_tokens
+            self.num_admitted_cached_tokens += match.num_tokens
             self.running.append(req)
 
     def _grow(self, req: Req, new_len: int) -> None:

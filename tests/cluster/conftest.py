@@ -1,0 +1,99 @@
+"""A live cluster behind a real HTTP server, for end-to-end tests.
+
+Ray starts once per test session; each cluster (1P+1D, 2P+1D, ...) lives for one module or
+one parametrization, and after every test each node's slot pool must be back to idle.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import pytest
+
+
+class LiveCluster(NamedTuple):
+    url: str  # http://127.0.0.1:PORT
+    cluster: object  # pd.cluster.launcher.Cluster
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False
+        )
+    yield
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_live_cluster(
+    num_prefill: int, num_decode: int, policy: str = "cache_aware"
+) -> tuple[LiveCluster, object]:
+    import uvicorn
+
+    from pd.cluster.launcher import Cluster, ClusterConfig
+    from pd.config import EngineConfig
+    from pd.coordinator import RouterConfig
+    from pd.serve import build_cluster_app
+
+    engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48)
+    cluster = Cluster(
+        engine_cfg,
+        ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, threads_per_node=1),
+        RouterConfig(policy=policy),
+    )
+    cluster.start()
+    app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    import httpx
+
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        raise TimeoutError("cluster did not become healthy in 60 s")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+        cluster.shutdown()
+
+    return LiveCluster(f"http://127.0.0.1:{port}", cluster), stop
+
+
+def wait_idle_and_check(live: LiveCluster, timeout_s: float = 20.0) -> dict[str, dict[str, int]]:
+    """Wait until no node holds a request, then assert every pool is whole and idle."""
+    cluster = live.cluster
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = cluster.check_integrity()
+        if all(r["unfinished"] == 0 for r in report.values()):
+            break
+        assert time.monotonic() < deadline, (
+            f"requests still in flight after {timeout_s} s: {report}"
+        )
+        time.sleep(0.1)
+    for node_id, r in report.items():
+        assert r["in_use"] == 0, f"{node_id} leaked slots: {r}"
+        assert r["free"] + r["cached"] + r["in_use"] == r["total"], (node_id, r)
+    return report

@@ -1,0 +1,171 @@
+"""End to end over real HTTP with the official openai client: 1P+1D and 2P+1D clusters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from pd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.hf_reference import hf_greedy
+
+MODEL = "SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.timeout(300)
+
+RAW_PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The largest planet in the solar system is",
+    "Water boils at",
+    "My favourite book is",
+    "import numpy as np\n",
+    "The French Revolution began in",
+]
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1)], ids=["1p1d", "2p1d"])
+def live(request, ray_session, smollm2_dir) -> Iterator[LiveCluster]:
+    live, stop = start_live_cluster(*request.param)
+    yield live
+    stop()
+
+
+@pytest.fixture(autouse=True)
+def _pools_whole_after_each_test(live) -> Iterator[None]:
+    yield
+    wait_idle_and_check(live)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+def _client(live: LiveCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _hf_text(model_dir, tokenizer, prompt_ids, max_tokens) -> str:
+    return tokenizer.decode(hf_greedy(model_dir, prompt_ids, max_tokens), skip_special_tokens=True)
+
+
+def test_completion_and_chat_equal_hf_greedy(live, smollm2_dir, tokenizer):
+    client = _client(live)
+    prompt = RAW_PROMPTS[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    assert out.choices[0].text == _hf_text(
+        smollm2_dir, tokenizer, encode_prompt(tokenizer, prompt), 32
+    )
+    assert out.usage.completion_tokens == 32 or out.choices[0].finish_reason == "stop"
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=32, temperature=0
+    )
+    want = _hf_text(smollm2_dir, tokenizer, encode_chat(tokenizer, messages), 32)
+    assert chat.choices[0].message.content == want
+    assert "Paris" in want
+
+
+def test_streaming_equals_non_streaming(live):
+    client = _client(live)
+    prompt = RAW_PROMPTS[2]
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_32_concurrent_requests_complete_correctly(live, smollm2_dir, tokenizer):
+    want = {
+        p: _hf_text(smollm2_dir, tokenizer, encode_prompt(tokenizer, p), 12) for p in RAW_PROMPTS
+    }
+
+    async def run() -> list[tuple[str, str]]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=240
+        )
+
+        async def one(p: str) -> tuple[str, str]:
+            r = await client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            return p, r.choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(p) for p in RAW_PROMPTS * 4))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for prompt, text in results:
+        assert text == want[prompt], prompt
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        (b"{not json", 400),
+        ({"model": MODEL}, 400),  # missing prompt
+        ({"model": MODEL, "prompt": 123}, 400),
+        ({"model": "no-such-model", "prompt": "hi"}, 404),
+        ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 4}, 400),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400),
+        ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
+        ({"model": MODEL, "prompt": ""}, 400),
+    ],
+)
+def test_bad_input_is_a_4xx_in_openai_shape_and_queues_nothing(live, body, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(
+        f"{live.url}/v1/completions", headers={"content-type": "application/json"}, timeout=30, **kw
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and "type" in err
+    client = live.cluster.client
+    assert not client._streams and client.coordinator.load(client.coordinator.prefill_nodes[0]) == 0
+
+
+def test_client_disconnect_aborts_and_frees(live):
+    body = {
+        "model": MODEL,
+        "prompt": RAW_PROMPTS[3],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break  # leave mid-stream: closing the connection must abort the request
+    report = wait_idle_and_check(live)
+    assert all(r["unfinished"] == 0 for r in report.values())
