@@ -9,7 +9,8 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
    ``cache_threshold`` of the prompt. What a node holds is replayed from its cache events
    (``PrefixIndex``), plus the prompts routed to it whose prefill has not finished yet (they
    will be in its cache by the time a follower is admitted there).
-3. Else the least-loaded node.
+3. Else the least-loaded node. Ties (e.g. all idle) go to the node caching the fewest
+   tokens: otherwise an idle cluster would pin every new prefix to the same first node.
 
 ``round_robin``, ``random`` and ``least_load`` are there for comparison.
 Decode node: the one with the most unreserved KV slots that can hold prompt + max_tokens.
@@ -159,8 +160,10 @@ class Coordinator:
 
     def _pick_decode(self, need: int) -> str:
         nodes = {n: d for n, d in self._decode.items() if not d.draining}
-        if not nodes or all(need > d.num_slots for d in nodes.values()):
-            most = max((d.num_slots for d in nodes.values()), default=0)
+        if not nodes:  # like the prefill side: one may register (or return) later
+            raise NoCapacityError("no decode node is accepting requests")
+        if all(need > d.num_slots for d in nodes.values()):
+            most = max(d.num_slots for d in nodes.values())
             raise ValueError(f"request needs {need} KV slots; the largest decode node has {most}")
         fits = [
             (d.num_slots - d.reserved, n)
@@ -199,7 +202,11 @@ class Coordinator:
         return hi - lo > self.cfg.balance_abs_tokens and hi > self.cfg.balance_rel * lo
 
     def _least_loaded(self, nodes: list[str]) -> str:
-        return min(nodes, key=lambda n: (self.load(n), len(self._prefill[n].inflight)))
+        def key(n: str) -> tuple[int, int, int]:
+            node = self._prefill[n]
+            return node.load, len(node.inflight), node.index.num_cached_tokens
+
+        return min(nodes, key=key)
 
     def _match_len(self, node_id: str, prompt: Sequence[int], namespace: str) -> int:
         node = self._prefill[node_id]

@@ -1,0 +1,389 @@
+"""Coordinator: routing decisions, bookkeeping, and a cluster simulation over real RadixCaches.
+
+The simulation drives each simulated prefill node the way ``prefill/`` does (match the prompt,
+lock, make room, extend, ``cache_finished``) and feeds the node's cache events back to the
+coordinator, optionally ``delay`` requests late to mimic prefills still in flight.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import pytest
+
+from pd.coordinator import Coordinator, NoCapacityError, Route, RouterConfig
+from pd.engine.kv_pool import SlotAllocator
+from pd.messages import CacheEventMsg
+from prefill.radix_cache import RadixCache
+
+# Thresholds used throughout, spelled out so a change of RouterConfig defaults shows up here.
+BALANCE_ABS_TOKENS = 4096
+BALANCE_REL = 2.0
+CACHE_THRESHOLD = 0.25
+
+NUM_GROUPS = 8
+PROMPTS_PER_GROUP = 16
+PREFIX_LEN = 1024
+SUFFIX_LEN = (32, 128)
+MAX_TOKENS = 16
+# A node holds about half the groups' prefixes (4.5 x 1024 tokens): with cache-aware routing
+# each node keeps its own groups' prefixes; round robin makes every node cycle through all 8.
+NODE_SLOTS = 4608
+# Requests cache_aware may send off their group's node: when the LRU has trimmed a group's
+# prefix on its node below CACHE_THRESHOLD of the prompt, the next request of that group goes
+# to the least-loaded node (1 such request with this workload; the load-balance rule itself
+# never fires here, as loads stay below BALANCE_ABS_TOKENS with <= 4 prefills in flight).
+MAX_STRAYS = 2
+
+
+def _make_config(policy: str = "cache_aware", **kw: float) -> RouterConfig:
+    args: dict = dict(
+        policy=policy,
+        balance_abs_tokens=BALANCE_ABS_TOKENS,
+        balance_rel=BALANCE_REL,
+        cache_threshold=CACHE_THRESHOLD,
+    )
+    args.update(kw)
+    return RouterConfig(**args)
+
+
+def _make_coordinator(
+    num_prefill: int = 2, decode_slots: Sequence[int] = (1 << 20,), **kw: float
+) -> Coordinator:
+    coord = Coordinator(_make_config(**kw))
+    for i in range(num_prefill):
+        coord.add_prefill(f"p{i}")
+    for i, num_slots in enumerate(decode_slots):
+        coord.add_decode(f"d{i}", num_slots)
+    return coord
+
+
+def _insert(coord: Coordinator, node_id: str, tokens: list[int], namespace: str = "") -> None:
+    """Tell the coordinator that ``node_id``'s cache now holds ``tokens``."""
+    seq = coord.index(node_id).next_seq
+    coord.apply_event(CacheEventMsg(node_id, seq, "inserted", namespace, tokens))
+
+
+def _tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- the simulation ----------------------------------------------------------------------------
+
+
+class _SimPrefill:
+    """A prefill node's cache side: a real RadixCache over a small SlotAllocator."""
+
+    def __init__(self, node_id: str, num_slots: int) -> None:
+        self.cache = RadixCache(SlotAllocator(num_slots), node_id)
+        self.num_prompt_tokens = 0
+        self.num_hit_tokens = 0
+
+    def prefill(self, prompt: list[int]) -> list[CacheEventMsg]:
+        """Run one request through the cache as a prefill node does; returns its events."""
+        cache = self.cache
+        m = cache.match_prompt(prompt)
+        cache.inc_lock_ref(m.last_node)
+        assert cache.make_room(cache.allocator.num_new_pages(m.slots, len(prompt)))
+        slots = cache.allocator.extend(m.slots, len(prompt))
+        cache.cache_finished(prompt, slots, m.last_node)
+        self.num_prompt_tokens += len(prompt)
+        self.num_hit_tokens += m.num_tokens
+        return cache.take_events()
+
+
+class SimResult(NamedTuple):
+    hit_rate: float  # cluster-wide matched tokens / prompt tokens, counted by the caches
+    group_nodes: dict[int, Counter[str]]  # group -> prefill node -> requests
+    num_evicted: int  # tokens evicted, all nodes
+
+
+def _make_workload(seed: int = 0) -> list[tuple[int, list[int]]]:
+    """NUM_GROUPS x PROMPTS_PER_GROUP prompts: a group prefix + a random suffix, interleaved."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 50_000) for _ in range(PREFIX_LEN)] for _ in range(NUM_GROUPS)]
+    work = [
+        (g, prefixes[g] + [rng.randrange(1, 50_000) for _ in range(rng.randint(*SUFFIX_LEN))])
+        for g in range(NUM_GROUPS)
+        for _ in range(PROMPTS_PER_GROUP)
+    ]
+    rng.shuffle(work)
+    return work
+
+
+def _simulate(
+    policy: str, num_prefill: int, delay: int, num_decode: int = 2, node_slots: int = NODE_SLOTS
+) -> SimResult:
+    """Route the workload. Each node prefills a request as it is routed (so its cache is always
+    current), but the coordinator hears of it (cache events, then the first token) only
+    ``delay`` requests later, as if the prefill were still running; the decode finishes
+    ``delay`` requests after that."""
+    coord = _make_coordinator(num_prefill, decode_slots=[64 * 1024] * num_decode, policy=policy)
+    nodes = {n: _SimPrefill(n, node_slots) for n in coord.prefill_nodes}
+    in_prefill: deque[tuple[str, list[CacheEventMsg]]] = deque()
+    in_decode: deque[str] = deque()
+    group_nodes: dict[int, Counter[str]] = {g: Counter() for g in range(NUM_GROUPS)}
+
+    def deliver(max_in_flight: int) -> None:
+        while len(in_prefill) > max_in_flight:
+            rid, events = in_prefill.popleft()
+            for event in events:
+                coord.apply_event(event)
+            coord.on_prefilled(rid)
+            in_decode.append(rid)
+        while len(in_decode) > max_in_flight:
+            coord.on_finished(in_decode.popleft())
+
+    for i, (group, prompt) in enumerate(_make_workload()):
+        rid = f"r{i}"
+        route = coord.route(rid, prompt, MAX_TOKENS)
+        group_nodes[group][route.prefill] += 1
+        in_prefill.append((rid, nodes[route.prefill].prefill(prompt)))
+        deliver(delay)
+    deliver(0)
+
+    for node_id, sim in nodes.items():
+        sim.cache.check_integrity()
+        sim.cache.check_slot_ownership([])
+        index = coord.index(node_id)
+        assert not index.needs_resync and index.next_seq == sim.cache.next_seq
+        assert index.num_cached_tokens == sim.cache.num_cached_tokens
+        assert sim.num_hit_tokens == sim.cache.stats.num_hit_tokens
+        assert coord.load(node_id) == 0
+    hits = sum(s.num_hit_tokens for s in nodes.values())
+    total = sum(s.num_prompt_tokens for s in nodes.values())
+    evicted = sum(s.cache.stats.num_evicted_tokens for s in nodes.values())
+    return SimResult(hits / total, group_nodes, evicted)
+
+
+def _num_strays(group_nodes: dict[int, Counter[str]]) -> int:
+    """Requests not routed to their group's main prefill node."""
+    return sum(sum(c.values()) - max(c.values()) for c in group_nodes.values())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_prefill", [2, 3])
+@pytest.mark.parametrize("delay", [0, 3])
+def test_cache_aware_pins_groups_and_beats_round_robin(num_prefill: int, delay: int) -> None:
+    aware = _simulate("cache_aware", num_prefill, delay)
+    rr = _simulate("round_robin", num_prefill, delay)
+    strays = _num_strays(aware.group_nodes)
+    print(
+        f"\n{num_prefill} prefill nodes, events {delay} requests late: prefix hit rate"
+        f" cache_aware {aware.hit_rate:.3f}, round_robin {rr.hit_rate:.3f}"
+        f" ({aware.hit_rate / rr.hit_rate:.2f}x); evicted tokens {aware.num_evicted} vs"
+        f" {rr.num_evicted}; cache_aware strays {strays}"
+    )
+    assert strays <= MAX_STRAYS, {g: dict(c) for g, c in aware.group_nodes.items()}
+    used = {n for c in aware.group_nodes.values() for n in c}
+    assert len(used) == num_prefill, f"groups use only {sorted(used)}"
+    assert rr.num_evicted > 0, "capacity too large: round robin never evicted"
+    assert aware.hit_rate >= 1.8 * rr.hit_rate
+
+
+# -- prefill choice ----------------------------------------------------------------------------
+
+A = _tokens(1000, 200)  # a prefix cached on p0
+B = _tokens(2000, 200)  # a prefix cached on p1
+
+
+def _make_cached_pair(**kw: float) -> Coordinator:
+    """p0 holds A, p1 holds B (small balance thresholds so tests can unbalance them)."""
+    coord = _make_coordinator(2, **{"balance_abs_tokens": 100, **kw})
+    _insert(coord, "p0", A)
+    _insert(coord, "p1", B)
+    return coord
+
+
+def _suffix(tag: int, n: int) -> list[int]:
+    return _tokens(100_000 * tag, n)
+
+
+@pytest.mark.timeout(10)
+def test_unbalanced_loads_go_to_least_loaded_only_past_both_thresholds() -> None:
+    # Only the relative threshold exceeded: p0 60 vs p1 0 tokens (60 <= 100 apart).
+    coord = _make_cached_pair()
+    assert coord.route("a", A + _suffix(1, 60), 8) == Route("p0", "d0", 200)
+    assert (coord.load("p0"), coord.load("p1")) == (60, 0)
+    assert coord.route("b", A + _suffix(2, 10), 8).prefill == "p0"
+
+    # Only the absolute one: p0 300 vs p1 180 (120 > 100 apart, but 300 <= 2 x 180).
+    coord = _make_cached_pair()
+    coord.route("b0", B + _suffix(1, 180), 8)
+    coord.route("a0", A + _suffix(2, 150), 8)
+    coord.route("a1", A + _suffix(3, 150), 8)
+    assert (coord.load("p0"), coord.load("p1")) == (300, 180)
+    assert coord.route("a2", A + _suffix(4, 10), 8).prefill == "p0"
+
+    # Both: p0 150 vs p1 0. A's follower goes to p1, which holds none of it.
+    coord = _make_cached_pair()
+    coord.route("a0", A + _suffix(1, 150), 8)
+    assert coord.route("a1", A + _suffix(2, 10), 8) == Route("p1", "d0", 0)
+    assert coord.load("p1") == 210
+    # Once p0's prefill is done, A sticks to p0 again (its cache events arrived long ago).
+    coord.on_prefilled("a0")
+    assert coord.route("a2", A + _suffix(3, 10), 8) == Route("p0", "d0", 200)
+
+
+@pytest.mark.timeout(10)
+def test_below_cache_threshold_goes_to_least_loaded() -> None:
+    coord = _make_cached_pair(cache_threshold=0.5)
+    coord.route("a0", A + _suffix(1, 80), 8)  # 200 of 280 matched: p0, load 80
+    assert coord.load("p0") == 80
+    # 50 of 200 tokens held by p0 (0.25 < 0.5): least loaded, p1.
+    assert coord.route("x", A[:50] + _suffix(2, 150), 8) == Route("p1", "d0", 0)
+    # 50 of 90 (0.56 >= 0.5): p0 although it is the more loaded node.
+    assert coord.route("y", A[:50] + _suffix(3, 40), 8) == Route("p0", "d0", 50)
+
+
+@pytest.mark.timeout(10)
+def test_longest_match_wins_and_ties_go_to_less_loaded() -> None:
+    coord = _make_coordinator(3)
+    _insert(coord, "p0", A[:100])
+    _insert(coord, "p1", A)
+    _insert(coord, "p2", A)
+    coord.route("b", B, 8)  # cold: least loaded and fewest cached tokens, p0 (100 tokens)
+    assert coord.load("p0") == 200
+    coord.route("x", A + _suffix(1, 50), 8)  # p1 and p2 tie on 200 tokens: lower load, p1
+    assert (coord.load("p1"), coord.load("p2")) == (50, 0)
+    assert coord.route("y", A + _suffix(2, 50), 8) == Route("p2", "d0", 200)
+
+
+@pytest.mark.timeout(10)
+def test_idle_cluster_spreads_new_prefixes_by_cached_tokens() -> None:
+    coord = _make_coordinator(3)
+    _insert(coord, "p0", A)
+    _insert(coord, "p1", B[:50])
+    # No load anywhere: the node caching the fewest tokens takes a new prefix.
+    assert coord.route("c", _suffix(1, 300), 8).prefill == "p2"
+
+
+@pytest.mark.timeout(10)
+def test_in_flight_prompt_makes_follower_stick_before_cache_events() -> None:
+    coord = _make_coordinator(2)
+    shared = _tokens(5000, 300)
+    first = coord.route("r0", shared + _suffix(1, 40), 8)
+    # The leader's node now has 340 tokens of load; without stickiness the follower would go
+    # to the idle node. The expected match is the shared part, as no event has arrived yet.
+    follower = coord.route("r1", shared + _suffix(2, 40), 8)
+    assert follower == Route(first.prefill, "d0", 300)
+    assert coord.load(first.prefill) == 340 + 40
+    assert coord.index(first.prefill).match_len(shared) == 0
+    # The real cache's events arrive, then the first token: still sticky, now via the index.
+    cache = RadixCache(SlotAllocator(4096), first.prefill)
+    sim = _SimPrefill.__new__(_SimPrefill)
+    sim.cache, sim.num_prompt_tokens, sim.num_hit_tokens = cache, 0, 0
+    for event in sim.prefill(shared + _suffix(1, 40)):
+        coord.apply_event(event)
+    coord.on_prefilled("r0")
+    coord.on_prefilled("r1")
+    assert coord.load(first.prefill) == 0
+    assert coord.route("r2", shared + _suffix(3, 40), 8) == Route(first.prefill, "d0", 300)
+
+
+@pytest.mark.timeout(10)
+def test_namespaces_are_kept_apart() -> None:
+    coord = _make_coordinator(2)
+    _insert(coord, "p0", A, namespace="t1")
+    _insert(coord, "p1", _tokens(0, 300))  # p1 caches more tokens overall: cold goes to p0
+    assert coord.route("x", A + [7], 8, namespace="t2") == Route("p0", "d0", 0)
+    coord.on_finished("x")
+    assert coord.route("y", A + [7], 8, namespace="t1") == Route("p0", "d0", 200)
+    # In flight: "y" is on p0 in t1; the same prompt in t2 does not follow it there.
+    assert coord.route("z", A + [8], 8, namespace="t2") == Route("p1", "d0", 0)
+
+
+@pytest.mark.timeout(10)
+def test_other_policies() -> None:
+    coord = _make_coordinator(3, policy="round_robin")
+    _insert(coord, "p2", A)
+    assert [coord.route(f"r{i}", A + [i], 8).prefill for i in range(4)] == [
+        "p0",
+        "p1",
+        "p2",
+        "p0",
+    ]
+    picks = []
+    for _ in range(2):
+        coord = _make_coordinator(3, policy="random", seed=7)
+        picks.append([coord.route(f"r{i}", A + [i], 8).prefill for i in range(12)])
+    assert picks[0] == picks[1] and len(set(picks[0])) == 3  # seeded, and uses every node
+    coord = _make_coordinator(2, policy="least_load")
+    _insert(coord, "p0", A)
+    assert coord.route("a", _suffix(1, 50), 8).prefill == "p1"  # idle tie: fewer cached
+    assert coord.route("a2", _suffix(2, 60), 8).prefill == "p0"
+    # p0 holds all of A, but least_load ignores caches; num_matched still tells what p1 holds.
+    assert coord.route("b", A + [1], 8) == Route("p1", "d0", 0)
+
+
+# -- decode choice and bookkeeping -------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_decode_choice_capacity_errors_and_release() -> None:
+    coord = _make_coordinator(1, decode_slots=(1000, 2000, 500))
+    prompt = _tokens(0, 592)  # + 8 max_tokens = 600 slots
+    chosen = [coord.route(f"r{i}", prompt, 8).decode for i in range(4)]
+    # unreserved before each: (1000, 2000, 500) -> d1, (1000, 1400) -> d1, (1000, 800) -> d0,
+    # (400, 800) -> d1; then (400, 200, 500).
+    assert chosen == ["d1", "d1", "d0", "d1"]
+    assert coord.route("small", _tokens(0, 442), 8).decode == "d2"  # 450: only d2 fits
+    with pytest.raises(NoCapacityError, match="600"):
+        coord.route("r4", prompt, 8)
+    with pytest.raises(ValueError, match="2001 KV slots; the largest decode node has 2000"):
+        coord.route("huge", _tokens(0, 1993), 8)
+    # Nothing was booked by the refused routes: the prompts shared with r0 add 1 token each.
+    assert coord.load("p0") == 592 + 3 + 1
+    coord.on_finished("r2")  # d0 back to 1000 unreserved
+    coord.on_finished("r2")  # a second finish releases nothing more
+    coord.on_finished("never-routed")
+    assert coord.route("r5", prompt, 8).decode == "d0"
+    with pytest.raises(NoCapacityError):
+        coord.route("r6", prompt, 8)
+    for rid in ("r0", "r1", "r3", "r5", "small"):
+        coord.on_finished(rid)
+    assert coord.load("p0") == 0
+    assert coord.route("s", _tokens(0, 1992), 8).decode == "d1"  # all 2000 of d1 free again
+
+
+@pytest.mark.timeout(10)
+def test_drain_and_remove_stop_routing_to_a_node() -> None:
+    coord = _make_cached_pair()
+    coord.add_decode("d1", 1 << 20)
+    coord.drain("p0")
+    coord.drain("d0")
+    assert coord.route("a", A + [1], 8) == Route("p1", "d1", 0)
+    coord.remove("p1")
+    assert coord.prefill_nodes == ["p0"]
+    with pytest.raises(NoCapacityError, match="no prefill node"):
+        coord.route("b", A + [2], 8)
+    coord.on_prefilled("a")  # its prefill node is gone: nothing to update, no error
+    coord.on_finished("a")
+    coord.remove("d1")
+    assert coord.decode_nodes == ["d0"]
+    coord.add_prefill("p2")
+    with pytest.raises(NoCapacityError, match="no decode node is accepting"):
+        coord.route("c", A + [3], 8)  # d0 is draining: a retry may find a new node
+    coord.add_decode("d2", 1 << 20)
+    assert coord.route("d", A + [4], 8) == Route("p2", "d2", 0)
+    with pytest.raises(KeyError):
+        coord.drain("nope")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"policy": "fastest"}, "policy must be one of"),
+        ({"balance_abs_tokens": -1}, "balance_abs_tokens \\(-1\\)"),
+        ({"balance_rel": 0.5}, "balance_rel \\(0.5\\)"),
+        ({"cache_threshold": 1.5}, "cache_threshold must be in \\[0, 1\\], got 1.5"),
+        ({"cache_threshold": -0.1}, "got -0.1"),
+    ],
+)
+def test_invalid_router_config_raises(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RouterConfig(**kw)
