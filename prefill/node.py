@@ -79,15 +79,17 @@ class PrefillNode(BaseNode):
         self._routes.pop(request_id, None)
 
     def _postprocess(self, produced: list[Req]) -> None:
+        for req in self.scheduler.prefilled:
+            self._start_transfer(req)
+        self.scheduler.prefilled.clear()
+        # cache events before tokens: when the coordinator hears a prefill is done, it already
+        # knows what that prefill left in this cache
+        for event in self.cache.take_events():
+            self.send_server(event)
         for req in produced:
             self.report(req, req.output_ids[-1:])
             if req.is_finished:
                 self._routes.pop(req.request_id, None)
-        for req in self.scheduler.prefilled:
-            self._start_transfer(req)
-        self.scheduler.prefilled.clear()
-        for event in self.cache.take_events():
-            self.send_server(event)
 
     def _start_transfer(self, req: Req) -> None:
         match = self.cache.cache_unfinished(

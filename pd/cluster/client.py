@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -48,6 +48,9 @@ class ClusterClient:
         *,
         stale_after_s: float = 5.0,
         capacity_timeout_s: float = 300.0,
+        ping: Callable[[str], Awaitable[Any]] | None = None,
+        ping_interval_s: float = 1.0,
+        ping_timeout_s: float = 30.0,
     ) -> None:
         self.coordinator = coordinator
         self.pull_addr = pull_addr
@@ -64,6 +67,13 @@ class ClusterClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        # liveness comes from the lifecycle plane (a Ray actor call answers even while the
+        # node's loop is busy in a long forward); a node that fails it is dropped
+        self._ping = ping
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self.dead_nodes: dict[str, str] = {}  # node_id -> why
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ServerMsg)
 
@@ -97,6 +107,8 @@ class ClusterClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.pull_addr)
         self._reader = asyncio.create_task(self._read_loop())
+        if self._ping is not None:
+            self._watchdog = asyncio.create_task(self._watch_nodes())
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -128,8 +140,7 @@ class ClusterClient:
             num_cached = 0
             while not finished:
                 msg = await queue.get()
-                if msg.error is not None:
-                    finished = True
+                if msg.error is not None:  # the partner node may still hold it: abort below
                     raise ClusterError(msg.error)
                 num_cached = max(num_cached, msg.num_cached_tokens)
                 finished = msg.finished
@@ -142,7 +153,7 @@ class ClusterClient:
                     num_cached,
                 )
         finally:
-            if not finished:
+            if not finished:  # cancelled (client gone) or failed
                 self._abort_on_nodes(request_id, p_info["node_id"], d_info["node_id"])
             self._streams.pop(request_id, None)
             self._routes.pop(request_id, None)
@@ -165,10 +176,11 @@ class ClusterClient:
         )
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for sock in [*self._push.values(), *([self._pull] if self._pull else [])]:
             sock.close(linger=0)
         if self._ctx is not None:
@@ -227,6 +239,33 @@ class ClusterClient:
             elif isinstance(msg, NodeStatsMsg):
                 self.node_stats[msg.node_id] = msg
                 self._last_seen[msg.node_id] = time.monotonic()
+
+    async def _watch_nodes(self) -> None:
+        assert self._ping is not None
+        while True:
+            await asyncio.sleep(self.ping_interval_s)
+            for node_id in list(self.nodes):
+                try:
+                    await asyncio.wait_for(self._ping(node_id), timeout=self.ping_timeout_s)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - any failure means the node is gone
+                    self.fail_node(node_id, f"{type(e).__name__}: {e}")
+
+    def fail_node(self, node_id: str, why: str) -> None:
+        """A node died: stop routing to it and fail (not hang) every request it was serving."""
+        logger.error("node %s is gone (%s); failing its requests", node_id, why)
+        self.dead_nodes[node_id] = why
+        for request_id, route in list(self._routes.items()):
+            if node_id in route:
+                queue = self._streams.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(
+                        TokenMsg(
+                            request_id, [], True, "abort", 0, 0, f"node {node_id} failed: {why}"
+                        )
+                    )
+        self.remove_node(node_id)
 
     def stats(self) -> dict[str, Any]:
         """Cluster gauges for GET /metrics (shape: ``pd.server.metrics``)."""

@@ -52,7 +52,7 @@ class Cluster:
         self.cfg = cfg
         self.router = dataclasses.replace(router, page_size=engine_cfg.page_size)
         self.client = ClusterClient(
-            Coordinator(self.router), f"tcp://{cfg.host}:{_free_port(cfg.host)}"
+            Coordinator(self.router), f"tcp://{cfg.host}:{_free_port(cfg.host)}", ping=self._ping
         )
         self.actors: dict[str, Any] = {}
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -109,6 +109,12 @@ class Cluster:
         """Every node's slot accounting (asserts inside each node)."""
         ids = list(self.actors)
         return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
+
+    async def _ping(self, node_id: str) -> None:
+        actor = self.actors.get(node_id)
+        if actor is None:
+            raise RuntimeError("no actor")
+        await actor.info.remote()
 
     # -- internals --------------------------------------------------------------------------
 

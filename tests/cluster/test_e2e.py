@@ -169,3 +169,47 @@ def test_client_disconnect_aborts_and_frees(live):
                 break  # leave mid-stream: closing the connection must abort the request
     report = wait_idle_and_check(live)
     assert all(r["unfinished"] == 0 for r in report.values())
+
+
+def test_shared_prefix_groups_stick_to_one_prefill_node(live, tokenizer, monkeypatch):
+    coordinator = live.cluster.client.coordinator
+    if len(coordinator.prefill_nodes) < 2:
+        pytest.skip("routing needs two prefill nodes")
+    routed: dict[str, str] = {}
+    route = coordinator.route
+
+    def spy(request_id, prompt_ids, *args, **kwargs):
+        r = route(request_id, prompt_ids, *args, **kwargs)
+        routed[tokenizer.decode(prompt_ids[:8])] = (
+            routed.get(tokenizer.decode(prompt_ids[:8]), "") + r.prefill + ","
+        )
+        return r
+
+    monkeypatch.setattr(coordinator, "route", spy)
+    groups = [f"Group {g}: " + " ".join(f"fact{g}-{i}" for i in range(120)) for g in range(4)]
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=240
+        )
+        try:
+            for round_ in range(3):  # every group in every round, concurrently
+                await asyncio.gather(
+                    *(
+                        client.completions.create(
+                            model=MODEL,
+                            prompt=f"{g} Question {round_}?",
+                            max_tokens=2,
+                            temperature=0,
+                        )
+                        for g in groups
+                    )
+                )
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert len(routed) == 4, routed
+    nodes_per_group = [set(v.strip(",").split(",")) for v in routed.values()]
+    assert all(len(n) == 1 for n in nodes_per_group), routed
+    assert len(set.union(*nodes_per_group)) == 2, f"all groups on one node: {routed}"

@@ -1,0 +1,56 @@
+"""Faults on a live cluster: a node dies, requests fail cleanly instead of hanging, the rest go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from tests.cluster.conftest import start_live_cluster, wait_idle_and_check
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.timeout(240)
+def test_prefill_node_dies_requests_fail_cleanly_and_survivor_serves(ray_session, smollm2_dir):
+    live, stop = start_live_cluster(2, 1, policy="round_robin")
+    try:
+        cluster = live.cluster
+        victim = "prefill-0"
+        # a long prompt keeps the victim busy prefilling when it is killed
+        body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8, "temperature": 0}
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=120))
+
+        threads = [threading.Thread(target=send) for _ in range(2)]  # round robin: one per node
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        ray.kill(cluster.actors[victim])
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads), "a request hung after its node died"
+        assert time.monotonic() - t0 < 60
+        codes = sorted(r.status_code for r in results)
+        assert codes[0] == 200, [r.text for r in results]
+        failed = [r for r in results if r.status_code != 200]
+        for r in failed:
+            assert r.status_code == 500 and "failed" in r.json()["error"]["message"]
+        assert victim in cluster.client.dead_nodes
+        # the survivor takes new work
+        ok = httpx.post(
+            f"{live.url}/v1/completions",
+            json={"model": MODEL, "prompt": "Water boils at", "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        assert ok.status_code == 200, ok.text
+        cluster.actors.pop(victim)
+        wait_idle_and_check(live)
+    finally:
+        stop()
