@@ -129,6 +129,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"
     )
     parser.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="serve one in-process engine (prefill and decode together, no Ray) instead",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

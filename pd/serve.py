@@ -50,6 +50,8 @@ def _announce_when_healthy(url: str, stop: threading.Event) -> None:
 
 def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.colocated:
+        return _serve_colocated(args, engine_cfg)
     cluster_cfg = ClusterConfig(
         num_prefill=args.prefill, num_decode=args.decode, address=args.address, host=args.host
     )
@@ -59,6 +61,10 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     cluster.start()
     model_name = args.served_model_name or _default_name(engine_cfg)
     app = build_cluster_app(cluster, model_name)
+    return _run_http(app, args, on_exit=cluster.shutdown)
+
+
+def _run_http(app, args: argparse.Namespace, on_exit) -> int:  # noqa: ANN001
     url = f"http://{args.host}:{args.port}"
     stop = threading.Event()
     threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
@@ -67,7 +73,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         uvicorn.Server(config).run()
     finally:
         stop.set()
-        cluster.shutdown()
+        on_exit()
     return 0
 
 
@@ -75,3 +81,33 @@ def _default_name(engine_cfg: EngineConfig) -> str:
     from pd.model.loader import resolve_model
 
     return resolve_model(engine_cfg.model).name
+
+
+def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+    """One process, no Ray: the colocated engine behind the same HTTP API (the baseline)."""
+    from pd.engine.async_engine import AsyncEngine
+    from pd.launch import build_engine
+
+    engine = build_engine(engine_cfg)
+    client = AsyncEngine(engine)
+    app = build_app(
+        client,
+        tokenizer=engine.tokenizer,
+        model_name=args.served_model_name or _default_name(engine_cfg),
+        max_model_len=engine.max_model_len,
+        stats_fn=lambda: {"nodes": {"engine": engine_stats(engine)}},
+    )
+    return _run_http(app, args, on_exit=client.shutdown)
+
+
+def engine_stats(engine) -> dict[str, object]:  # noqa: ANN001 - Engine, imported lazily
+    sched = engine.scheduler
+    return {
+        "role": "colocated",
+        "queue_depth": len(sched.waiting),
+        "running": len(sched.running),
+        "slots_used": engine.allocator.num_used_slots,
+        "slots_total": engine.allocator.num_slots,
+        "cache_hit_tokens": sched.num_admitted_cached_tokens,
+        "prompt_tokens": sched.num_admitted_tokens,
+    }
