@@ -52,9 +52,6 @@ class DecodeNode(BaseNode, BaseSlotOwner):
             self._abort(msg.request_id)
 
     def _on_request(self, msg: DecodeReqMsg) -> None:
-        if self._draining:
-            self.report_error(msg.request_id, f"decode node {self.node_id} is draining")
-            return
         try:
             req = self.make_req(msg.request_id, msg.prompt_ids, msg.sampling)
             self.scheduler.check_request(req)

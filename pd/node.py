@@ -121,7 +121,6 @@ class BaseNode:
         self.transfer_seconds = 0.0
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
-        self._draining = False
         self._thread = threading.Thread(target=self._loop, name=f"{self.node_id}-loop", daemon=True)
         self._thread.start()
 
@@ -149,10 +148,6 @@ class BaseNode:
     def check_integrity(self) -> dict[str, int]:
         """Assert the slot pool and cache invariants; return the slot accounting."""
         return self.call(self._check_integrity)
-
-    def drain(self) -> None:
-        """Take no new requests; in-flight ones finish."""
-        self._draining = True
 
     def num_unfinished(self) -> int:
         return self.call(self._num_unfinished)

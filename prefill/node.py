@@ -58,9 +58,6 @@ class PrefillNode(BaseNode):
             self._abort(msg.request_id)
 
     def _on_request(self, msg: PrefillReqMsg) -> None:
-        if self._draining:
-            self.report_error(msg.request_id, f"prefill node {self.node_id} is draining")
-            return
         try:
             req = self.make_req(msg.request_id, msg.prompt_ids, msg.sampling, msg.namespace)
             self.scheduler.add(req)

@@ -90,6 +90,10 @@ class ClusterClient:
     def drain_node(self, node_id: str) -> None:
         self.coordinator.drain(node_id)
 
+    def num_routed_to(self, node_id: str) -> int:
+        """Requests in flight that this node serves (or is about to receive)."""
+        return sum(node_id in route for route in list(self._routes.values()))
+
     def remove_node(self, node_id: str) -> None:
         self.coordinator.remove(node_id)
         self.nodes.pop(node_id, None)

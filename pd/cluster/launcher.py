@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from pd import envs
 from pd.cluster.client import ClusterClient
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, RouterConfig
@@ -97,10 +98,11 @@ class Cluster:
     def remove_node(self, node_id: str, timeout_s: float = 120.0) -> None:
         """Drain a node (no new requests, in-flight ones finish), then stop its actor."""
         actor = self.actors[node_id]
-        self.client.drain_node(node_id)
-        ray.get(actor.drain.remote())
+        self.client.drain_node(node_id)  # the coordinator routes nothing new to it
         deadline = time.monotonic() + timeout_s
-        while ray.get(actor.num_unfinished.remote()) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            self.client.num_routed_to(node_id) or ray.get(actor.num_unfinished.remote())
+        ):
             time.sleep(0.05)
         self.client.remove_node(node_id)
         self._kill(node_id)
@@ -136,7 +138,12 @@ class Cluster:
         options.update({"num_gpus": 1, "num_cpus": 1} if self._on_gpu else {"num_cpus": 0})
         engine_cfg = dataclasses.replace(self.engine_cfg, num_threads=self._threads())
         host = self.cfg.host if self.cfg.address is None else "auto"  # the actor's own IP
-        node_cfg = NodeConfig(node_id=node_id, server_addr=self.client.pull_addr, host=host)
+        node_cfg = NodeConfig(
+            node_id=node_id,
+            server_addr=self.client.pull_addr,
+            host=host,
+            debug_checks=envs.PD_DEBUG,
+        )
         actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
         handle = actor.remote(engine_cfg, node_cfg)
         self.actors[node_id] = handle

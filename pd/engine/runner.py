@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pd import envs
 from pd.config import EngineConfig
 from pd.engine.attention import make_attention_backend
 from pd.engine.batch import ForwardBatch, SeqInput
@@ -20,8 +21,9 @@ from pd.model.loader import load_config, load_weights, resolve_model
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        threads = cfg.num_threads or envs.PD_NUM_THREADS
+        if threads:
+            torch.set_num_threads(threads)
         self.cfg = cfg
         self.device = cfg.torch_device
         self.dtype = cfg.torch_dtype

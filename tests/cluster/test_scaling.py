@@ -1,0 +1,61 @@
+"""Pools scale independently at runtime: a node joins and takes work; a node leaves after draining."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import start_live_cluster, wait_idle_and_check
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
+    live, stop = start_live_cluster(1, 1, policy="round_robin")
+    try:
+        cluster = live.cluster
+        coordinator = cluster.client.coordinator
+        new = cluster.add_node("prefill")
+        assert sorted(coordinator.prefill_nodes) == ["prefill-0", new]
+        routed: list[str] = []
+        route = coordinator.route
+
+        def spy(*args, **kwargs):
+            r = route(*args, **kwargs)
+            routed.append(r.prefill)
+            return r
+
+        coordinator.route = spy
+        for i in range(4):
+            assert _complete(live.url, f"Count to {i}:").status_code == 200
+        assert set(routed) == {"prefill-0", new}, routed
+
+        # requests in flight on the node being removed still finish
+        results: list[httpx.Response] = []
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.append(_complete(live.url, f"Story {i}:", 24))
+            )
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        while len(routed) < 8:
+            threading.Event().wait(0.05)
+        cluster.remove_node(new)
+        for t in threads:
+            t.join(timeout=120)
+        assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+        assert coordinator.prefill_nodes == ["prefill-0"] and new not in cluster.actors
+        assert _complete(live.url, "After removal:").status_code == 200
+        wait_idle_and_check(live)
+    finally:
+        stop()
