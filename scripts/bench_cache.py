@@ -1,7 +1,10 @@
 """Prefix-cache benchmark: token-level radix cache vs block-hash caching, like with like.
 
-(a) TTFT warm vs cold on the real model: ``bench_ttft_warm_vs_cold`` (the engine's part, not
-    here yet; ``--ttft`` runs it).
+(a) TTFT warm vs cold on the real model through the colocated Engine (``build_engine``): a
+    request of a 2,048-token prefix + 64 new tokens, timed from ``add_request`` to its first
+    token. Cold: a cache-off engine prefills all 2,112 tokens. Warm: a cache-on engine has
+    ``warmup([prefix])`` first and prefills only the 64 new tokens. Median of 3 prompts (fresh
+    random ids each, same prompts both ways; the first tokens must agree).
 (b) RadixCache hit rate and tree operations per second (match + insert) on two generated
     workloads (random token ids, fixed seed):
     - shared-prefix: 64 groups x 16 prompts, a 1,024-token prefix per group + a 64-256-token
@@ -15,18 +18,29 @@ Each request matches ``prompt[:-1]`` (the last prompt token is always computed),
 prompt + answer, evicting LRU under pressure, and on finish hands back prompt + answer less the
 last sampled token (whose KV is never computed). Hit rate = matched tokens / prompt tokens.
 
-    python scripts/bench_cache.py [--capacity 16384 65536 262144] [--page-size 1 16]
-                                  [--block-size 16] [--seed 0]
+    python scripts/bench_cache.py [--parts a b c] [--capacity 16384 65536 262144]
+                                  [--page-size 1 16] [--block-size 16] [--seed 0]
+                                  [--model M] [--prefix-len 2048] [--new-len 64] [--repeats 3]
+                                  [--num-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
+import statistics
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
+import torch
+
+from pd.config import EngineConfig
+from pd.engine.engine import Engine
 from pd.engine.kv_pool import SlotAllocator
+from pd.launch import build_engine
+from pd.sampling_params import SamplingParams
 from prefill.block_hash_cache import BlockHashCache
 from prefill.radix_cache import RadixCache
 
@@ -130,10 +144,86 @@ def run_block_hash(workload: str, requests: list[Request], capacity: int, block_
     return Row(workload, name, capacity, num_done, num_prompt, num_hit, evicted, None)
 
 
+def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int, int]:
+    """Seconds from ``add_request`` to the first output, that token, and the cached tokens."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                seconds = time.perf_counter() - t0
+                assert out.finished and not engine.has_unfinished
+                return seconds, out.new_token_ids[0], out.num_cached_tokens
+
+
 def bench_ttft_warm_vs_cold(args: argparse.Namespace) -> list[str]:
-    """Part (a): TTFT of a prompt whose prefix is cached (warm) vs not (cold), on the real model
-    through the engine. Returns markdown table lines. To be written with the engine."""
-    raise SystemExit("part (a) (TTFT warm vs cold) is not implemented yet: it needs the engine")
+    """Part (a): markdown table lines of TTFT cold (cache off) vs warm (prefix cached)."""
+    n = args.prefix_len + args.new_len
+    cfg = EngineConfig(model=args.model, max_total_tokens=2 * n + 64, num_threads=args.num_threads)
+    cold_engine = build_engine(dataclasses.replace(cfg, enable_prefix_cache=False))
+    warm_engine = build_engine(cfg)
+    rng = random.Random(args.seed)
+    for engine in (cold_engine, warm_engine):  # first-call overheads stay out of the timings
+        engine.generate([_ids(rng, 64)], SamplingParams(max_tokens=2, temperature=0.0))
+    cold, warm = [], []
+    for _ in range(args.repeats):
+        prefix = _ids(rng, args.prefix_len)
+        prompt = prefix + _ids(rng, args.new_len)
+        cold_s, cold_token, cold_cached = time_to_first_token(cold_engine, prompt)
+        warm_engine.warmup([prefix])
+        warm_s, warm_token, warm_cached = time_to_first_token(warm_engine, prompt)
+        assert cold_cached == 0 and warm_cached == args.prefix_len, (cold_cached, warm_cached)
+        assert warm_token == cold_token, f"warm first token {warm_token} != cold {cold_token}"
+        cold.append(cold_s)
+        warm.append(warm_s)
+    for engine in (cold_engine, warm_engine):
+        engine.check_integrity()
+    runner = warm_engine.runner
+    lines = [
+        f"TTFT on {runner.model_dir.name} ({runner.device}, {runner.dtype}, "
+        f"{torch.get_num_threads()} threads), max_prefill_tokens={cfg.max_prefill_tokens}, "
+        f"median of {args.repeats}",
+        "",
+        "| case | prompt tokens | cached tokens | computed tokens | TTFT median (ms) | runs (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, times, cached in (("cold", cold, 0), ("warm", warm, args.prefix_len)):
+        runs = ", ".join(f"{t * 1e3:.1f}" for t in times)
+        lines.append(
+            f"| {name} | {n:,} | {cached:,} | {n - cached:,} "
+            f"| {statistics.median(times) * 1e3:.1f} | {runs} |"
+        )
+    ratio = statistics.median(cold) / statistics.median(warm)
+    lines += ["", f"warm is {ratio:.1f}x faster to the first token (target >= 10x)"]
+    return lines
+
+
+def bench_hit_rates(args: argparse.Namespace) -> Iterator[str]:
+    """Parts (b) and (c): markdown table lines of radix (b) and block-hash (c) hit rates,
+    yielded as each row is measured."""
+    workloads = {
+        "shared-prefix": shared_prefix_workload(random.Random(args.seed)),
+        "multi-turn": multi_turn_workload(random.Random(args.seed)),
+    }
+    yield (
+        "| workload | cache | capacity (tokens) | requests | prompt tokens | hit rate "
+        "| evicted tokens | match+insert ops/s |"
+    )
+    yield "|---|---|---|---|---|---|---|---|"
+    for name, requests in workloads.items():
+        for capacity in args.capacity:
+            rows = []
+            if "b" in args.parts:
+                rows += [run_radix(name, requests, capacity, ps) for ps in args.page_size]
+            if "c" in args.parts:
+                rows.append(run_block_hash(name, requests, capacity, args.block_size))
+            for r in rows:
+                ops = f"{r.ops_per_s:,.0f}" if r.ops_per_s is not None else "-"
+                yield (
+                    f"| {r.workload} | {r.cache} | {r.capacity:,} | {r.num_requests} "
+                    f"| {r.num_prompt_tokens:,} | {r.hit_rate:.1%} | {r.num_evicted_tokens:,} "
+                    f"| {ops} |"
+                )
 
 
 def main() -> None:
@@ -150,33 +240,29 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft", action="store_true", help="also run part (a) on the real model")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["a", "b", "c"],
+        default=["a", "b", "c"],
+        help="a: TTFT warm vs cold (real model); b: radix hit rates; c: block-hash hit rates",
+    )
+    ap.add_argument("--model", default=None, help="part (a)'s model (default: SmolLM2-135M)")
+    ap.add_argument("--prefix-len", type=int, default=2048, help="part (a): cached prefix")
+    ap.add_argument("--new-len", type=int, default=64, help="part (a): tokens after it")
+    ap.add_argument("--repeats", type=int, default=3, help="part (a): prompts timed each way")
+    ap.add_argument(
+        "--num-threads", type=int, default=None, help="part (a): torch threads (default: torch's)"
+    )
     args = ap.parse_args()
 
-    workloads = {
-        "shared-prefix": shared_prefix_workload(random.Random(args.seed)),
-        "multi-turn": multi_turn_workload(random.Random(args.seed)),
-    }
-    print(
-        "| workload | cache | capacity (tokens) | requests | prompt tokens | hit rate "
-        "| evicted tokens | match+insert ops/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, requests in workloads.items():
-        for capacity in args.capacity:
-            rows = [run_radix(name, requests, capacity, ps) for ps in args.page_size]
-            rows.append(run_block_hash(name, requests, capacity, args.block_size))
-            for r in rows:
-                ops = f"{r.ops_per_s:,.0f}" if r.ops_per_s is not None else "-"
-                print(
-                    f"| {r.workload} | {r.cache} | {r.capacity:,} | {r.num_requests} "
-                    f"| {r.num_prompt_tokens:,} | {r.hit_rate:.1%} | {r.num_evicted_tokens:,} "
-                    f"| {ops} |",
-                    flush=True,
-                )
-    if args.ttft:
+    if "b" in args.parts or "c" in args.parts:
+        for line in bench_hit_rates(args):
+            print(line, flush=True)
+        print()
+    if "a" in args.parts:
         for line in bench_ttft_warm_vs_cold(args):
-            print(line)
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
