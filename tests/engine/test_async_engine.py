@@ -1,0 +1,104 @@
+"""The colocated engine behind the EngineClient interface (what `pd serve --colocated` runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from pd.config import EngineConfig
+from pd.engine.async_engine import AsyncEngine
+from pd.launch import build_engine
+from pd.sampling_params import SamplingParams
+from pd.server.app import build_app
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.timeout(120)
+PROMPT = [1000 + 37 * i for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir):
+    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
+    client = AsyncEngine(engine)
+    yield client
+    client.shutdown()
+
+
+def _idle(client: AsyncEngine) -> None:
+    deadline = time.monotonic() + 10
+    while client.call(lambda e: e.has_unfinished):
+        assert time.monotonic() < deadline, "request still running"
+        time.sleep(0.02)
+    client.call(lambda e: e.check_integrity())
+
+
+def test_generate_streams_hf_tokens_then_finishes(client, tiny_llama_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list:
+        return [o async for o in client.generate("a", PROMPT, params)]
+
+    outs = asyncio.run(run())
+    assert [t for o in outs for t in o.new_token_ids] == hf_greedy(
+        tiny_llama_dir, PROMPT, 12, ignore_eos=True
+    )
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert not any(o.finished for o in outs[:-1])
+    _idle(client)
+
+
+def test_leaving_the_stream_aborts_the_request(client):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> int:
+        seen = 0
+        gen = client.generate("b", PROMPT, params)
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()
+        return seen
+
+    assert asyncio.run(run()) == 3
+    _idle(client)
+
+
+def test_bad_request_raises_and_queues_nothing(client):
+    async def run() -> None:
+        async for _ in client.generate("c", [], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(ValueError, match="prompt is empty"):
+        asyncio.run(run())
+    _idle(client)
+
+
+def test_http_over_the_colocated_engine(client, tiny_llama_dir):
+    engine = client.engine
+    app = build_app(
+        client, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=engine.max_model_len
+    )
+    want = engine.tokenizer.decode(
+        hf_greedy(tiny_llama_dir, PROMPT, 8, ignore_eos=True), skip_special_tokens=True
+    )
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            body = {
+                "model": "tiny",
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            return await http.post("/v1/completions", json=body)
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    _idle(client)
