@@ -251,3 +251,37 @@ def test_warmup_leaves_prefixes_cached_and_unpinned(tiny_llama_dir):
     done = _run(engine, [prompt], params)[0]
     assert done == Done(hf_greedy(tiny_llama_dir, prompt, 8, ignore_eos=True), 64)
     _assert_no_leak(engine)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_prefill_over_a_cached_prefix_and_aborts(tiny_llama_dir, page_size):
+    engine = _make_engine(
+        tiny_llama_dir, cache=True, page_size=page_size, max_total_tokens=512, max_prefill_tokens=24
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prefix = _prompt(100, seed=41)
+    a, b = prefix + _prompt(30, seed=42), prefix + _prompt(50, seed=43)
+
+    # Aborted after two 24-token chunks: the 48 computed tokens stay cached.
+    rid = engine.add_request(a, params)
+    for _ in range(2):
+        assert engine.step() == []
+        engine.check_integrity()
+    assert engine.abort(rid).finish_reason == "abort"
+    assert engine.cache.num_cached_tokens == 48
+    _assert_no_leak(engine)
+
+    done = _run(engine, [b], params)[0]
+    assert done == Done(hf_greedy(tiny_llama_dir, b, 6, ignore_eos=True), 48)
+    # b left its whole prompt: a now hits the 100-token prefix (page-aligned).
+    done = _run(engine, [a], params)[0]
+    assert done == Done(hf_greedy(tiny_llama_dir, a, 6, ignore_eos=True), 100 - 100 % page_size)
+
+    # Aborted while decoding, and while waiting: nothing leaks, nothing stays locked.
+    rid = engine.add_request(b, params)
+    while not engine.step():
+        engine.check_integrity()
+    engine.abort(rid)
+    engine.abort(engine.add_request(a, params))
+    _assert_no_leak(engine)
