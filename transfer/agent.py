@@ -69,7 +69,13 @@ class TransferAgent:
 
     @property
     def num_dropped_msgs(self) -> int:
+        """Control frames dropped as malformed or undeliverable."""
         return self._ctrl.num_dropped
+
+    @property
+    def num_pairs(self) -> int:
+        """Live pair groups (as sender plus as receiver)."""
+        return self._sender.num_pairs + self._receiver.num_pairs
 
     def sender(
         self, transfer_id: str, peer: str, num_tokens: int, token_ids: Sequence[int] | None = None

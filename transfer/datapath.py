@@ -3,13 +3,14 @@
 Stream of one transfer on a pair (both ends run the same order, so no tags are needed):
 
     header  int64[8] = [MAGIC, seq, flags, num_tokens, num_layers, elems_per_token, dtype, 0]
-    layer 0 [num_tokens * elems_per_token]   (the layer's buffers one after the other: K, V)
+    layer 0: K [num_tokens * kv_heads * head_dim], then V (one message per buffer of the layer)
     ...
     layer L-1
 
 A ``PairWorker`` thread owns one pair and runs its jobs one at a time, so payloads of
-concurrent transfers never interleave. Two layer buffers are in flight: gather (or scatter)
-layer i+1 while layer i is on the wire.
+concurrent transfers never interleave. Two layers are in flight: gather (or scatter) layer
+i+1 while layer i is on the wire. Scattered slots go through a staging buffer; a side whose
+slots are one ascending run sends from (or receives into) its pool directly, saving a copy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ log = logging.getLogger(__name__)
 MAGIC = 0x4B56_5846  # "KVXF"
 FLAG_CANCELLED = 1
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8)
+# Byte-copy stand-ins by width: gather/scatter move raw bytes, never arithmetic on values.
+_WIDE_DTYPES = {
+    16: torch.complex128,
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
 
 
 class KVLayout:
@@ -56,6 +65,9 @@ class KVLayout:
         sizes = {sum(b[0].numel() for b in layer) for layer in self.layers}
         if len(sizes) != 1:
             raise ValueError(f"layers hold different numbers of elements per token: {sizes}")
+        row_bytes = {b[0].numel() * b.dtype.itemsize for b in buffers}
+        width = next(w for w in (16, 8, 4, 2, 1) if all(r % w == 0 for r in row_bytes))
+        self._wide_dtype = _WIDE_DTYPES[width]
         self.num_layers = num_layers
         self.num_slots = first.shape[0]
         self.elems_per_token = sizes.pop()
@@ -74,22 +86,34 @@ class KVLayout:
         # slots: [n] int64 on self.device; out: [n * elems_per_token] contiguous
         n = slots.numel()
         dst = out if out.device == self.device else torch.empty_like(out, device=self.device)
-        off = 0
-        for b in self.layers[layer]:
-            m = n * b[0].numel()
-            torch.index_select(b, 0, slots, out=dst[off : off + m].view(n, *b.shape[1:]))
-            off += m
+        for b, part in zip(self.layers[layer], self.split(layer, dst, n), strict=True):
+            torch.index_select(self._rows(b), 0, slots, out=self._rows(part.view(n, -1)))
         if dst is not out:
             out.copy_(dst)
+
+    def views(self, layer: int, first_slot: int, n: int) -> list[torch.Tensor]:
+        """The layer's buffers at slots ``[first_slot, first_slot + n)``, flat, no copy."""
+        return [b[first_slot : first_slot + n].view(-1) for b in self.layers[layer]]
+
+    def split(self, layer: int, flat: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """A gathered layer ``[n * elems_per_token]`` cut into one flat part per buffer."""
+        sizes = [n * b[0].numel() for b in self.layers[layer]]
+        return list(flat.split(sizes))
 
     def scatter(self, layer: int, slots: torch.Tensor, src: torch.Tensor) -> None:
         n = slots.numel()
         src = src.to(self.device, non_blocking=False)
-        off = 0
-        for b in self.layers[layer]:
-            m = n * b[0].numel()
-            b.index_copy_(0, slots, src[off : off + m].view(n, *b.shape[1:]))
-            off += m
+        for b, part in zip(self.layers[layer], self.split(layer, src, n), strict=True):
+            self._rows(b).index_copy_(0, slots, self._rows(part.view(n, -1)))
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``[rows, row_bytes / w]`` of a w-byte dtype: the same bytes in fewer
+        elements. CPU index_copy_ costs per element, so 16-byte elements scatter ~5x faster."""
+        rows = t.view(t.shape[0], -1)
+        try:
+            return rows.view(self._wide_dtype)
+        except RuntimeError:  # a view whose storage offset is not aligned to w
+            return rows
 
 
 @dataclass(eq=False)
@@ -104,6 +128,7 @@ class DataJob:
     deadline: float  # time.monotonic()
     num_ready_layers: int
     cancelled: bool = False
+    started: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def set_ready_layers(self, n: int) -> None:
@@ -111,10 +136,19 @@ class DataJob:
             self.num_ready_layers = max(self.num_ready_layers, n)
             self._cond.notify_all()
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
+        """True if the worker has not started the job, so it will never touch the slots."""
         with self._cond:
             self.cancelled = True
             self._cond.notify_all()
+            return not self.started
+
+    def claim(self) -> bool:
+        """Worker: start the job; False if it was cancelled first (then only the stream is
+        kept in step: a cancelled header is sent, or the payload is read and dropped)."""
+        with self._cond:
+            self.started = True
+            return not self.cancelled
 
     def remaining_s(self) -> float:
         left = self.deadline - time.monotonic()
@@ -126,6 +160,17 @@ class DataJob:
         with self._cond:
             while self.num_ready_layers < num_layers and not self.cancelled:
                 self._cond.wait(self.remaining_s())
+
+
+def first_of_run(slots: torch.Tensor) -> int | None:
+    """``a`` if ``slots`` is exactly ``[a, a + 1, ..., a + n - 1]`` (n >= 1), else None."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    a = int(slots[0])
+    if int(slots[-1]) != a + n - 1 or (n > 1 and not bool((slots.diff() == 1).all())):
+        return None
+    return a
 
 
 class JobResult(NamedTuple):
@@ -207,51 +252,66 @@ class PairWorker:
     def _send(self, be: BaseTransferBackend, job: DataJob) -> None:
         assert job.slots is not None
         lo, n = self.layout, job.slots.numel()
-        flags = FLAG_CANCELLED if job.cancelled else 0
+        flags = 0 if job.claim() else FLAG_CANCELLED
         be.isend(self._header(job, flags, n, be.device)).wait(job.remaining_s())
         if flags or n == 0:
             return
-        bufs = [torch.empty(n * lo.elems_per_token, dtype=lo.dtype, device=be.device) for _ in "ab"]
-        inflight: list[Pending | None] = [None, None]
+        first = first_of_run(job.slots) if lo.device == be.device else None
+        size = n * lo.elems_per_token if first is None else 0
+        bufs = [torch.empty(size, dtype=lo.dtype, device=be.device) for _ in "ab"]
+        inflight: list[list[Pending]] = [[], []]
         for layer in range(lo.num_layers):
             # After a cancel the rest is sent as is: the receiver drops it, the stream stays whole.
             job.wait_ready(layer + 1)
             i = layer % 2
-            if (p := inflight[i]) is not None:
+            for p in inflight[i]:
                 p.wait(job.remaining_s())
-            lo.gather(layer, job.slots, bufs[i])
-            inflight[i] = be.isend(bufs[i])
-        for p in inflight:
-            if p is not None:
-                p.wait(job.remaining_s())
+            if first is not None:
+                parts = lo.views(layer, first, n)
+            else:
+                lo.gather(layer, job.slots, bufs[i])
+                parts = lo.split(layer, bufs[i], n)
+            inflight[i] = [be.isend(part) for part in parts]
+        for p in inflight[0] + inflight[1]:
+            p.wait(job.remaining_s())
 
     def _recv(self, be: BaseTransferBackend, job: DataJob) -> None:
         lo = self.layout
+        dst = job.slots if job.claim() else None
         header = torch.zeros(8, dtype=torch.int64, device=be.device)
         be.irecv(header).wait(job.remaining_s())
         magic, seq, flags, n, num_layers, elems, code, _ = header.tolist()
         want = (MAGIC, job.seq, lo.num_layers, lo.elems_per_token, DTYPES.index(lo.dtype))
         if (magic, seq, num_layers, elems, code) != want:
             raise PairError(f"bad header {header.tolist()}, want (magic, seq, ...) {want}")
-        if job.slots is not None and n != job.slots.numel():
-            raise PairError(f"header says {n} tokens, {job.slots.numel()} slots reserved")
+        if dst is not None and n != dst.numel():
+            raise PairError(f"header says {n} tokens, {dst.numel()} slots reserved")
         if flags & FLAG_CANCELLED:
             raise _Cancelled("cancelled by sender")
         if n == 0:
             return
-        bufs = [torch.empty(n * elems, dtype=lo.dtype, device=be.device) for _ in "ab"]
-        inflight: list[Pending | None] = [
-            be.irecv(bufs[i]) if i < num_layers else None for i in (0, 1)
-        ]
+        first = first_of_run(dst) if dst is not None and lo.device == be.device else None
+        size = n * elems if first is None else 0
+        bufs = [torch.empty(size, dtype=lo.dtype, device=be.device) for _ in "ab"]
+
+        def post(layer: int) -> list[Pending]:
+            if layer >= num_layers:
+                return []
+            if first is not None:  # straight into the pool: the slots stay reserved till we end
+                parts = lo.views(layer, first, n)
+            else:
+                parts = lo.split(layer, bufs[layer % 2], n)
+            return [be.irecv(part) for part in parts]
+
+        inflight = [post(0), post(1)]
         for layer in range(num_layers):
             i = layer % 2
-            p = inflight[i]
-            assert p is not None
-            p.wait(job.remaining_s())
-            if job.slots is not None and not job.cancelled:
-                lo.scatter(layer, job.slots, bufs[i])
-            inflight[i] = be.irecv(bufs[i]) if layer + 2 < num_layers else None
+            for p in inflight[i]:
+                p.wait(job.remaining_s())
+            if first is None and dst is not None and not job.cancelled:
+                lo.scatter(layer, dst, bufs[i])
+            inflight[i] = post(layer + 2)
         if lo.device.type == "cuda":
             torch.cuda.current_stream(lo.device).synchronize()
-        if job.slots is None or job.cancelled:
+        if dst is None or job.cancelled:
             raise _Cancelled("cancelled by receiver")

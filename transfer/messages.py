@@ -65,10 +65,12 @@ class TransferDoneMsg(msgspec.Struct, tag="transfer_done", frozen=True):
 
 
 class TransferAbortMsg(msgspec.Struct, tag="transfer_abort", frozen=True):
-    """Either way: give up ``transfer_id``; the receiver frees its slots."""
+    """Either way: give up ``transfer_id``; the receiver frees its slots. ``pair_broken``: the
+    pair group named for it is gone, so the sender must not put more transfers on it."""
 
     transfer_id: str
     reason: str = ""
+    pair_broken: bool = False
 
 
 ControlMsg = (

@@ -111,10 +111,12 @@ class ReceiverSide:
             return
         log.info("receive %s failed: %s", rec.transfer_id, reason)
         if notify and rec.identity is not None:
-            self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, reason))
+            worker = self._workers.get(rec.prefix)
+            broken = worker is None or worker.is_broken
+            self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, reason, broken))
         rec.state, rec.failure, rec.finished_at = KVPoll.FAILED, reason, time.monotonic()
-        if rec.job is not None:
-            rec.job.cancel()
+        if rec.job is not None and rec.job.cancel():
+            rec.is_job_running = False  # queued, not started: it will only drain the stream
         self._release_if_idle(rec)
 
     # -- progress
@@ -127,6 +129,8 @@ class ReceiverSide:
         if isinstance(msg, TransferStartMsg):
             self._on_start(identity, msg, rec)
         elif isinstance(msg, TransferAbortMsg) and rec is not None and rec.identity == identity:
+            if msg.pair_broken:
+                self._retire(rec.prefix, "the sender dropped the pair group")
             self.fail(rec, f"aborted by sender: {msg.reason}", notify=False)
         else:
             log.warning("receiver dropped %s from %s", type(msg).__name__, identity.hex())
@@ -140,9 +144,13 @@ class ReceiverSide:
             rec.state, rec.finished_at = KVPoll.SUCCESS, time.monotonic()
             assert rec.identity is not None
             self._ctrl.reply(rec.identity, TransferDoneMsg(rec.transfer_id))
-        else:
+        elif not rec.state.is_final:
             self.fail(rec, res.error or "cancelled")
+        else:  # failed earlier (deadline, abort); tell the sender if the pair died since
             self._release_if_idle(rec)
+            worker = self._workers.get(rec.prefix)
+            if rec.identity is not None and (worker is None or worker.is_broken):
+                self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, "", True))
         self._drop_broken()
 
     def tick(self, now: float) -> None:
@@ -151,8 +159,15 @@ class ReceiverSide:
                 if now - rec.finished_at > self._cfg.linger_s and not rec.is_job_running:
                     del self.records[rec.transfer_id]
             elif now > rec.deadline:
-                self.fail(rec, f"{rec.state.name.lower()} for over {self._cfg.timeout_s} s")
+                why = f"{rec.state.name.lower()} for over {self._cfg.timeout_s} s"
+                if rec.state == KVPoll.TRANSFERRING:  # the stream is stuck: drop the pair first
+                    self._retire(rec.prefix, f"pair stuck: {rec.transfer_id} {why}")
+                self.fail(rec, why)
         self._drop_broken()
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._workers)
 
     def close(self) -> None:
         for worker in self._workers.values():

@@ -42,6 +42,7 @@ class SendRecord:
     worker: PairWorker | None = None  # the pair named in the last request
     prefix: str = ""
     next_request_at: float = 0.0
+    num_no_room: int = 0
     num_cached_tokens: int = 0
     dst_slots: list[int] = field(default_factory=list)
     src_slots: torch.Tensor | None = None  # [num_tokens] int64, set by send()
@@ -147,12 +148,14 @@ class SenderSide:
         if rec.state == KVPoll.WAITING:
             self._start(rec)
 
-    def fail(self, rec: SendRecord, reason: str, notify: bool = True) -> None:
+    def fail(
+        self, rec: SendRecord, reason: str, notify: bool = True, pair_broken: bool = False
+    ) -> None:
         if rec.state.is_final:
             return
         log.info("send %s failed: %s", rec.transfer_id, reason)
         if notify:  # even while bootstrapping: the receiver may have reserved slots already
-            self._ctrl.send(rec.peer, TransferAbortMsg(rec.transfer_id, reason))
+            self._ctrl.send(rec.peer, TransferAbortMsg(rec.transfer_id, reason, pair_broken))
         rec.state, rec.failure, rec.finished_at = KVPoll.FAILED, reason, time.monotonic()
         if rec.job is not None:
             rec.job.cancel()  # the worker still sends what it started, so the stream stays whole
@@ -169,7 +172,11 @@ class SenderSide:
 
     def on_msg(self, peer: str, msg: object) -> None:
         rec = self.records.get(getattr(msg, "transfer_id", ""))
-        if rec is None or rec.peer != peer or rec.state.is_final:
+        if rec is None or rec.peer != peer:
+            return
+        if isinstance(msg, TransferAbortMsg) and msg.pair_broken:
+            self._retire(rec.worker)  # before our own worker notices: no new transfer uses it
+        if rec.state.is_final:
             return
         if isinstance(msg, TransferReadyMsg) and rec.state == KVPoll.BOOTSTRAPPING:
             n_new = rec.num_tokens - msg.num_cached_tokens
@@ -188,6 +195,7 @@ class SenderSide:
                 self._start(rec)
         elif isinstance(msg, NoRoomMsg) and rec.state == KVPoll.BOOTSTRAPPING:
             rec.next_request_at = time.monotonic() + self._cfg.retry_interval_s
+            rec.num_no_room += 1
         elif isinstance(msg, TransferDoneMsg) and rec.state == KVPoll.TRANSFERRING:
             rec.state, rec.finished_at = KVPoll.SUCCESS, time.monotonic()
         elif isinstance(msg, TransferAbortMsg):
@@ -205,13 +213,22 @@ class SenderSide:
                 if now - rec.finished_at > self._cfg.linger_s:
                     del self.records[rec.transfer_id]
             elif rec.state == KVPoll.BOOTSTRAPPING and now > rec.deadline:
-                why = "no room" if rec.next_request_at else "no answer"
+                why = f"no room ({rec.num_no_room} tries)" if rec.num_no_room else "no answer"
                 self.fail(rec, f"{why} within handshake timeout {self._cfg.handshake_timeout_s} s")
+                if not rec.num_no_room:
+                    self._retire(rec.worker)  # the peer is silent: build afresh next time
             elif rec.state == KVPoll.BOOTSTRAPPING and 0 < rec.next_request_at <= now:
                 self._request(rec)
             elif rec.state == KVPoll.TRANSFERRING and now > rec.deadline:
-                self.fail(rec, f"not acknowledged within {self._cfg.timeout_s} s")
+                # The pair is stuck (peer gone, or still in its rendezvous): drop it now rather
+                # than when its worker notices, so the next transfer builds a new one.
+                self.fail(rec, f"not acknowledged within {self._cfg.timeout_s} s", pair_broken=True)
+                self._retire(rec.worker)
         self._drop_broken()
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._workers)
 
     def close(self) -> None:
         for worker, _ in self._workers.values():
@@ -235,7 +252,8 @@ class SenderSide:
 
     def _start(self, rec: SendRecord) -> None:
         assert rec.worker is not None and rec.src_slots is not None
-        if rec.worker.is_broken:
+        current = self._workers.get(rec.peer)
+        if rec.worker.is_broken or current is None or current[0] is not rec.worker:
             self.fail(rec, "pair broke before the data started")
             return
         seq, rec.worker.next_seq = rec.worker.next_seq, rec.worker.next_seq + 1
@@ -247,7 +265,12 @@ class SenderSide:
         rec.worker.submit(rec.job)
 
     def _drop_broken(self) -> None:
-        for peer, (worker, _) in list(self._workers.items()):
+        for worker, _ in list(self._workers.values()):
             if worker.is_broken:
+                self._retire(worker)
+
+    def _retire(self, worker: PairWorker | None) -> None:
+        for peer, (w, _) in list(self._workers.items()):
+            if w is worker:
                 del self._workers[peer]
-                worker.close()
+                w.close()

@@ -120,12 +120,12 @@ def test_no_room_is_retried_until_slots_free(pair) -> None:
 
 def test_no_room_until_handshake_timeout_fails_cleanly(pair) -> None:
     s, r, owner = pair
+    t0 = time.monotonic()
     snd = s.sender("huge", r.endpoint, 65)  # more than the whole pool
     snd.send(list(range(64)) + [0])
-    t0 = time.monotonic()
     assert run_until(lambda: snd.poll().is_final, [s, r], 10)
     assert snd.poll() == KVPoll.FAILED and "no room" in (snd.failure or "")
-    assert 1.9 < time.monotonic() - t0 < 4
+    assert 2.0 <= time.monotonic() - t0 < 4
     assert owner.alloc.num_free_slots == 64
     owner.check()
 
@@ -168,7 +168,7 @@ def test_sender_that_never_sends_times_out_and_receiver_frees(pair) -> None:
     rcv = r.receiver("t")
     t0 = time.monotonic()
     assert run_until(lambda: _both_final(snd, rcv), [s, r], 10)
-    assert 1.9 < time.monotonic() - t0 < 4
+    assert 2.0 <= time.monotonic() - t0 < 4
     assert (snd.poll(), rcv.poll()) == (KVPoll.FAILED, KVPoll.FAILED)
     assert owner.released == ["t"] and owner.alloc.num_free_slots == 64
 
@@ -181,6 +181,7 @@ def test_stalled_data_breaks_the_pair_and_the_next_transfer_rebuilds_it(pair) ->
     assert run_until(lambda: _both_final(snd, rcv) and owner.released, [s, r], 10)
     assert (snd.poll(), rcv.poll()) == (KVPoll.FAILED, KVPoll.FAILED)
     assert owner.alloc.num_free_slots == 64
+    assert run_until(lambda: s.num_pairs == r.num_pairs == 0, [s, r], 5)
     nxt = s.sender("next", r.endpoint, 2)
     nxt.send([5, 6])
     assert run_until(lambda: nxt.poll().is_final, [s, r], 10)
