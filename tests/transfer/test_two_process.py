@@ -72,9 +72,14 @@ def _scattered(gen: torch.Generator, n: int) -> list[int]:
     return torch.randperm(NUM_SLOTS, generator=gen)[:n].tolist()
 
 
-def _start_receiver(children: list[Any], expect: dict[str, list[int]], device: str = "cpu"):
+def _start_receiver(
+    children: list[Any],
+    expect: dict[str, list[int]],
+    device: str = "cpu",
+    cfg: TransferConfig = CFG,
+):
     out, cmd = CTX.Queue(), CTX.Queue()
-    p = CTX.Process(target=receiver_main, args=(CFG, expect, NUM_SLOTS, device, out, cmd))
+    p = CTX.Process(target=receiver_main, args=(cfg, expect, NUM_SLOTS, device, out, cmd))
     p.start()
     children.append(p)
     return p, out, cmd, _get(out, "endpoint")[1]
@@ -159,24 +164,20 @@ def test_nccl_pair_on_two_gpus(children) -> None:
             f"NCCL needs two GPUs ({torch.cuda.device_count()} visible): it refuses two ranks "
             "on one GPU, and gloo p2p is CPU-only"
         )
-    global CFG
-    cfg_saved, CFG = CFG, TransferConfig(backend="nccl", timeout_s=30.0, connect_timeout_s=60.0)
+    cfg = TransferConfig(backend="nccl", timeout_s=30.0, connect_timeout_s=60.0)
+    gen = torch.Generator().manual_seed(0)
+    plan = {f"req-{i}": _scattered(gen, n) for i, n in enumerate([40, 17, 60])}
+    _, out, cmd, endpoint = _start_receiver(children, plan, device="cuda:1", cfg=cfg)
+    src = make_pool(SRC_SEED, NUM_SLOTS, device="cuda:0")
+    agent = TransferAgent(cfg, buffers(src), src.num_layers)
     try:
-        gen = torch.Generator().manual_seed(0)
-        plan = {f"req-{i}": _scattered(gen, n) for i, n in enumerate([40, 17, 60])}
-        _, out, cmd, endpoint = _start_receiver(children, plan, device="cuda:1")
-        src = make_pool(SRC_SEED, NUM_SLOTS, device="cuda:0")
-        agent = TransferAgent(CFG, buffers(src), src.num_layers)
-        try:
-            senders = {t: agent.sender(t, endpoint, len(sl)) for t, sl in plan.items()}
-            for t, sl in plan.items():
-                senders[t].send(sl)
-            assert run_until(lambda: all(s.poll().is_final for s in senders.values()), [agent], 90)
-            assert {t: s.poll() for t, s in senders.items()} == dict.fromkeys(plan, KVPoll.SUCCESS)
-            _, states, _ = _get(out, "result", 60)
-            assert states == {t: ("SUCCESS", None) for t in plan}
-        finally:
-            cmd.put("exit")
-            agent.close()
+        senders = {t: agent.sender(t, endpoint, len(sl)) for t, sl in plan.items()}
+        for t, sl in plan.items():
+            senders[t].send(sl)
+        assert run_until(lambda: all(s.poll().is_final for s in senders.values()), [agent], 90)
+        assert {t: s.poll() for t, s in senders.items()} == dict.fromkeys(plan, KVPoll.SUCCESS)
+        _, states, _ = _get(out, "result", 60)  # bit-exact and untouched, checked there
+        assert states == {t: ("SUCCESS", None) for t in plan}
     finally:
-        CFG = cfg_saved
+        cmd.put("exit")
+        agent.close()
