@@ -9,9 +9,18 @@ Workloads:
   shared-prefix  --num-groups G × --prompts-per-group M prompts; each group shares a prefix of
                  --prefix-len words (or tokens with --tokenizer), then a unique suffix.
   fixed          one prompt (--prefix-len + --suffix-len) sent --num-prompts times.
+  cached-prefix  one prefix of exactly --prefix-len token ids (random, from the model's vocab),
+                 cached by one warm-up request, then --num-prompts sequential requests of
+                 prefix + --suffix-len new random ids: TTFT with a fully cached prefix.
 
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-groups 4 --prompts-per-group 8 --max-concurrency 8 --json out.json
+
+With --launch "label=ARGS" (repeatable) it starts `pd serve ARGS` itself for each (a free
+loopback port), runs the workload against it, stops it, and prints one table comparing them:
+
+    python scripts/bench_serving.py --workload cached-prefix --prefix-len 2048 --max-tokens 2 \\
+        --launch "cluster=--prefill 1 --decode 1" --launch "engine=--colocated"
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from bench_launch import launched, parse_launch  # scripts/ is on sys.path when run as a script
 
 _WORDS = (
     "the of and to in is for on that with as by at from this be are it an or was which have "
@@ -54,6 +64,31 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
+Prompt = str | list[int]  # text, or token ids (/v1/completions takes both)
+
+
+def make_cached_prefix(args: argparse.Namespace) -> tuple[list[int], list[list[int]]]:
+    """(warm-up prompt, prompts): every prompt is the same --prefix-len ids + fresh ones."""
+    rng = random.Random(args.seed)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    else:  # pd's default model, whatever the server runs (ids must be valid for it)
+        from pd.model.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(None)
+    vocab = len(tok)
+    assert vocab > 1000, vocab  # ids below 1000 hold the special tokens; skip them
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, vocab) for _ in range(n)]
+
+    prefix = ids(args.prefix_len)
+    warmup = prefix + ids(args.suffix_len)
+    return warmup, [prefix + ids(args.suffix_len) for _ in range(args.num_prompts)]
+
+
 def make_prompts(args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
     if args.tokenizer:
@@ -79,7 +114,9 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> Result:
+async def one_request(
+    client: httpx.AsyncClient, args: argparse.Namespace, prompt: Prompt
+) -> Result:
     body: dict[str, Any] = {
         "model": args.model,
         "prompt": prompt,
@@ -111,7 +148,10 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
                     res.output_tokens = usage["completion_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     res.cached_tokens = details.get("cached_tokens") or 0
-                if event.get("choices") and event["choices"][0].get("text"):
+                choice = event["choices"][0] if event.get("choices") else {}
+                # a first token may decode to no text yet (a partial UTF-8 byte): the finish
+                # chunk then marks the first output, else TTFT would be undefined
+                if choice.get("text") or (num_chunks == 0 and choice.get("finish_reason")):
                     now = time.perf_counter()
                     if num_chunks == 0:
                         res.ttft = now - start
@@ -147,12 +187,22 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    prompts = make_prompts(args)
+    warmup: list[Prompt] = []
+    prompts: list[Prompt]
+    if args.workload == "cached-prefix":
+        first, prompts = make_cached_prefix(args)
+        warmup = [first]
+        args.max_concurrency = 1  # sequential: TTFT of a lone request, nothing queued
+    else:
+        prompts = list(make_prompts(args))
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
     timeout = httpx.Timeout(args.timeout)
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits) as client:
         if args.model is None:
             args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for prompt in warmup:  # not measured; /metrics deltas start after it
+            if not (res := await one_request(client, args, prompt)).ok:
+                raise RuntimeError(f"warm-up request failed: {res.error}")
         before = await scrape(client)
         sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
         rng = random.Random(args.seed + 1)
@@ -198,7 +248,9 @@ def summarize(
     errors = sorted({r.error for r in results if not r.ok})
     return {
         "label": args.label,
-        "config": {k: _finite(v) for k, v in vars(args).items() if k not in ("json", "label")},
+        "config": {
+            k: _finite(v) for k, v in vars(args).items() if k not in ("json", "label", "launch")
+        },
         "num_requests": len(results),
         "num_failed": len(results) - len(ok),
         "errors": errors[:5],
@@ -258,16 +310,57 @@ def markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(v: float | None, first: float | None) -> str:
+    return "-" if v is None or not first else f"{v / first:.2f}×"
+
+
+def compare_markdown(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
+    """One row per launch (None: it did not start), with ratios to the first row."""
+    lines = [
+        "| run | ok / sent | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | ITL p50 | E2E p50 "
+        "| E2E p99 | req/s | out tok/s | hit rate (usage) | hit rate (/metrics) "
+        "| TTFT p50 vs first | hit rate vs first |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    first = rows[0][1] if rows else None
+
+    def hit(s: dict[str, Any] | None) -> float | None:
+        if s is None:
+            return None
+        m = s["cache_hit_rate_metrics"]
+        return m if m is not None else s["cache_hit_rate_usage"]
+
+    for label, s in rows:
+        if s is None:
+            lines.append(f"| {label} | did not start |" + " |" * 13)
+            continue
+        t, e = s["ttft_s"], s["e2e_s"]
+        ok = s["num_requests"] - s["num_failed"]
+        cells = [
+            label, f"{ok} / {s['num_requests']}",
+            _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]),
+            _ms(s["tpot_s"]["p50"]), _ms(s["itl_s"]["p50"]), _ms(e["p50"]), _ms(e["p99"]),
+            f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
+            _rate(s["cache_hit_rate_usage"]), _rate(s["cache_hit_rate_metrics"]),
+            _ratio(t["p50"], first["ttft_s"]["p50"] if first else None),
+            _ratio(hit(s), hit(first)),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(["latencies in ms", "", *lines])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    p.add_argument("--workload", choices=("shared-prefix", "fixed"), default="shared-prefix")
+    p.add_argument(
+        "--workload", choices=("shared-prefix", "fixed", "cached-prefix"), default="shared-prefix"
+    )
     p.add_argument("--num-groups", type=int, default=4)
     p.add_argument("--prompts-per-group", type=int, default=8)
-    p.add_argument("--num-prompts", type=int, default=32, help="fixed workload only")
+    p.add_argument("--num-prompts", type=int, default=32, help="fixed and cached-prefix")
     p.add_argument("--prefix-len", type=int, default=256, help="words, or tokens with --tokenizer")
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument(
@@ -282,20 +375,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="", help="name of this run in the table and JSON")
     p.add_argument("--json", default=None, help="also write the summary to this file ('-': stdout)")
+    p.add_argument(
+        "--launch",
+        action="append",
+        default=None,
+        metavar="[LABEL=]ARGS",
+        help="start `pd serve ARGS` on a free port and benchmark it (repeatable; --url unused)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.launch:
+        return main_launch(args)
     args.url = args.url.rstrip("/").removesuffix("/v1")
     summary = asyncio.run(run(args))
     print(markdown(summary))
-    if args.json == "-":
-        json.dump(summary, sys.stdout, indent=2)
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    _write_json(args.json, summary)
     return 1 if summary["num_failed"] == summary["num_requests"] else 0
+
+
+def main_launch(args: argparse.Namespace) -> int:
+    launches = [parse_launch(spec) for spec in args.launch]  # bad specs fail before any start
+    rows: list[tuple[str, dict[str, Any] | None]] = []
+    for launch in launches:
+        run_args = argparse.Namespace(**{**vars(args), "label": launch.label, "model": args.model})
+        try:
+            with launched(launch) as url:
+                run_args.url = url
+                summary = asyncio.run(run(run_args))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            rows.append((launch.label, None))
+            continue
+        print(markdown(summary) + "\n", flush=True)
+        rows.append((launch.label, summary))
+    print(compare_markdown(rows))
+    _write_json(args.json, [s for _, s in rows])
+    return 0 if all(s is not None and s["num_failed"] == 0 for _, s in rows) else 1
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path == "-":
+        json.dump(data, sys.stdout, indent=2)
+    elif path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 if __name__ == "__main__":
