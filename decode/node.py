@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd.config import EngineConfig
-from pd.engine.prefix_cache import NoPrefixCache
 from pd.engine.request import Req
 from pd.messages import AbortMsg, DecodeReqMsg, PrefilledMsg
 from pd.node import BaseNode, NodeConfig
@@ -39,7 +38,7 @@ class DecodeNode(BaseNode, BaseSlotOwner):
 
     def __init__(self, engine_cfg: EngineConfig, node_cfg: NodeConfig) -> None:
         self._pending: dict[str, _Pending] = {}
-        super().__init__(engine_cfg, node_cfg, NoPrefixCache, slot_owner=self)
+        super().__init__(engine_cfg, node_cfg, None, slot_owner=self)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -54,7 +53,6 @@ class DecodeNode(BaseNode, BaseSlotOwner):
     def _on_request(self, msg: DecodeReqMsg) -> None:
         try:
             req = self.make_req(msg.request_id, msg.prompt_ids, msg.sampling)
-            self.scheduler.check_request(req)
         except ValueError as e:
             self.report_error(msg.request_id, str(e))
             return

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ModelLoadError) as e:
         print(f"pd: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C on `pd serve`: it has shut down already
+        return 130
 
 
 if __name__ == "__main__":

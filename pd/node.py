@@ -24,14 +24,9 @@ import torch
 import zmq
 
 from pd.config import EngineConfig
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.prefix_cache import BasePrefixCache
+from pd.engine.engine import CacheFactory, Engine
 from pd.engine.request import Req
-from pd.engine.runner import ModelRunner
-from pd.engine.sampler import make_generator
-from pd.engine.scheduler import Scheduler
 from pd.messages import NodeMsg, NodeStatsMsg, SamplingMsg, ServerMsg, TokenMsg
-from pd.model.tokenizer import eos_token_ids, load_tokenizer
 from pd.sampling_params import SamplingParams
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
 
@@ -74,7 +69,7 @@ class BaseNode:
         self,
         engine_cfg: EngineConfig,
         node_cfg: NodeConfig,
-        cache_factory: Callable[[SlotAllocator], BasePrefixCache],
+        cache_factory: CacheFactory | None,
         slot_owner: BaseSlotOwner | None = None,
     ) -> None:
         if node_cfg.host == "auto":  # inside a Ray actor on a multi-machine cluster
@@ -86,24 +81,15 @@ class BaseNode:
             )
         self.node_cfg = node_cfg
         self.node_id = node_cfg.node_id
-        self.runner = ModelRunner(engine_cfg)
-        tokenizer = load_tokenizer(self.runner.model_dir)
-        self.allocator = SlotAllocator(engine_cfg.max_total_tokens, engine_cfg.page_size)
-        self.cache = cache_factory(self.allocator)
-        self.scheduler = Scheduler(
-            self.allocator,
-            self.cache,
-            max_running_requests=engine_cfg.max_running_requests,
-            max_prefill_tokens=engine_cfg.max_prefill_tokens,
-            max_model_len=self.runner.max_model_len,
-            eos_token_ids=eos_token_ids(self.runner.model_dir, tokenizer),
-            role=self.role,
-        )
+        self.engine = Engine(engine_cfg, cache_factory, role=self.role)
+        self.runner = self.engine.runner
+        self.allocator = self.engine.allocator
+        self.cache = self.engine.cache
+        self.scheduler = self.engine.scheduler
         pool = self.runner.pool
         self.transfer = TransferAgent(
             node_cfg.transfer, pool.k + pool.v, pool.num_layers, slot_owner=slot_owner
         )
-        self._seed = engine_cfg.seed
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         port = self._pull.bind_to_random_port(f"tcp://{node_cfg.host}")
@@ -176,8 +162,15 @@ class BaseNode:
         self._run_commands()
         batch = self.scheduler.schedule()
         if batch is not None:
-            tokens = self.runner.run(batch.reqs, batch.seqs)
-            self._postprocess(self.scheduler.postprocess(batch, tokens))
+            try:
+                tokens = self.runner.run(batch.reqs, batch.seqs)
+            except Exception as e:  # fail this batch's requests rather than retry forever
+                logger.exception("%s: forward failed", self.node_id)
+                for req in batch.reqs:
+                    self._abort(req.request_id)
+                    self.report_error(req.request_id, f"forward failed on {self.node_id}: {e}")
+            else:
+                self._postprocess(self.scheduler.postprocess(batch, tokens))
         self._progress()
         self._publish_stats()
         if batch is None:
@@ -250,10 +243,9 @@ class BaseNode:
     def make_req(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingMsg, namespace: str = ""
     ) -> Req:
-        req = Req(request_id, prompt_ids, params_from_msg(sampling), namespace)
-        seed = hash((self._seed, request_id)) % 2**31
-        req.generator = make_generator(req.params, seed)
-        return req
+        return self.engine.make_request(
+            prompt_ids, params_from_msg(sampling), request_id, namespace
+        )
 
     def report(self, req: Req, new_tokens: list[int], error: str | None = None) -> None:
         self.send_server(
@@ -288,6 +280,9 @@ class BaseNode:
         raise NotImplementedError
 
     def _postprocess(self, produced: list[Req]) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: str) -> None:
         raise NotImplementedError
 
     def _progress(self) -> None:

@@ -21,7 +21,6 @@ import time
 from typing import Any, NamedTuple
 
 from pd.config import EngineConfig
-from pd.engine.prefix_cache import NoPrefixCache
 from pd.engine.request import Req
 from pd.messages import AbortMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
@@ -49,7 +48,7 @@ class PrefillNode(BaseNode):
         if engine_cfg.enable_prefix_cache:
             super().__init__(engine_cfg, node_cfg, lambda a: RadixCache(a, node_cfg.node_id))
         else:
-            super().__init__(engine_cfg, node_cfg, NoPrefixCache)
+            super().__init__(engine_cfg, node_cfg, None)
 
     def _on_msg(self, msg: Any) -> None:
         if isinstance(msg, PrefillReqMsg):
@@ -85,8 +84,9 @@ class PrefillNode(BaseNode):
             self.send_server(event)
         for req in produced:
             self.report(req, req.output_ids[-1:])
-            if req.is_finished:
-                self._routes.pop(req.request_id, None)
+            if req.is_finished:  # done at its first token: the decode node can forget it
+                route = self._routes.pop(req.request_id)
+                self.send_peer(route.decode_addr, AbortMsg(req.request_id, "finished at prefill"))
 
     def _start_transfer(self, req: Req) -> None:
         match = self.cache.cache_unfinished(

@@ -34,7 +34,11 @@ class GenerateResult(NamedTuple):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, cache_factory: CacheFactory | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, cache_factory: CacheFactory | None = None, role: str = "colocated"
+    ) -> None:
+        """``role`` is the scheduler's (see ``Scheduler``): prefill and decode nodes build their
+        runner, pool, cache and scheduler through this class too, and drive them themselves."""
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
         self.tokenizer = load_tokenizer(self.runner.model_dir)
@@ -49,6 +53,7 @@ class Engine:
             max_prefill_tokens=cfg.max_prefill_tokens,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
+            role=role,
         )
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -72,14 +77,25 @@ class Engine:
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add(self.make_request(prompt_ids, params, request_id, namespace))
+        return request_id
+
+    def make_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        namespace: str = "",
+    ) -> Req:
+        """A checked request (ValueError, with the numbers, if it can never run here)."""
         vocab = self.runner.model_config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
         req = Req(request_id, list(prompt_ids), params, namespace)
+        self.scheduler.check_request(req)
         req.generator = make_generator(params, self._rng.randrange(2**31))
-        self.scheduler.add(req)
-        return request_id
+        return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)

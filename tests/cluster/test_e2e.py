@@ -213,3 +213,10 @@ def test_shared_prefix_groups_stick_to_one_prefill_node(live, tokenizer, monkeyp
     nodes_per_group = [set(v.strip(",").split(",")) for v in routed.values()]
     assert all(len(n) == 1 for n in nodes_per_group), routed
     assert len(set.union(*nodes_per_group)) == 2, f"all groups on one node: {routed}"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_requests_that_end_at_or_right_after_prefill_free_both_sides(live, max_tokens):
+    client = _client(live)
+    out = client.completions.create(model=MODEL, prompt=RAW_PROMPTS[4], max_tokens=max_tokens, temperature=0)
+    assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length"
