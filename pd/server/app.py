@@ -147,6 +147,8 @@ class _Server:
             await cancel_on_disconnect(request, gen.run())
         except ClientGone:
             return Response(status_code=499)
+        except ValueError as e:  # the engine refused the request (e.g. larger than its KV pool)
+            raise APIError(str(e), status_code=400) from e
         except Exception as e:
             logger.exception("request %s failed", gen.request_id)
             raise APIError(f"internal error: {e!r}", status_code=500, type="server_error") from e

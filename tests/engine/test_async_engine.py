@@ -102,3 +102,24 @@ def test_http_over_the_colocated_engine(client, tiny_llama_dir):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
     _idle(client)
+
+
+def test_request_larger_than_the_kv_pool_is_a_400(tiny_llama_dir):
+    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=64))
+    client = AsyncEngine(engine)
+    app = build_app(
+        client, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=engine.max_model_len
+    )
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})
+
+    try:
+        r = asyncio.run(run())
+        assert r.status_code == 400, r.text
+        assert "needs 129 KV slots, the pool has 64" in r.json()["error"]["message"]
+        _idle(client)
+    finally:
+        client.shutdown()
