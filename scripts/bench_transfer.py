@@ -1,10 +1,18 @@
 """KV transfer speed between two processes, beside a plain loopback TCP socket, same run.
 
 Moves the KV of a 2,048-token request of the default model (SmolLM2-135M: 30 layers, 3 KV
-heads, head_dim 64, fp32 -> ~94 MB) from scattered source slots of one process's pool to
-another's, and times "prefill done" (sender created) -> "decode can start" (receiver holds
-the KV) and -> the sender has the ack. The TCP baseline sends the same bytes with sendall
-into recv_into and counts until a one-byte ack comes back.
+heads, head_dim 64, fp32 -> ~94 MB) from one process's pool to another's, and times "prefill
+done" (sender created) -> "decode can start" (receiver holds the KV) and -> the sender has
+the ack. Slot cases (source -> destination):
+
+- ``both one run``: a fresh allocation on both sides (SlotAllocator hands out low slots
+  first), the usual case: no copy on either side.
+- ``scattered -> one run``: random source slots (a fragmented prefill pool), fresh run on D.
+- ``scattered -> scattered``: random slots in random order on both sides, the worst case:
+  a gather on P and a scatter on D.
+
+The TCP baseline sends the same bytes with sendall into recv_into and counts until a one-byte
+ack comes back. The components line times one thread gathering / scattering the same bytes.
 
     python scripts/bench_transfer.py [--tokens 2048] [--iters 5] [--backend gloo]
 """
@@ -22,6 +30,13 @@ import torch
 
 from pd.engine.kv_pool import KVPool, SlotAllocator
 from transfer import CallbackSlotOwner, KVPoll, TransferAgent, TransferConfig
+from transfer.layout import KVLayout
+
+CASES = {  # name -> (source scattered, destination scattered)
+    "both one run": (False, False),
+    "scattered -> one run": (True, False),
+    "scattered -> scattered": (True, True),
+}
 
 
 def _pool(args: argparse.Namespace, seed: int | None) -> KVPool:
@@ -34,8 +49,10 @@ def _pool(args: argparse.Namespace, seed: int | None) -> KVPool:
 
 
 def _checksum(pool: KVPool, slots: list[int]) -> float:
+    """Weighted by token position, so rows that land in the wrong slots change it."""
     idx = torch.tensor(slots)
-    return sum(float(t[idx].double().sum()) for t in pool.k + pool.v)
+    w = torch.arange(1, len(slots) + 1, dtype=torch.float64)
+    return sum(float(t[idx].double().flatten(1).sum(1) @ w) for t in pool.k + pool.v)
 
 
 def _receiver(args: argparse.Namespace, scattered: bool, out: Any, cmd: Any) -> None:
@@ -47,8 +64,12 @@ def _receiver(args: argparse.Namespace, scattered: bool, out: Any, cmd: Any) -> 
     def allocate(n: int) -> list[int] | None:
         if not alloc.can_allocate(n):
             return None
-        slots = alloc.allocate(n)  # one ascending run on this fresh pool
-        return [slots[i] for i in torch.randperm(n, generator=gen)] if scattered else slots
+        if not scattered:
+            return alloc.allocate(n)  # one ascending run on this fresh pool
+        free = alloc.allocate(alloc.num_free_slots)  # n random ones of them, in random order
+        pick = torch.randperm(len(free), generator=gen)
+        alloc.free(sorted((free[i] for i in pick[n:].tolist()), reverse=True))
+        return [free[i] for i in pick[:n].tolist()]
 
     owner = CallbackSlotOwner(allocate, alloc.free)
     cfg = TransferConfig(backend=args.backend, timeout_s=60.0, connect_timeout_s=60.0)
@@ -97,7 +118,9 @@ def bench_tcp(payload: torch.Tensor, iters: int) -> float:
     return statistics.median(times[1:])
 
 
-def bench_transfer(args: argparse.Namespace, scattered_dst: bool) -> dict[str, Any]:
+def bench_transfer(
+    args: argparse.Namespace, scattered_src: bool, scattered_dst: bool
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out, cmd = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(args, scattered_dst, out, cmd))
@@ -110,7 +133,10 @@ def bench_transfer(args: argparse.Namespace, scattered_dst: bool) -> dict[str, A
         gen = torch.Generator().manual_seed(1)
         rows: list[dict[str, float]] = []
         for i in range(args.iters + 1):
-            slots = torch.randperm(pool.num_slots, generator=gen)[: args.tokens].tolist()
+            if scattered_src:
+                slots = torch.randperm(pool.num_slots, generator=gen)[: args.tokens].tolist()
+            else:  # one ascending run (not at slot 0)
+                slots = list(range(args.tokens // 2, args.tokens // 2 + args.tokens))
             t0 = time.monotonic()  # prefill done
             snd = agent.sender(f"t{i}", endpoint, args.tokens)
             snd.send(slots)
@@ -155,23 +181,26 @@ def main() -> None:
     ap.add_argument("--poll-ms", type=float, default=1.0, help="node loop sleep between polls")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = {"scattered": bench_transfer(args, True), "one run": bench_transfer(args, False)}
-    nbytes = runs["scattered"]["nbytes"]
+    runs = {name: bench_transfer(args, *flags) for name, flags in CASES.items()}
+    nbytes = runs["both one run"]["nbytes"]
     mb = nbytes / 1e6
     tcp_s = bench_tcp(torch.zeros(nbytes // 4, dtype=torch.float32), args.iters)
+    gather_s, scatter_s = bench_copies(args)
     print(
         f"\nKV of {args.tokens} tokens: {args.layers} layers x {args.heads} KV heads x "
-        f"{args.head_dim} dims, fp32, K+V = {mb:.1f} MB; source slots scattered; "
-        f"median of {args.iters} after a warm-up\n"
+        f"{args.head_dim} dims, fp32, K+V = {mb:.1f} MB; median of {args.iters} after a "
+        f"warm-up; one thread gathers all of it in {1e3 * gather_s:.1f} ms, scatters it in "
+        f"{1e3 * scatter_s:.1f} ms (random slots)\n"
     )
-    print("| destination slots | measure | time (ms) | MB/s | vs TCP |")
+    print("| slots (source -> destination) | measure | time (ms) | MB/s | vs TCP |")
     print("|---|---|---:|---:|---:|")
     print(
-        f"| | loopback TCP socket, same bytes (sendall -> ack) | {1e3 * tcp_s:.1f} | {mb / tcp_s:.0f} | 100% |"
+        f"| | loopback TCP socket, same bytes (sendall -> ack) | {1e3 * tcp_s:.1f} | "
+        f"{mb / tcp_s:.0f} | 100% |"
     )
-    for dst, res in runs.items():
+    for case, res in runs.items():
         rows = [
-            (f"{args.backend} data (start -> scattered into the pool)", res["data"]),
+            (f"{args.backend} data (start -> in the receiver's pool)", res["data"]),
             ("prefill done -> decode can start (handshake + data)", res["ready"]),
             ("prefill done -> sender has the ack", res["ack"]),
             ("handshake (prefill done -> data starts)", res["handshake"]),
@@ -179,7 +208,23 @@ def main() -> None:
         ]
         for i, (name, sec) in enumerate(rows):
             rate = f"{mb / sec:.0f} | {100 * tcp_s / sec:.0f}%" if i < 3 else " | "
-            print(f"| {dst} | {name} | {1e3 * sec:.1f} | {rate} |")
+            print(f"| {case} | {name} | {1e3 * sec:.1f} | {rate} |")
+
+
+def bench_copies(args: argparse.Namespace) -> tuple[float, float]:
+    """Median seconds for one thread to gather, and to scatter, every layer of the KV."""
+    pool = _pool(args, seed=0)
+    lo = KVLayout(pool.k + pool.v, pool.num_layers)
+    idx = torch.randperm(pool.num_slots)[: args.tokens]
+    buf = torch.empty(args.tokens * lo.elems_per_token)
+    times: dict[str, list[float]] = {"gather": [], "scatter": []}
+    for _ in range(args.iters):
+        for name, op in (("gather", lo.gather), ("scatter", lo.scatter)):
+            t0 = time.perf_counter()
+            for layer in range(lo.num_layers):
+                op(layer, idx, buf)
+            times[name].append(time.perf_counter() - t0)
+    return statistics.median(times["gather"]), statistics.median(times["scatter"])
 
 
 if __name__ == "__main__":

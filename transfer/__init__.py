@@ -17,9 +17,11 @@ The life of a transfer (P = prefill node, sending; D = decode node, receiving):
 3. P calls ``sender.send(src_slots)`` (before or after step 2; ``num_ready_layers`` +
    ``set_ready_layers`` let it start while later layers are still being computed). Once
    ready, P sends ``TransferStartMsg`` and queues the data on the pair: TRANSFERRING.
-4. The pair worker sends a header, then per layer the gathered K and V of the slots after
-   the cached prefix; D's worker receives and scatters into its reserved slots. One pair
-   moves one transfer at a time, so concurrent transfers never interleave.
+4. The pair worker sends a header, then per layer the K and V rows of the slots after the
+   cached prefix, in the order and pieces of the sender's wire plan (``layout.py``, named in
+   ``TransferStartMsg``): a side whose slots form few runs moves them straight from/into its
+   pool, else it gathers/scatters through staging buffers on a copy thread. One pair moves
+   one transfer at a time, so concurrent transfers never interleave.
 5. D's data is in place: D is SUCCESS (the slots are now the owner's) and sends
    ``TransferDoneMsg``; P is SUCCESS on the ack and may unlock its source slots.
 6. Any error, timeout or ``abort()`` makes that side FAILED and sends ``TransferAbortMsg``;

@@ -50,12 +50,17 @@ class TransferStartMsg(msgspec.Struct, tag="transfer_start", frozen=True):
     """Sender -> receiver: the payload of ``seq`` is next on the pair group.
 
     Needed because a receive posted on a gloo pair that times out closes the pair: the
-    receiver posts its receives only when data is known to be coming.
+    receiver posts its receives only when data is known to be coming. ``by_dst`` and
+    ``segments`` are the sender's ``WirePlan`` (``layout.py``): rows in ascending
+    destination-slot order (else token order), cut into pieces of these token counts
+    (empty = one piece).
     """
 
     transfer_id: str
     seq: int
     group_prefix: str
+    by_dst: bool = False
+    segments: list[int] = []
 
 
 class TransferDoneMsg(msgspec.Struct, tag="transfer_done", frozen=True):

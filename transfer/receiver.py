@@ -20,6 +20,7 @@ import torch
 
 from transfer.control import ControlPlane
 from transfer.datapath import DataJob, JobResult, KVLayout, PairWorker
+from transfer.layout import MAX_SEGMENTS, WirePlan, in_wire_order
 from transfer.messages import (
     NoRoomMsg,
     TransferAbortMsg,
@@ -218,16 +219,29 @@ class ReceiverSide:
         if worker is None:
             log.warning("start of %s names unknown group %s", msg.transfer_id, msg.group_prefix)
             return  # the sender's data times out and it rebuilds its pair
-        live = rec is not None and rec.identity == identity and rec.state == KVPoll.WAITING
-        if rec is not None and live and rec.prefix == msg.group_prefix:
-            assert rec.job is not None
-            rec.job.seq, rec.state, rec.is_job_running = msg.seq, KVPoll.TRANSFERRING, True
-            worker.submit(rec.job)
-        else:  # failed or unknown here: still read the payload so the stream stays in step
-            drain = DataJob(
-                msg.transfer_id, msg.seq, False, None, time.monotonic() + self._cfg.timeout_s, 0
-            )
-            worker.submit(drain)
+        if not (
+            rec is not None
+            and rec.identity == identity
+            and rec.state == KVPoll.WAITING
+            and rec.prefix == msg.group_prefix
+        ):
+            rec = None  # failed or unknown here: still read the payload to keep the stream whole
+        job = None if rec is None else rec.job
+        n = None if job is None or job.slots is None else job.slots.numel()
+        if (why := _bad_plan(msg, n)) is not None:  # nobody can read this stream in step
+            self._retire(msg.group_prefix, f"start of {msg.transfer_id}: {why}")
+            if rec is not None:
+                self.fail(rec, why)
+            return
+        plan = WirePlan(msg.by_dst, list(msg.segments))
+        if rec is None or job is None or job.slots is None:
+            deadline = time.monotonic() + self._cfg.timeout_s
+            worker.submit(DataJob(msg.transfer_id, msg.seq, False, None, deadline, 0, plan))
+            return
+        job.slots = in_wire_order(job.slots, job.slots, plan.by_dst)
+        job.seq, job.plan = msg.seq, plan
+        rec.state, rec.is_job_running = KVPoll.TRANSFERRING, True
+        worker.submit(job)
 
     def _incompatible(self, msg: TransferRequestMsg) -> str | None:
         lo = self._layout
@@ -280,3 +294,13 @@ class ReceiverSide:
         for rec in self.records.values():
             if rec.prefix == prefix and rec.state == KVPoll.WAITING:
                 self.fail(rec, reason)
+
+
+def _bad_plan(msg: TransferStartMsg, num_tokens: int | None) -> str | None:
+    """Why the start's wire plan cannot be followed (``num_tokens``: reserved, if known)."""
+    segs = msg.segments
+    if len(segs) > MAX_SEGMENTS or any(s < 1 for s in segs):
+        return f"bad wire plan: {len(segs)} segments {segs[: MAX_SEGMENTS + 1]}"
+    if segs and num_tokens is not None and sum(segs) != num_tokens:
+        return f"wire plan of {sum(segs)} tokens, {num_tokens} slots reserved"
+    return None

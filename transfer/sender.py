@@ -18,6 +18,7 @@ import torch
 
 from transfer.control import ControlPlane
 from transfer.datapath import DataJob, JobResult, KVLayout, PairWorker
+from transfer.layout import WirePlan, in_wire_order, plan_wire
 from transfer.messages import (
     NoRoomMsg,
     TransferAbortMsg,
@@ -259,9 +260,17 @@ class SenderSide:
         seq, rec.worker.next_seq = rec.worker.next_seq, rec.worker.next_seq + 1
         rec.deadline = time.monotonic() + self._cfg.timeout_s
         slots = rec.src_slots[rec.num_cached_tokens :]
-        rec.job = DataJob(rec.transfer_id, seq, True, slots, rec.deadline, rec.num_ready_layers)
+        plan = WirePlan(False, [])
+        if slots.numel():
+            dst = torch.tensor(rec.dst_slots, dtype=torch.int64, device=slots.device)
+            plan = plan_wire(slots, dst)
+            slots = in_wire_order(slots, dst, plan.by_dst)
+        rec.job = DataJob(
+            rec.transfer_id, seq, True, slots, rec.deadline, rec.num_ready_layers, plan
+        )
         rec.state = KVPoll.TRANSFERRING
-        self._ctrl.send(rec.peer, TransferStartMsg(rec.transfer_id, seq, rec.prefix))
+        start = TransferStartMsg(rec.transfer_id, seq, rec.prefix, plan.by_dst, plan.segments)
+        self._ctrl.send(rec.peer, start)
         rec.worker.submit(rec.job)
 
     def _drop_broken(self) -> None:
