@@ -46,7 +46,6 @@ class ClusterClient:
         coordinator: Coordinator,
         pull_addr: str,
         *,
-        stale_after_s: float = 5.0,
         capacity_timeout_s: float = 300.0,
         ping: Callable[[str], Awaitable[Any]] | None = None,
         ping_interval_s: float = 1.0,
@@ -54,11 +53,9 @@ class ClusterClient:
     ) -> None:
         self.coordinator = coordinator
         self.pull_addr = pull_addr
-        self.stale_after_s = stale_after_s
         self.capacity_timeout_s = capacity_timeout_s
         self.nodes: dict[str, dict[str, Any]] = {}  # node_id -> info (addr, transfer_addr, ...)
         self.node_stats: dict[str, NodeStatsMsg] = {}
-        self._last_seen: dict[str, float] = {}
         self._streams: dict[str, asyncio.Queue[TokenMsg]] = {}
         self._routes: dict[str, tuple[str, str]] = {}
         self._capacity = asyncio.Event()
@@ -173,11 +170,11 @@ class ClusterClient:
                 queue.put_nowait(TokenMsg(request_id, [], True, "abort", 0, 0))
 
     async def is_ready(self) -> bool:
+        """Every registered node has started its loop (sent stats). A node that dies is
+        dropped by the watchdog, so readiness never waits on a long forward pass."""
         await self.start()
-        now = time.monotonic()
-        return bool(self.nodes) and all(
-            now - self._last_seen.get(n, -1e9) < self.stale_after_s for n in self.nodes
-        )
+        roles = {info["role"] for info in self.nodes.values()}
+        return roles == {"prefill", "decode"} and all(n in self.node_stats for n in self.nodes)
 
     async def close(self) -> None:
         for task in (self._reader, self._watchdog):
@@ -242,7 +239,6 @@ class ClusterClient:
                 self.coordinator.apply_event(msg)
             elif isinstance(msg, NodeStatsMsg):
                 self.node_stats[msg.node_id] = msg
-                self._last_seen[msg.node_id] = time.monotonic()
 
     async def _watch_nodes(self) -> None:
         assert self._ping is not None

@@ -43,6 +43,7 @@ def test_prefill_node_dies_requests_fail_cleanly_and_survivor_serves(ray_session
         for r in failed:
             assert r.status_code == 500 and "failed" in r.json()["error"]["message"]
         assert victim in cluster.client.dead_nodes
+        assert httpx.get(f"{live.url}/health", timeout=5).status_code == 200  # 1P + 1D remain
         # the survivor takes new work
         ok = httpx.post(
             f"{live.url}/v1/completions",
