@@ -98,6 +98,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     num_miss_tokens: int
     transfer_bytes: int
     transfer_seconds: float
+    num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
 
 

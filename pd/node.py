@@ -105,6 +105,7 @@ class BaseNode:
         self._next_stats = 0.0
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
+        self.num_transfers = 0
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{self.node_id}-loop", daemon=True)
@@ -224,6 +225,7 @@ class BaseNode:
                 - self.scheduler.num_admitted_cached_tokens,
                 transfer_bytes=self.transfer_bytes,
                 transfer_seconds=self.transfer_seconds,
+                num_transfers=self.num_transfers,
                 num_queued_tokens=self.scheduler.num_queued_tokens,
             )
         )

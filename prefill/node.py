@@ -114,6 +114,7 @@ class PrefillNode(BaseNode):
                 num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
                 self.transfer_bytes += num_sent * self.runner.pool.num_bytes_per_token
                 self.transfer_seconds += time.monotonic() - t.started
+                self.num_transfers += 1
                 self.send_peer(
                     route.decode_addr,
                     PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached),

@@ -270,7 +270,7 @@ class ClusterClient:
     def stats(self) -> dict[str, Any]:
         """Cluster gauges for GET /metrics (shape: ``pd.server.metrics``)."""
         nodes = {}
-        moved_bytes, moved_s = 0, 0.0
+        moved_bytes, moved_s, moved = 0, 0.0, 0
         for node_id, s in self.node_stats.items():
             nodes[node_id] = {
                 "role": s.role,
@@ -283,8 +283,9 @@ class ClusterClient:
             }
             moved_bytes += s.transfer_bytes
             moved_s += s.transfer_seconds
+            moved += s.num_transfers
         return {
             "nodes": nodes,
-            "transfer": {"bytes": moved_bytes, "seconds": moved_s},
+            "transfer": {"bytes": moved_bytes, "seconds": moved_s, "count": moved},
             "coordinator": {"queue_depth": self._num_waiting},
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -218,5 +219,26 @@ def test_shared_prefix_groups_stick_to_one_prefill_node(live, tokenizer, monkeyp
 @pytest.mark.parametrize("max_tokens", [1, 2])
 def test_requests_that_end_at_or_right_after_prefill_free_both_sides(live, max_tokens):
     client = _client(live)
-    out = client.completions.create(model=MODEL, prompt=RAW_PROMPTS[4], max_tokens=max_tokens, temperature=0)
+    out = client.completions.create(
+        model=MODEL, prompt=RAW_PROMPTS[4], max_tokens=max_tokens, temperature=0
+    )
     assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length"
+
+
+def test_metrics_report_cache_hits_transfers_and_latencies(live):
+    client = _client(live)
+    prompt = "Shared context: " + " ".join(f"item{i}" for i in range(200)) + " Question:"
+    for q in ("one", "two"):  # the second request reuses the first one's prefix
+        client.completions.create(model=MODEL, prompt=f"{prompt} {q}?", max_tokens=3, temperature=0)
+    wait_idle_and_check(live)
+    time.sleep(0.5)  # node stats are published a few times a second
+    text = httpx.get(f"{live.url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["pd_transfer_count"] >= 2 and values["pd_transfer_bytes"] > 0
+    assert values["pd_time_to_first_token_seconds_count"] >= 2
+    hits = sum(v for k, v in values.items() if k.startswith("pd_node_cache_hit_tokens"))
+    assert hits >= 200, text
