@@ -4,22 +4,26 @@ The life of a request on a decode node:
 
 1. ``DecodeReqMsg`` from the server -> ``pending`` (checked: a request that can never run is
    answered with an error at once).
-2. The prefill node's transfer request arrives -> ``reserve``: if prompt + max_tokens fit
-   (free + evictable, less what running requests may still take), slots for the prompt are
-   allocated and the rest is promised; else "no room" and the sender retries.
+2. The prefill node's transfer request arrives -> ``reserve``: the longest prefix of the prompt
+   this node still caches from earlier requests (if it has a prefix cache) is locked and not
+   sent again; if prompt + max_tokens fit (free + evictable, less what running requests may
+   still take), slots for the rest of the prompt are allocated and the remainder is promised;
+   else "no room" and the sender retries.
 3. The KV lands in those slots; ``PrefilledMsg`` brings the first token -> ``running``.
 4. Decode, one token per step for the whole batch; every token goes to the server.
-5. Finish (stop token, max_tokens, abort): the slots go back to the pool. A transfer that
-   fails or times out releases its reservation and the server hears of it.
+5. Finish (stop token, max_tokens, abort): the tokens and slots go to the prefix cache (or back
+   to the pool), so a follow-up turn of a conversation moves only its new tokens. A transfer
+   that fails or times out releases its reservation and the server hears of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pd.config import EngineConfig
+from pd.engine.engine import CacheFactory
 from pd.engine.request import Req
 from pd.messages import AbortMsg, DecodeReqMsg, PrefilledMsg
 from pd.node import BaseNode, NodeConfig
@@ -29,16 +33,23 @@ from transfer import BaseSlotOwner, KVPoll, SlotReservation
 @dataclass
 class _Pending:
     req: Req
-    reservation: SlotReservation | None = None
+    reservation: SlotReservation | None = None  # slots of the tokens the sender moves
+    slots: list[int] = field(default_factory=list)  # the whole prompt's: cached prefix + those
+    cache_node: Any = None  # locked prefix-cache node of the cached part
     num_promised: int = 0  # slots promised beyond the prompt's (counted in num_pending_reserved)
 
 
 class DecodeNode(BaseNode, BaseSlotOwner):
     role = "decode"
 
-    def __init__(self, engine_cfg: EngineConfig, node_cfg: NodeConfig) -> None:
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        node_cfg: NodeConfig,
+        cache_factory: CacheFactory | None = None,
+    ) -> None:
         self._pending: dict[str, _Pending] = {}
-        super().__init__(engine_cfg, node_cfg, None, slot_owner=self)
+        super().__init__(engine_cfg, node_cfg, cache_factory, slot_owner=self)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -64,7 +75,8 @@ class DecodeNode(BaseNode, BaseSlotOwner):
             return  # aborted meanwhile: the abort freed everything
         assert self.transfer.poll(msg.request_id) == KVPoll.SUCCESS, "KV announced before it landed"
         req = p.req
-        req.slots = p.reservation.slots
+        req.slots, req.cache_node = p.slots, p.cache_node
+        req.num_cached = len(p.slots) - len(p.reservation.slots)
         req.output_ids = [msg.first_token]
         self.scheduler.num_pending_reserved -= p.num_promised
         self.scheduler.add_prefilled(req)
@@ -85,6 +97,7 @@ class DecodeNode(BaseNode, BaseSlotOwner):
     def _postprocess(self, produced: list[Req]) -> None:
         for req in produced:
             self.report(req, req.output_ids[-1:])
+        self.cache.take_events()  # no router mirrors decode caches (yet): don't let them pile up
 
     # -- BaseSlotOwner: called by the transfer agent from this loop's progress() -------------
 
@@ -99,14 +112,20 @@ class DecodeNode(BaseNode, BaseSlotOwner):
                 f"transfer of {num_tokens} tokens for a {p.req.num_prompt_tokens}-token prompt"
             )
         page = self.allocator.page_size
+        match = self.cache.match_prompt(p.req.prompt_ids, p.req.namespace)
+        self.cache.inc_lock_ref(match.last_node)
         total = self.allocator.num_pages_for(p.req.max_len) * page
-        if total > self.scheduler.num_available_tokens():
+        if total - match.num_tokens > self.scheduler.num_available_tokens():
+            self.cache.dec_lock_ref(match.last_node)
             return None
-        self.cache.make_room(num_tokens)
-        slots = self.allocator.allocate(num_tokens)
+        self.cache.make_room(self.allocator.num_new_pages(match.slots, num_tokens) * page)
+        p.slots = self.allocator.extend(match.slots, num_tokens)
+        p.cache_node = match.last_node
         p.num_promised = total - self.allocator.num_pages_for(num_tokens) * page
         self.scheduler.num_pending_reserved += p.num_promised
-        p.reservation = SlotReservation(slots)
+        self.scheduler.num_admitted_tokens += num_tokens
+        self.scheduler.num_admitted_cached_tokens += match.num_tokens
+        p.reservation = SlotReservation(p.slots[match.num_tokens :], match.num_tokens)
         return p.reservation
 
     def release(self, transfer_id: str, reservation: SlotReservation) -> None:
@@ -119,9 +138,10 @@ class DecodeNode(BaseNode, BaseSlotOwner):
 
     def _unreserve(self, p: _Pending) -> None:
         assert p.reservation is not None
-        self.allocator.free(p.reservation.slots)
+        self.allocator.free(p.reservation.slots)  # the cached prefix stays in the cache
+        self.cache.dec_lock_ref(p.cache_node)
         self.scheduler.num_pending_reserved -= p.num_promised
-        p.reservation = None
+        p.reservation, p.slots, p.cache_node = None, [], None
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -129,4 +149,4 @@ class DecodeNode(BaseNode, BaseSlotOwner):
         return len(self._pending)
 
     def _held_slot_lists(self) -> list[tuple[list[int], Any]]:
-        return [(p.reservation.slots, None) for p in self._pending.values() if p.reservation]
+        return [(p.slots, p.cache_node) for p in self._pending.values() if p.reservation]

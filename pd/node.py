@@ -150,7 +150,8 @@ class BaseNode:
     # -- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        torch.set_num_threads(torch.get_num_threads())  # per-thread setting in some builds
+        # OpenMP keeps its thread count per OS thread: apply the runner's setting here too
+        torch.set_num_threads(torch.get_num_threads())
         while not self._stopped.is_set():
             try:
                 self._iteration()

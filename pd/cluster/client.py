@@ -138,12 +138,13 @@ class ClusterClient:
                     d_info["transfer_addr"],
                 ),
             )
-            num_cached = 0
+            num_cached: int | None = None  # the prefill node's hit (the first message's)
             while not finished:
                 msg = await queue.get()
                 if msg.error is not None:  # the partner node may still hold it: abort below
                     raise ClusterError(msg.error)
-                num_cached = max(num_cached, msg.num_cached_tokens)
+                if num_cached is None:
+                    num_cached = msg.num_cached_tokens
                 finished = msg.finished
                 yield RequestOutput(
                     request_id,

@@ -9,6 +9,7 @@ join an existing cluster, one GPU each.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import socket
@@ -23,6 +24,7 @@ from pd.cluster.client import ClusterClient
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, RouterConfig
 from pd.node import NodeConfig
+from prefill.radix_cache import RadixCache
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,13 @@ class Cluster:
             debug_checks=envs.PD_DEBUG,
         )
         actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
-        handle = actor.remote(engine_cfg, node_cfg)
+        if role == "decode" and engine_cfg.enable_prefix_cache:
+            # a decode node keeps what it decoded, so a conversation's next turn sends less KV
+            handle = actor.remote(
+                engine_cfg, node_cfg, functools.partial(RadixCache, node_id=node_id)
+            )
+        else:
+            handle = actor.remote(engine_cfg, node_cfg)
         self.actors[node_id] = handle
         return handle.info.remote()
 

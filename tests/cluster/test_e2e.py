@@ -242,3 +242,33 @@ def test_metrics_report_cache_hits_transfers_and_latencies(live):
     assert values["pd_time_to_first_token_seconds_count"] >= 2
     hits = sum(v for k, v in values.items() if k.startswith("pd_node_cache_hit_tokens"))
     assert hits >= 200, text
+
+
+def test_next_turn_of_a_conversation_moves_only_new_kv(live, smollm2_dir, tokenizer):
+    """The decode node keeps what it decoded: turn 2 reuses turn 1's KV there, so only the new
+    tokens cross from the prefill node, and the answer is still HF's."""
+    client = _client(live)
+    turn1 = [{"role": "user", "content": "Give me three facts about the Moon."}]
+    a1 = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=24, temperature=0)
+    wait_idle_and_check(live)
+    time.sleep(0.5)  # let turn 1's transfer reach the published stats
+    stats_before = live.cluster.client.stats()
+    turn2 = turn1 + [
+        {"role": "assistant", "content": a1.choices[0].message.content},
+        {"role": "user", "content": "And one about the Sun?"},
+    ]
+    a2 = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=24, temperature=0)
+    assert a2.choices[0].message.content == _hf_text(
+        smollm2_dir, tokenizer, encode_chat(tokenizer, turn2), 24
+    )
+    wait_idle_and_check(live)
+    time.sleep(0.5)  # node stats are published a few times a second
+    after = live.cluster.client.stats()
+    sent = after["transfer"]["bytes"] - stats_before["transfer"]["bytes"]
+    prompt2 = len(encode_chat(tokenizer, turn2))
+    bytes_per_token = 2 * 30 * 3 * 64 * 4
+    assert 0 < sent < (prompt2 // 2) * bytes_per_token, (sent, prompt2)
+    decode_hits = sum(
+        n["cache_hit_tokens"] for n in after["nodes"].values() if n["role"] == "decode"
+    )
+    assert decode_hits > prompt2 // 2
