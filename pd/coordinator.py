@@ -130,13 +130,14 @@ class Coordinator:
     ) -> Route:
         """Pick both nodes and book the request on them; raises NoCapacityError if no decode
         node has room now, ValueError if none ever could."""
-        decode = self._pick_decode(len(prompt_ids) + max_tokens)
+        page = self.cfg.page_size
+        need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
+        decode = self._pick_decode(need)
         prefill, matched = self._pick_prefill(prompt_ids, namespace)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
         node.load += load
         node.inflight[request_id] = (list(prompt_ids), namespace, load)
-        need = len(prompt_ids) + max_tokens
         self._decode[decode].reserved += need
         self._requests[request_id] = (prefill, decode, need)
         return Route(prefill, decode, matched)

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def start_live_cluster(
-    num_prefill: int, num_decode: int, policy: str = "cache_aware"
+    num_prefill: int, num_decode: int, policy: str = "cache_aware", page_size: int = 1
 ) -> tuple[LiveCluster, object]:
     import uvicorn
 
@@ -48,7 +48,7 @@ def start_live_cluster(
     from pd.coordinator import RouterConfig
     from pd.serve import build_cluster_app
 
-    engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48)
+    engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48, page_size=page_size)
     cluster = Cluster(
         engine_cfg,
         ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, threads_per_node=1),

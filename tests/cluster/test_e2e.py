@@ -29,9 +29,12 @@ RAW_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1)], ids=["1p1d", "2p1d"])
+@pytest.fixture(
+    scope="module", params=[(1, 1, 1), (2, 1, 1), (1, 1, 16)], ids=["1p1d", "2p1d", "1p1d-page16"]
+)
 def live(request, ray_session, smollm2_dir) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(*request.param)
+    num_prefill, num_decode, page_size = request.param
+    live, stop = start_live_cluster(num_prefill, num_decode, page_size=page_size)
     yield live
     stop()
 
