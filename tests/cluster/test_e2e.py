@@ -275,3 +275,11 @@ def test_next_turn_of_a_conversation_moves_only_new_kv(live, smollm2_dir, tokeni
         n["cache_hit_tokens"] for n in after["nodes"].values() if n["role"] == "decode"
     )
     assert decode_hits > prompt2 // 2
+
+
+def test_generate_endpoint_token_ids_in_and_out(live, smollm2_dir, tokenizer):
+    ids = encode_prompt(tokenizer, RAW_PROMPTS[5])
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    r = httpx.post(f"{live.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == hf_greedy(smollm2_dir, ids, 16)
