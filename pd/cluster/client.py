@@ -48,6 +48,7 @@ class ClusterClient:
         *,
         capacity_timeout_s: float = 300.0,
         ping: Callable[[str], Awaitable[Any]] | None = None,
+        on_node_failed: Callable[[str], None] | None = None,
         ping_interval_s: float = 1.0,
         ping_timeout_s: float = 30.0,
     ) -> None:
@@ -68,6 +69,7 @@ class ClusterClient:
         # liveness comes from the lifecycle plane (a Ray actor call answers even while the
         # node's loop is busy in a long forward); a node that fails it is dropped
         self._ping = ping
+        self._on_node_failed = on_node_failed  # e.g. the launcher starting a replacement
         self.ping_interval_s = ping_interval_s
         self.ping_timeout_s = ping_timeout_s
         self.dead_nodes: dict[str, str] = {}  # node_id -> why
@@ -255,6 +257,8 @@ class ClusterClient:
 
     def fail_node(self, node_id: str, why: str) -> None:
         """A node died: stop routing to it and fail (not hang) every request it was serving."""
+        if node_id not in self.nodes:  # removed on purpose meanwhile
+            return
         logger.error("node %s is gone (%s); failing its requests", node_id, why)
         self.dead_nodes[node_id] = why
         for request_id, route in list(self._routes.items()):
@@ -267,6 +271,8 @@ class ClusterClient:
                         )
                     )
         self.remove_node(node_id)
+        if self._on_node_failed is not None:
+            self._on_node_failed(node_id)
 
     def stats(self) -> dict[str, Any]:
         """Cluster gauges for GET /metrics (shape: ``pd.server.metrics``)."""

@@ -1,6 +1,6 @@
 """``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
 
-Ray is the lifecycle plane only (placement, health, scale up/down); requests, tokens, cache
+Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling); requests, tokens, cache
 events and transfer handshakes never go through Ray. Locally (``address=None``) a Ray instance
 is started with the nodes as CPU actors; with ``address="auto"`` (or a Ray address) the nodes
 join an existing cluster, one GPU each.
@@ -8,9 +8,11 @@ join an existing cluster, one GPU each.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import socket
 import time
@@ -26,6 +28,8 @@ from pd.coordinator import Coordinator, RouterConfig
 from pd.node import NodeConfig
 from prefill.radix_cache import RadixCache
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -35,6 +39,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # where the server's PULL socket binds (the head's IP on a cluster)
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
     ready_timeout_s: float = 300.0
+    replace_dead_nodes: bool = True  # start a new node of the same role when one dies
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -55,11 +60,17 @@ class Cluster:
         self.cfg = cfg
         self.router = dataclasses.replace(router, page_size=engine_cfg.page_size)
         self.client = ClusterClient(
-            Coordinator(self.router), f"tcp://{cfg.host}:{_free_port(cfg.host)}", ping=self._ping
+            Coordinator(self.router),
+            f"tcp://{cfg.host}:{_free_port(cfg.host)}",
+            ping=self._ping,
+            on_node_failed=self._on_node_failed,
         )
         self.actors: dict[str, Any] = {}
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
         self._on_gpu = False
+        self._stopping = False
+        self.replacements: list[str] = []  # node ids started in place of dead ones
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- start / stop -----------------------------------------------------------------------
 
@@ -86,6 +97,7 @@ class Cluster:
             self.client.add_node(info)
 
     def shutdown(self) -> None:
+        self._stopping = True
         for node_id in list(self.actors):
             self._kill(node_id)
 
@@ -119,6 +131,29 @@ class Cluster:
         if actor is None:
             raise RuntimeError("no actor")
         await actor.info.remote()
+
+    def _on_node_failed(self, node_id: str) -> None:
+        """Called on the client's event loop when the watchdog finds a node dead."""
+        actor = self.actors.pop(node_id, None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        if not self.cfg.replace_dead_nodes or self._stopping:
+            return
+        role = node_id.rsplit("-", 1)[0]
+
+        async def replace() -> None:
+            try:
+                info = await asyncio.wait_for(self._spawn(role), self.cfg.ready_timeout_s)
+            except Exception:
+                logger.exception("could not start a %s node in place of %s", role, node_id)
+                return
+            self.client.add_node(info)
+            self.replacements.append(info["node_id"])
+            logger.warning("started %s in place of %s", info["node_id"], node_id)
+
+        task = asyncio.get_running_loop().create_task(replace())
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
 
     # -- internals --------------------------------------------------------------------------
 

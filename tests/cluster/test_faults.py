@@ -51,7 +51,26 @@ def test_prefill_node_dies_requests_fail_cleanly_and_survivor_serves(ray_session
             timeout=60,
         )
         assert ok.status_code == 200, ok.text
-        cluster.actors.pop(victim)
+        # Ray's lifecycle plane replaces the dead node; the newcomer takes work too
+        deadline = time.monotonic() + 90
+        while not cluster.replacements:
+            assert time.monotonic() < deadline, "no replacement node started"
+            time.sleep(0.2)
+        newcomer = cluster.replacements[0]
+        assert sorted(cluster.client.coordinator.prefill_nodes) == sorted(["prefill-1", newcomer])
+        assert victim not in cluster.actors
+        for i in range(2):  # round robin: one of these lands on the newcomer
+            r = httpx.post(
+                f"{live.url}/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": f"Count to {i}:",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
         wait_idle_and_check(live)
     finally:
         stop()
