@@ -57,8 +57,6 @@ class Engine:
         )
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
 
     @property
     def max_model_len(self) -> int:
@@ -114,11 +112,6 @@ class Engine:
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[len(req.output_ids) - req.num_new_outputs :]
-        if req.num_new_outputs and len(new) == len(
-            req.output_ids
-        ):  # first output: count the prompt
-            self.num_prompt_tokens += req.num_prompt_tokens
-            self.num_cached_tokens += req.num_cached
         req.num_new_outputs = 0
         return RequestOutput(
             req.request_id,
@@ -153,6 +146,16 @@ class Engine:
     def warmup(self, prompts: Sequence[Sequence[int]]) -> None:
         """Prefill prompts so their prefixes stay cached (unpinned: evictable under pressure)."""
         self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of every admitted request so far."""
+        return self.scheduler.num_admitted_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Of those, the tokens served from the prefix cache."""
+        return self.scheduler.num_admitted_cached_tokens
 
     @property
     def prefix_hit_rate(self) -> float:

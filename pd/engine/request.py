@@ -46,8 +46,3 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def own_slots(self) -> list[int]:
-        """Slots this request owns outright (the cached prefix belongs to the cache)."""
-        return self.slots[self.num_cached :]
