@@ -14,24 +14,18 @@ from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
 
 
-def _add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
-) -> None:
-    """One ``--flag`` per field, default and type read from the dataclass."""
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per field; default, type and help read from the dataclass."""
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default, help_ = f.default, f.metadata.get("help")
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif isinstance(default, int) and not isinstance(default, bool):
-            parser.add_argument(flag, type=int, default=default)
-        elif isinstance(default, float):
-            parser.add_argument(flag, type=float, default=default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_
+            )
         else:
-            kind = int if "int" in str(f.type) else str
-            parser.add_argument(flag, type=kind, default=default)
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            parser.add_argument(flag, type=kind, default=default, help=help_)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -120,9 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send; default: the model dir's name",
+    )
     parser.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     parser.add_argument("--decode", type=int, default=1, help="decode nodes")
     parser.add_argument(

@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+def _opt(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name
+    """A field with its CLI help text (``pd.cli`` builds flags from these)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One model runner with its KV pool and scheduler limits (a node or the colocated engine)."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: str = "auto"  # auto: float32 on cpu (exact HF parity), bfloat16 on cuda
-    attention_backend: str = "auto"
-    page_size: int = 1
-    max_total_tokens: int = 32768  # KV slots in the pool
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 2048  # token budget of one prefill batch (longer prompts are chunked)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_cache: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    seed: int = 0
+    model: str | None = _opt(
+        None, "HF checkpoint dir or .gguf file; default: SmolLM2-135M-Instruct"
+    )
+    device: str = _opt("auto", "cpu, cuda, cuda:N; auto: cuda if available")
+    dtype: str = _opt(
+        "auto", "float32 | bfloat16 | float16; auto: float32 on cpu, bfloat16 on cuda"
+    )
+    attention_backend: str = _opt("auto", "attention kernels: torch (auto)")
+    page_size: int = _opt(1, "tokens per KV page (1: token-level prefix reuse)")
+    max_total_tokens: int = _opt(32768, "KV slots in each pool")
+    max_running_requests: int = _opt(64, "requests in one running batch")
+    max_prefill_tokens: int = _opt(
+        2048, "token budget of a prefill batch; longer prompts are chunked"
+    )
+    max_model_len: int | None = _opt(None, "context length; default: the model's")
+    enable_prefix_cache: bool = _opt(True, "RadixCache prefix reuse")
+    num_threads: int | None = _opt(None, "torch threads per process; default: torch's")
+    seed: int = _opt(0, "seed for requests that bring none")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
