@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -48,8 +49,10 @@ def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
         ]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60
         while len(routed) < 8:
-            threading.Event().wait(0.05)
+            assert time.monotonic() < deadline, f"requests not routed: {routed}"
+            time.sleep(0.05)
         cluster.remove_node(new)
         for t in threads:
             t.join(timeout=120)
