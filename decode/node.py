@@ -97,7 +97,6 @@ class DecodeNode(BaseNode, BaseSlotOwner):
     def _postprocess(self, produced: list[Req]) -> None:
         for req in produced:
             self.report(req, req.output_ids[-1:])
-        self.cache.take_events()  # no router mirrors decode caches (yet): don't let them pile up
 
     # -- BaseSlotOwner: called by the transfer agent from this loop's progress() -------------
 

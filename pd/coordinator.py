@@ -13,7 +13,11 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
    tokens: otherwise an idle cluster would pin every new prefix to the same first node.
 
 ``round_robin``, ``random`` and ``least_load`` are there for comparison.
-Decode node: the one with the most unreserved KV slots that can hold prompt + max_tokens.
+Decode node, among those with enough unreserved KV slots for prompt + max_tokens: under
+``cache_aware``, the one whose own cache (decode nodes keep what they decoded, mirrored from
+their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
+conversation's next turn returns to the node that has its history and less KV moves; else,
+and under the other policies, the one with the most unreserved slots.
 All of this is plain Python: the cluster client feeds it events and request life-cycle calls.
 """
 
@@ -75,6 +79,7 @@ class _Prefill:
 @dataclass
 class _Decode:
     num_slots: int
+    index: PrefixIndex
     reserved: int = 0
     draining: bool = False
 
@@ -94,7 +99,7 @@ class Coordinator:
         self._prefill[node_id] = _Prefill(PrefixIndex(self.cfg.page_size, node_id))
 
     def add_decode(self, node_id: str, num_slots: int) -> None:
-        self._decode[node_id] = _Decode(num_slots)
+        self._decode[node_id] = _Decode(num_slots, PrefixIndex(self.cfg.page_size, node_id))
 
     def drain(self, node_id: str) -> None:
         """Send no new requests to this node."""
@@ -121,7 +126,7 @@ class Coordinator:
     # -- events and life cycle --------------------------------------------------------------
 
     def apply_event(self, event: CacheEventMsg) -> None:
-        node = self._prefill.get(event.node_id)
+        node = self._prefill.get(event.node_id) or self._decode.get(event.node_id)
         if node is not None:
             node.index.apply(event)
 
@@ -132,7 +137,7 @@ class Coordinator:
         node has room now, ValueError if none ever could."""
         page = self.cfg.page_size
         need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
-        decode = self._pick_decode(need)
+        decode = self._pick_decode(need, prompt_ids, namespace)
         prefill, matched = self._pick_prefill(prompt_ids, namespace)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
@@ -159,7 +164,7 @@ class Coordinator:
 
     # -- choices ----------------------------------------------------------------------------
 
-    def _pick_decode(self, need: int) -> str:
+    def _pick_decode(self, need: int, prompt: Sequence[int], namespace: str) -> str:
         nodes = {n: d for n, d in self._decode.items() if not d.draining}
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
@@ -173,6 +178,13 @@ class Coordinator:
         ]
         if not fits:
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
+        if self.cfg.policy == "cache_aware":
+            matched, free, node = max(
+                (self._decode[n].index.match_len(prompt[:-1], namespace), free, n)
+                for free, n in fits
+            )
+            if matched and matched >= self.cfg.cache_threshold * len(prompt):
+                return node
         return max(fits)[1]
 
     def _pick_prefill(self, prompt: Sequence[int], namespace: str) -> tuple[str, int]:

@@ -174,6 +174,8 @@ class BaseNode:
             else:
                 self._postprocess(self.scheduler.postprocess(batch, tokens))
         self._progress()
+        for event in self.cache.take_events():  # the coordinator mirrors every node's cache
+            self.send_server(event)
         self._publish_stats()
         if batch is None:
             if self.node_cfg.debug_checks and self._num_unfinished() == 0:

@@ -387,3 +387,27 @@ def test_drain_and_remove_stop_routing_to_a_node() -> None:
 def test_invalid_router_config_raises(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RouterConfig(**kw)
+
+
+def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
+    from pd.messages import CacheEventMsg
+
+    coord = Coordinator(RouterConfig(policy="cache_aware"))
+    coord.add_prefill("p0")
+    coord.add_decode("d0", num_slots=1000)
+    coord.add_decode("d1", num_slots=2000)  # more room: the default choice
+    history = list(range(100, 400))
+    assert coord.route("r0", history[:50], max_tokens=10).decode == "d1"
+    coord.on_finished("r0")
+    coord.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
+    follow_up = history + [7, 8, 9]
+    assert coord.route("r1", follow_up, max_tokens=10).decode == "d0"
+    coord.on_finished("r1")
+    # below the threshold, or under another policy, room decides
+    assert coord.route("r2", history[:10] + list(range(5000, 5300)), max_tokens=10).decode == "d1"
+    rr = Coordinator(RouterConfig(policy="round_robin"))
+    rr.add_prefill("p0")
+    rr.add_decode("d0", num_slots=1000)
+    rr.add_decode("d1", num_slots=2000)
+    rr.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
+    assert rr.route("r1", follow_up, max_tokens=10).decode == "d1"

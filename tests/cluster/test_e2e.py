@@ -30,7 +30,7 @@ RAW_PROMPTS = [
 
 
 @pytest.fixture(
-    scope="module", params=[(1, 1, 1), (2, 1, 1), (1, 1, 16)], ids=["1p1d", "2p1d", "1p1d-page16"]
+    scope="module", params=[(1, 1, 1), (2, 1, 1), (1, 2, 16)], ids=["1p1d", "2p1d", "1p2d-page16"]
 )
 def live(request, ray_session, smollm2_dir) -> Iterator[LiveCluster]:
     num_prefill, num_decode, page_size = request.param
