@@ -10,7 +10,9 @@ The life of a request on a decode node:
    still take), slots for the rest of the prompt are allocated and the remainder is promised;
    else "no room" and the sender retries.
 3. The KV lands in those slots; ``PrefilledMsg`` brings the first token -> ``running``.
-4. Decode, one token per step for the whole batch; every token goes to the server.
+4. Decode, one token per step for the whole batch; every token goes to the server. The batch
+   is bounded by the KV pool (step 2), not by ``max_running_requests``: refusing KV that fits
+   would only make the prefill node's handshake time out.
 5. Finish (stop token, max_tokens, abort): the tokens and slots go to the prefix cache (or back
    to the pool), so a follow-up turn of a conversation moves only its new tokens. A transfer
    that fails or times out releases its reservation and the server hears of it.
