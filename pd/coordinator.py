@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pd.cache.prefix_index import PrefixIndex
 from pd.messages import CacheEventMsg
-from pd.prefix_index import PrefixIndex
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class CoordinatorConfig:
     policy: str = "cache_aware"
     balance_abs_tokens: int = 4096  # loads must differ by more than this many tokens ...
     balance_rel: float = 2.0  # ... and by more than this factor to count as unbalanced
@@ -85,7 +85,7 @@ class _Decode:
 
 
 class Coordinator:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}

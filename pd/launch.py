@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from pd.cache.radix_cache import RadixCache
 from pd.config import EngineConfig
 from pd.engine.engine import Engine
-from prefill.radix_cache import RadixCache
 
 
 def build_engine(cfg: EngineConfig) -> Engine:

@@ -12,7 +12,7 @@ import uvicorn
 
 from pd.cluster.launcher import Cluster, ClusterConfig
 from pd.config import EngineConfig
-from pd.coordinator import RouterConfig
+from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 
@@ -55,7 +55,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     cluster_cfg = ClusterConfig(
         num_prefill=args.prefill, num_decode=args.decode, address=args.address, host=args.host
     )
-    router = RouterConfig(policy=args.policy)
+    router = CoordinatorConfig(policy=args.policy)
     cluster = Cluster(engine_cfg, cluster_cfg, router)
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
     cluster.start()

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
+from pd.cache.radix_cache import RadixCache
 from pd.config import EngineConfig
 from pd.engine.request import Req
 from pd.messages import AbortMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
-from prefill.radix_cache import RadixCache
 from transfer import KVPoll, KVSender
 
 

@@ -35,14 +35,14 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+from block_hash_cache import BlockHashCache  # scripts/ is on sys.path when run as a script
 
+from pd.cache.radix_cache import RadixCache
 from pd.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.kv_pool import SlotAllocator
 from pd.launch import build_engine
 from pd.sampling_params import SamplingParams
-from prefill.block_hash_cache import BlockHashCache
-from prefill.radix_cache import RadixCache
 
 VOCAB = 49152  # SmolLM2's vocabulary
 

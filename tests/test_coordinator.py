@@ -14,12 +14,12 @@ from typing import NamedTuple
 
 import pytest
 
-from pd.coordinator import Coordinator, NoCapacityError, Route, RouterConfig
+from pd.cache.radix_cache import RadixCache
+from pd.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.engine.kv_pool import SlotAllocator
 from pd.messages import CacheEventMsg
-from prefill.radix_cache import RadixCache
 
-# Thresholds used throughout, spelled out so a change of RouterConfig defaults shows up here.
+# Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
 BALANCE_REL = 2.0
 CACHE_THRESHOLD = 0.25
@@ -39,7 +39,7 @@ NODE_SLOTS = 4608
 MAX_STRAYS = 2
 
 
-def _make_config(policy: str = "cache_aware", **kw: float) -> RouterConfig:
+def _make_config(policy: str = "cache_aware", **kw: float) -> CoordinatorConfig:
     args: dict = dict(
         policy=policy,
         balance_abs_tokens=BALANCE_ABS_TOKENS,
@@ -47,7 +47,7 @@ def _make_config(policy: str = "cache_aware", **kw: float) -> RouterConfig:
         cache_threshold=CACHE_THRESHOLD,
     )
     args.update(kw)
-    return RouterConfig(**args)
+    return CoordinatorConfig(**args)
 
 
 def _make_coordinator(
@@ -386,13 +386,13 @@ def test_drain_and_remove_stop_routing_to_a_node() -> None:
 )
 def test_invalid_router_config_raises(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RouterConfig(**kw)
+        CoordinatorConfig(**kw)
 
 
 def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     from pd.messages import CacheEventMsg
 
-    coord = Coordinator(RouterConfig(policy="cache_aware"))
+    coord = Coordinator(CoordinatorConfig(policy="cache_aware"))
     coord.add_prefill("p0")
     coord.add_decode("d0", num_slots=1000)
     coord.add_decode("d1", num_slots=2000)  # more room: the default choice
@@ -405,7 +405,7 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     coord.on_finished("r1")
     # below the threshold, or under another policy, room decides
     assert coord.route("r2", history[:10] + list(range(5000, 5300)), max_tokens=10).decode == "d1"
-    rr = Coordinator(RouterConfig(policy="round_robin"))
+    rr = Coordinator(CoordinatorConfig(policy="round_robin"))
     rr.add_prefill("p0")
     rr.add_decode("d0", num_slots=1000)
     rr.add_decode("d1", num_slots=2000)

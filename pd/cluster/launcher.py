@@ -22,11 +22,11 @@ from typing import Any
 import ray
 
 from pd import envs
+from pd.cache.radix_cache import RadixCache
 from pd.cluster.client import ClusterClient
 from pd.config import EngineConfig
-from pd.coordinator import Coordinator, RouterConfig
+from pd.coordinator import Coordinator, CoordinatorConfig
 from pd.node import NodeConfig
-from prefill.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _free_port(host: str) -> int:
 
 
 class Cluster:
-    def __init__(self, engine_cfg: EngineConfig, cfg: ClusterConfig, router: RouterConfig) -> None:
+    def __init__(self, engine_cfg: EngineConfig, cfg: ClusterConfig, router: CoordinatorConfig) -> None:
         self.engine_cfg = engine_cfg
         self.cfg = cfg
         self.router = dataclasses.replace(router, page_size=engine_cfg.page_size)

@@ -11,9 +11,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from pd.cache.base import BasePrefixCache, NoPrefixCache
 from pd.config import EngineConfig
 from pd.engine.kv_pool import SlotAllocator
-from pd.engine.prefix_cache import BasePrefixCache, NoPrefixCache
 from pd.engine.request import Req
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator

@@ -28,9 +28,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from pd.cache.base import BasePrefixCache
 from pd.engine.batch import SeqInput
 from pd.engine.kv_pool import SlotAllocator
-from pd.engine.prefix_cache import BasePrefixCache
 from pd.engine.request import Req
 
 

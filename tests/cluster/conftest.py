@@ -45,14 +45,14 @@ def start_live_cluster(
 
     from pd.cluster.launcher import Cluster, ClusterConfig
     from pd.config import EngineConfig
-    from pd.coordinator import RouterConfig
+    from pd.coordinator import CoordinatorConfig
     from pd.serve import build_cluster_app
 
     engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48, page_size=page_size)
     cluster = Cluster(
         engine_cfg,
         ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, threads_per_node=1),
-        RouterConfig(policy=policy),
+        CoordinatorConfig(policy=policy),
     )
     cluster.start()
     app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")

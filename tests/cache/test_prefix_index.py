@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd.cache.prefix_index import PrefixIndex
+from pd.cache.radix_cache import RadixCache
 from pd.engine.kv_pool import SlotAllocator
 from pd.messages import CacheEventMsg
-from pd.prefix_index import PrefixIndex
-from prefill.radix_cache import RadixCache
 
 
 def _make_cache(num_pages: int = 64, page_size: int = 1) -> RadixCache:

@@ -1,11 +1,11 @@
-"""RadixCache: the prefill node's KV prefix cache, a RadixTree whose values are slot indices.
+"""RadixCache: a node's KV prefix cache, a RadixTree whose values are slot indices.
 
 A node's key is whole pages of tokens and its value is the slots holding their KV, so a node
 owns whole allocator pages and evicting it frees exactly those. Locks cover the path
 root..node; eviction takes unlocked leaves, least recently used first, trimming a leaf from its
 end by pages when less than the whole leaf is needed. Every insertion and eviction becomes a
 CacheEventMsg that the coordinator's PrefixIndex replays. The request-side protocol is in
-``pd.engine.prefix_cache``.
+``pd.cache.base``.
 
 Counts (tokens): num_cached = num_evictable + num_protected; protected = on a locked path.
 """
@@ -16,16 +16,16 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.prefix_cache import (
+from pd.cache.base import (
     BasePrefixCache,
     CacheStats,
     MatchResult,
     NodeHandle,
     check_slot_count,
 )
+from pd.cache.radix_tree import RadixNode, RadixTree, TreeInsert
+from pd.engine.kv_pool import SlotAllocator
 from pd.messages import CacheEventMsg
-from pd.radix_tree import RadixNode, RadixTree, TreeInsert
 
 
 class RadixCache(BasePrefixCache):

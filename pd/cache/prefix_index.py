@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pd.cache.radix_tree import RadixTree
 from pd.messages import CacheEventMsg
-from pd.radix_tree import RadixTree
 
 
 class PrefixIndex:

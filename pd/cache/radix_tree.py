@@ -1,4 +1,4 @@
-"""A token radix tree: the one structure behind the prefill RadixCache and the coordinator's
+"""A token radix tree: the one structure behind the RadixCache and the coordinator's
 PrefixIndex (plain Python, no torch).
 
 Keys are token-id sequences cut into pages of ``page_size`` tokens. Every edge holds a whole

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd.cache.base import NoPrefixCache
+from pd.cache.radix_cache import RadixCache
+from pd.cache.radix_tree import RadixNode
 from pd.engine.kv_pool import SlotAllocator
-from pd.engine.prefix_cache import NoPrefixCache
-from pd.radix_tree import RadixNode
-from prefill.radix_cache import RadixCache
 
 
 def _make_cache(num_pages: int = 64, page_size: int = 1) -> tuple[RadixCache, SlotAllocator]:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from pd.engine.prefix_cache import CacheStats
+from pd.cache.base import CacheStats
 
 
 class BlockMatch(NamedTuple):
