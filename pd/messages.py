@@ -1,8 +1,15 @@
-"""Wire messages of the control plane (msgspec Structs, never pickle on a socket)."""
+"""Wire messages of the control plane (msgspec Structs, never pickle on a socket).
+
+``SamplingParams`` travels inside them as it is (msgspec encodes the dataclass and re-runs its
+checks on decode). ``NodeInfo`` is what a node tells the launcher when it starts (through Ray);
+``NodeStatsMsg`` is the one shape of a node's (or the colocated engine's) gauges and counters.
+"""
 
 from __future__ import annotations
 
 import msgspec
+
+from pd.sampling_params import SamplingParams
 
 
 class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
@@ -24,24 +31,12 @@ class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
     num_evicted: int = 0
 
 
-class SamplingMsg(msgspec.Struct, frozen=True):
-    """``SamplingParams`` on the wire (rebuilt, and so re-validated, on arrival)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop_token_ids: list[int]
-    ignore_eos: bool
-
-
 class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True):
     """Server -> prefill node: prefill this prompt, then hand its KV to ``decode_node``."""
 
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     namespace: str
     decode_node: str  # node id
     decode_addr: str  # the decode node's request socket (for PrefilledMsg)
@@ -53,7 +48,8 @@ class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
 
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
+    namespace: str
     prefill_node: str
 
 
@@ -84,10 +80,11 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True):
 
 
 class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
-    """Node -> server, a few times a second: what /metrics and the router need."""
+    """Node -> server, a few times a second: what /metrics and the router need. The colocated
+    engine reports the same shape (role "colocated", no transfers)."""
 
     node_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated"
     num_waiting: int
     num_running: int
     num_transferring: int
@@ -100,6 +97,17 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     transfer_seconds: float
     num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """A started node: where to reach it and what it can hold."""
+
+    node_id: str
+    role: str  # "prefill" | "decode"
+    addr: str  # its request socket (PULL)
+    transfer_addr: str  # its transfer control endpoint (ROUTER)
+    num_slots: int
+    max_model_len: int
 
 
 NodeMsg = PrefillReqMsg | DecodeReqMsg | PrefilledMsg | AbortMsg

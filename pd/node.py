@@ -1,11 +1,16 @@
 """``BaseNode``: what a prefill node and a decode node share.
 
-A node owns a model runner, its KV pool, a prefix cache and a scheduler, a transfer agent over
-the pool, and two sockets: a PULL socket it binds (requests from the server, ``PrefilledMsg``
-from prefill nodes) and a PUSH socket to the server (tokens, cache events, stats). Its event
-loop runs on its own thread and reads as ``recv()`` -> ``schedule()`` -> ``run()`` ->
-``postprocess()`` -> ``progress()``; the Ray actor methods only talk to that loop through a
-command queue, so no engine state is touched from two threads.
+A node owns an ``EngineCore`` (model runner, KV pool, prefix cache, its role's scheduler), a
+transfer agent over the pool, and two sockets: a PULL socket it binds (requests from the server,
+``PrefilledMsg`` from prefill nodes) and a PUSH socket to the server (tokens, cache events,
+stats). ``start()`` runs its event loop on a thread of its own; one iteration reads
+
+    recv() -> commands -> core.step() -> on_step() (the role's) -> progress() -> publish()
+
+and the Ray actor methods only talk to that loop through a command queue, so no engine state is
+touched from two threads. Nothing in one iteration can leave state that makes the next raise
+again: a failed forward fails its batch (``EngineCore.step``), and an error while handling one
+request fails that request alone (``_guard``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +30,10 @@ import torch
 import zmq
 
 from pd.config import EngineConfig
-from pd.engine.engine import CacheFactory, Engine
+from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.request import Req
-from pd.messages import NodeMsg, NodeStatsMsg, SamplingMsg, ServerMsg, TokenMsg
-from pd.sampling_params import SamplingParams
+from pd.engine.scheduler import Scheduler, StepResult
+from pd.messages import NodeInfo, NodeMsg, ServerMsg, TokenMsg
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -44,32 +50,14 @@ class NodeConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
-def params_from_msg(msg: SamplingMsg) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
-        seed=msg.seed,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
-
-
-def params_to_msg(p: SamplingParams) -> SamplingMsg:
-    return SamplingMsg(
-        p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos
-    )
-
-
 class BaseNode:
     role = "base"
+    scheduler_cls: type[Scheduler] = Scheduler
 
     def __init__(
         self,
         engine_cfg: EngineConfig,
         node_cfg: NodeConfig,
-        cache_factory: CacheFactory | None,
         slot_owner: BaseSlotOwner | None = None,
     ) -> None:
         if node_cfg.host == "auto":  # inside a Ray actor on a multi-machine cluster
@@ -81,12 +69,8 @@ class BaseNode:
             )
         self.node_cfg = node_cfg
         self.node_id = node_cfg.node_id
-        self.engine = Engine(engine_cfg, cache_factory, role=self.role)
-        self.runner = self.engine.runner
-        self.allocator = self.engine.allocator
-        self.cache = self.engine.cache
-        self.scheduler = self.engine.scheduler
-        pool = self.runner.pool
+        self.core = EngineCore(engine_cfg, node_cfg.node_id, self.scheduler_cls)
+        pool = self.core.runner.pool
         self.transfer = TransferAgent(
             node_cfg.transfer, pool.k + pool.v, pool.num_layers, slot_owner=slot_owner
         )
@@ -103,25 +87,35 @@ class BaseNode:
             queue.SimpleQueue()
         )
         self._next_stats = 0.0
-        self.transfer_bytes = 0
-        self.transfer_seconds = 0.0
-        self.num_transfers = 0
+        self.transfer_counters = TransferCounters()
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"{self.node_id}-loop", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # -- called from the actor's thread -----------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "role": self.role,
-            "addr": self.addr,
-            "transfer_addr": self.transfer.endpoint,
-            "num_slots": self.allocator.num_slots,
-            "max_model_len": self.runner.max_model_len,
-        }
+    def start(self) -> NodeInfo:
+        """Start the event loop; return where to reach this node."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name=f"{self.node_id}-loop", daemon=True
+            )
+            self._thread.start()
+        return self.info()
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            role=self.role,
+            addr=self.addr,
+            transfer_addr=self.transfer.endpoint,
+            num_slots=self.core.allocator.num_slots,
+            max_model_len=self.core.max_model_len,
+        )
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn`` on the loop thread, between steps, and return its result."""
@@ -141,7 +135,8 @@ class BaseNode:
 
     def shutdown(self) -> None:
         self._stopped.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         self.transfer.close()
         for sock in (self._pull, self._push, *self._peers.values()):
             sock.close(linger=0)
@@ -154,34 +149,27 @@ class BaseNode:
         torch.set_num_threads(torch.get_num_threads())
         while not self._stopped.is_set():
             try:
-                self._iteration()
+                self.run_once()
             except Exception:
                 logger.exception("%s: loop iteration failed", self.node_id)
                 time.sleep(0.05)
 
-    def _iteration(self) -> None:
+    def run_once(self, block: bool = True) -> bool:
+        """One loop iteration; True if it ran a batch. ``block``: when idle, wait a little for
+        the next message (the loop's way to sleep); tests drive nodes with ``block=False``."""
         self._recv()
         self._run_commands()
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            try:
-                tokens = self.runner.run(batch.reqs, batch.seqs)
-            except Exception as e:  # fail this batch's requests rather than retry forever
-                logger.exception("%s: forward failed", self.node_id)
-                for req in batch.reqs:
-                    self._abort(req.request_id)
-                    self.report_error(req.request_id, f"forward failed on {self.node_id}: {e}")
-            else:
-                self._postprocess(self.scheduler.postprocess(batch, tokens))
+        result = self.core.step()
+        self._on_step(result)
         self._progress()
-        for event in self.cache.take_events():  # the coordinator mirrors every node's cache
-            self.send_server(event)
-        self._publish_stats()
-        if batch is None:
+        self._publish()
+        busy = result.num_scheduled > 0
+        if not busy and block:
             if self.node_cfg.debug_checks and self._num_unfinished() == 0:
                 self._check_integrity()
             # transfers progress on the agent's own socket: look again soon while any is open
             self._pull.poll(1 if self._num_transferring() else self.node_cfg.idle_poll_ms)
+        return busy
 
     def _recv(self) -> None:
         while True:
@@ -195,7 +183,8 @@ class BaseNode:
                 self.num_bad_msgs += 1
                 logger.warning("%s: dropped a malformed message: %s", self.node_id, e)
                 continue
-            self._on_msg(msg)
+            with self._guard(getattr(msg, "request_id", "")):
+                self._on_msg(msg)
 
     def _run_commands(self) -> None:
         while True:
@@ -208,32 +197,32 @@ class BaseNode:
             except Exception as e:  # handed to the caller
                 done.put(e)
 
-    def _publish_stats(self) -> None:
+    def _publish(self) -> None:
+        self.publish_cache_events()
         now = time.monotonic()
         if now < self._next_stats:
             return
         self._next_stats = now + self.node_cfg.stats_interval_s
-        self.send_server(
-            NodeStatsMsg(
-                node_id=self.node_id,
-                role=self.role,
-                num_waiting=len(self.scheduler.waiting),
-                num_running=len(self.scheduler.running),
-                num_transferring=self._num_transferring(),
-                num_slots=self.allocator.num_slots,
-                num_free_slots=self.allocator.num_free_slots,
-                num_cached_tokens=self.cache.num_cached_tokens,
-                num_hit_tokens=self.scheduler.num_admitted_cached_tokens,
-                num_miss_tokens=self.scheduler.num_admitted_tokens
-                - self.scheduler.num_admitted_cached_tokens,
-                transfer_bytes=self.transfer_bytes,
-                transfer_seconds=self.transfer_seconds,
-                num_transfers=self.num_transfers,
-                num_queued_tokens=self.scheduler.num_queued_tokens,
-            )
-        )
+        counters = self.transfer_counters._replace(num_transferring=self._num_transferring())
+        self.send_server(self.core.stats(self.role, counters))
 
     # -- helpers for the roles --------------------------------------------------------------
+
+    @contextmanager
+    def _guard(self, request_id: str) -> Iterator[None]:
+        """Run a step of one request's handling: if it raises, that request fails alone."""
+        try:
+            yield
+        except Exception as e:
+            logger.exception("%s: handling request %s failed", self.node_id, request_id)
+            if request_id:
+                self._abort(request_id)
+                self.report_error(request_id, f"{type(e).__name__} on {self.node_id}: {e}")
+
+    def publish_cache_events(self) -> None:
+        """Send the cache events not sent yet (the coordinator mirrors every node's cache)."""
+        for event in self.core.cache.take_events():
+            self.send_server(event)
 
     def send_server(self, msg: ServerMsg) -> None:
         self._push.send(self._encoder.encode(msg))
@@ -245,36 +234,45 @@ class BaseNode:
             sock.connect(addr)
         sock.send(self._encoder.encode(msg))
 
-    def make_req(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingMsg, namespace: str = ""
-    ) -> Req:
-        return self.engine.make_request(
-            prompt_ids, params_from_msg(sampling), request_id, namespace
-        )
-
-    def report(self, req: Req, new_tokens: list[int], error: str | None = None) -> None:
+    def report(self, req: Req, new_tokens: list[int]) -> None:
         self.send_server(
             TokenMsg(
                 request_id=req.request_id,
                 token_ids=new_tokens,
-                finished=req.is_finished or error is not None,
-                finish_reason=req.finish_reason if error is None else "abort",
+                finished=req.is_finished,
+                finish_reason=req.finish_reason,
                 num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached,
-                error=error,
+                num_cached_tokens=req.num_cached_tokens,
+                error=req.error,
             )
         )
 
     def report_error(self, request_id: str, error: str) -> None:
         self.send_server(TokenMsg(request_id, [], True, "abort", 0, 0, error))
 
+    def report_step(self, result: StepResult) -> None:
+        """Tokens of the requests that produced one, errors of those that failed."""
+        for req in result.failed:
+            self.report_error(req.request_id, req.error or "failed")
+        for req in result.produced:
+            self.report(req, req.output_ids[-1:])
+
+    def add_transfer(self, num_bytes: int, seconds: float) -> None:
+        c = self.transfer_counters
+        self.transfer_counters = c._replace(
+            num_bytes=c.num_bytes + num_bytes,
+            num_seconds=c.num_seconds + seconds,
+            num_done=c.num_done + 1,
+        )
+
     def _check_integrity(self) -> dict[str, int]:
-        self.scheduler.check_integrity(self._held_slot_lists())
-        in_use = self.allocator.num_used_slots - self.cache.num_cached_tokens
+        core = self.core
+        core.scheduler.check_integrity()
+        in_use = core.allocator.num_used_slots - core.cache.num_cached_tokens
         return {
-            "total": self.allocator.num_slots,
-            "free": self.allocator.num_free_slots,
-            "cached": self.cache.num_cached_tokens,
+            "total": core.allocator.num_slots,
+            "free": core.allocator.num_free_slots,
+            "cached": core.cache.num_cached_tokens,
             "in_use": in_use,
             "unfinished": self._num_unfinished(),
         }
@@ -284,7 +282,7 @@ class BaseNode:
     def _on_msg(self, msg: Any) -> None:
         raise NotImplementedError
 
-    def _postprocess(self, produced: list[Req]) -> None:
+    def _on_step(self, result: StepResult) -> None:
         raise NotImplementedError
 
     def _abort(self, request_id: str) -> None:
@@ -297,8 +295,8 @@ class BaseNode:
         return 0
 
     def _num_unfinished(self) -> int:
-        return self.scheduler.num_unfinished + self._num_transferring()
+        return self.scheduler.num_unfinished + self._num_expected()
 
-    def _held_slot_lists(self) -> list[tuple[list[int], Any]]:
-        """Slot lists the role holds outside the scheduler (e.g. reservations for incoming KV)."""
-        return []
+    def _num_expected(self) -> int:
+        """Requests the role knows of that its scheduler does not hold yet."""
+        return 0

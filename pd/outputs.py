@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol
 
+from pd.messages import NodeStatsMsg
 from pd.sampling_params import SamplingParams
 
 
@@ -21,14 +22,25 @@ class RequestOutput(NamedTuple):
     finish_reason: str | None  # "stop" (eos / stop token), "length", "abort", or None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from a prefix cache
+    error: str | None = None  # set when the request failed inside the engine (finished, "abort")
+
+
+class ClusterStats(NamedTuple):
+    """What GET /metrics shows of the engine side: each node's stats (the colocated engine is a
+    cluster of one) and the requests waiting for a node."""
+
+    nodes: list[NodeStatsMsg]
+    num_queued: int = 0
 
 
 class EngineClient(Protocol):
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs until one with ``finished=True``. Stop strings are the caller's
         job (they need detokenized text); stop token ids, EOS and max_tokens are the engine's.
+        ``namespace`` scopes prefix-cache sharing (requests share cached prefixes only within
+        one). A request that fails inside the engine raises (with the reason).
         Cancelling the iterator (client gone) must abort the request and free its slots."""
         ...
 

@@ -1,8 +1,16 @@
-"""Per-request sampling parameters, validated once at the boundary."""
+"""Per-request sampling parameters: validated once, and sent to nodes as they are.
+
+``SamplingParams`` is the one shape of these fields everywhere: the HTTP layer builds it, the
+engine and the nodes read it, and msgspec encodes it inside the wire messages (``pd.messages``) and
+re-runs ``__post_init__`` when a node decodes it, so a node never trusts an unchecked value.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -18,7 +26,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -38,4 +45,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1

@@ -1,6 +1,6 @@
 """Prefix-cache benchmark: token-level radix cache vs block-hash caching, like with like.
 
-(a) TTFT warm vs cold on the real model through the colocated Engine (``build_engine``): a
+(a) TTFT warm vs cold on the real model through the colocated Engine (``Engine``): a
     request of a 2,048-token prefix + 64 new tokens, timed from ``add_request`` to its first
     token. Cold: a cache-off engine prefills all 2,112 tokens. Warm: a cache-on engine has
     ``warmup([prefix])`` first and prefills only the 64 new tokens. Median of 3 prompts (fresh
@@ -41,7 +41,6 @@ from pd.cache.radix_cache import RadixCache
 from pd.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.kv_pool import SlotAllocator
-from pd.launch import build_engine
 from pd.sampling_params import SamplingParams
 
 VOCAB = 49152  # SmolLM2's vocabulary
@@ -160,8 +159,8 @@ def bench_ttft_warm_vs_cold(args: argparse.Namespace) -> list[str]:
     """Part (a): markdown table lines of TTFT cold (cache off) vs warm (prefix cached)."""
     n = args.prefix_len + args.new_len
     cfg = EngineConfig(model=args.model, max_total_tokens=2 * n + 64, num_threads=args.num_threads)
-    cold_engine = build_engine(dataclasses.replace(cfg, enable_prefix_cache=False))
-    warm_engine = build_engine(cfg)
+    cold_engine = Engine(dataclasses.replace(cfg, enable_prefix_cache=False))
+    warm_engine = Engine(cfg)
     rng = random.Random(args.seed)
     for engine in (cold_engine, warm_engine):  # first-call overheads stay out of the timings
         engine.generate([_ids(rng, 64)], SamplingParams(max_tokens=2, temperature=0.0))

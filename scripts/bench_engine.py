@@ -90,7 +90,14 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(EngineConfig(model=args.model, max_total_tokens=16384, max_running_requests=64))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            max_total_tokens=16384,
+            max_running_requests=64,
+            enable_prefix_cache=False,
+        )
+    )
     hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=torch.float32).eval()
     vocab = engine.runner.model_config.vocab_size
     rows = []

@@ -19,18 +19,18 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pd.coordinator import Coordinator, NoCapacityError
+from pd.coordinator import Coordinator, NoCapacityError, Route
 from pd.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
+    NodeInfo,
     NodeStatsMsg,
     PrefillReqMsg,
     ServerMsg,
     TokenMsg,
 )
-from pd.node import params_to_msg
-from pd.outputs import RequestOutput
+from pd.outputs import ClusterStats, RequestOutput
 from pd.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ClusterClient:
         self.coordinator = coordinator
         self.pull_addr = pull_addr
         self.capacity_timeout_s = capacity_timeout_s
-        self.nodes: dict[str, dict[str, Any]] = {}  # node_id -> info (addr, transfer_addr, ...)
+        self.nodes: dict[str, NodeInfo] = {}
         self.node_stats: dict[str, NodeStatsMsg] = {}
         self._streams: dict[str, asyncio.Queue[TokenMsg]] = {}
         self._routes: dict[str, tuple[str, str]] = {}
@@ -78,13 +78,12 @@ class ClusterClient:
 
     # -- membership (the launcher calls these) ----------------------------------------------
 
-    def add_node(self, info: dict[str, Any]) -> None:
-        node_id = info["node_id"]
-        self.nodes[node_id] = info
-        if info["role"] == "prefill":
-            self.coordinator.add_prefill(node_id)
+    def add_node(self, info: NodeInfo) -> None:
+        self.nodes[info.node_id] = info
+        if info.role == "prefill":
+            self.coordinator.add_prefill(info.node_id)
         else:
-            self.coordinator.add_decode(node_id, info["num_slots"])
+            self.coordinator.add_decode(info.node_id, info.num_slots)
 
     def drain_node(self, node_id: str) -> None:
         self.coordinator.drain(node_id)
@@ -114,30 +113,32 @@ class ClusterClient:
             self._watchdog = asyncio.create_task(self._watch_nodes())
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
         await self.start()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        route = await self._route(request_id, prompt_ids, params)
+        route = await self._route(request_id, prompt_ids, params, namespace)
         queue: asyncio.Queue[TokenMsg] = asyncio.Queue()
         self._streams[request_id] = queue
         self._routes[request_id] = (route.prefill, route.decode)
-        sampling = params_to_msg(params)
-        p_info, d_info = self.nodes[route.prefill], self.nodes[route.decode]
+        d_info = self.nodes[route.decode]
         finished = False
         try:
-            self._send(route.decode, DecodeReqMsg(request_id, prompt_ids, sampling, route.prefill))
+            self._send(
+                route.decode,
+                DecodeReqMsg(request_id, prompt_ids, params, namespace, route.prefill),
+            )
             self._send(
                 route.prefill,
                 PrefillReqMsg(
                     request_id,
                     prompt_ids,
-                    sampling,
-                    "",
+                    params,
+                    namespace,
                     route.decode,
-                    d_info["addr"],
-                    d_info["transfer_addr"],
+                    d_info.addr,
+                    d_info.transfer_addr,
                 ),
             )
             num_cached: int | None = None  # the prefill node's hit (the first message's)
@@ -158,7 +159,7 @@ class ClusterClient:
                 )
         finally:
             if not finished:  # cancelled (client gone) or failed
-                self._abort_on_nodes(request_id, p_info["node_id"], d_info["node_id"])
+                self._abort_on_nodes(request_id, route.prefill, route.decode)
             self._streams.pop(request_id, None)
             self._routes.pop(request_id, None)
             self.coordinator.on_finished(request_id)
@@ -176,7 +177,7 @@ class ClusterClient:
         """Every registered node has started its loop (sent stats). A node that dies is
         dropped by the watchdog, so readiness never waits on a long forward pass."""
         await self.start()
-        roles = {info["role"] for info in self.nodes.values()}
+        roles = {info.role for info in self.nodes.values()}
         return roles == {"prefill", "decode"} and all(n in self.node_stats for n in self.nodes)
 
     async def close(self) -> None:
@@ -192,13 +193,17 @@ class ClusterClient:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _route(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
+    async def _route(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str
+    ) -> Route:
         deadline = time.monotonic() + self.capacity_timeout_s
         self._num_waiting += 1
         try:
             while True:
                 try:
-                    return self.coordinator.route(request_id, prompt_ids, params.max_tokens)
+                    return self.coordinator.route(
+                        request_id, prompt_ids, params.max_tokens, namespace
+                    )
                 except NoCapacityError:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -214,7 +219,7 @@ class ClusterClient:
         if sock is None:
             assert self._ctx is not None
             sock = self._push[node_id] = self._ctx.socket(zmq.PUSH)
-            sock.connect(self.nodes[node_id]["addr"])
+            sock.connect(self.nodes[node_id].addr)
         sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
 
     def _abort_on_nodes(self, request_id: str, prefill: str, decode: str) -> None:
@@ -274,25 +279,6 @@ class ClusterClient:
         if self._on_node_failed is not None:
             self._on_node_failed(node_id)
 
-    def stats(self) -> dict[str, Any]:
-        """Cluster gauges for GET /metrics (shape: ``pd.server.metrics``)."""
-        nodes = {}
-        moved_bytes, moved_s, moved = 0, 0.0, 0
-        for node_id, s in self.node_stats.items():
-            nodes[node_id] = {
-                "role": s.role,
-                "queue_depth": s.num_waiting,
-                "running": s.num_running,
-                "slots_used": s.num_slots - s.num_free_slots,
-                "slots_total": s.num_slots,
-                "cache_hit_tokens": s.num_hit_tokens,
-                "prompt_tokens": s.num_hit_tokens + s.num_miss_tokens,
-            }
-            moved_bytes += s.transfer_bytes
-            moved_s += s.transfer_seconds
-            moved += s.num_transfers
-        return {
-            "nodes": nodes,
-            "transfer": {"bytes": moved_bytes, "seconds": moved_s, "count": moved},
-            "coordinator": {"queue_depth": self._num_waiting},
-        }
+    def stats(self) -> ClusterStats:
+        """What GET /metrics shows: every node's latest stats and the requests waiting."""
+        return ClusterStats(list(self.node_stats.values()), self._num_waiting)

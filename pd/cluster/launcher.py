@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -22,10 +21,10 @@ from typing import Any
 import ray
 
 from pd import envs
-from pd.cache.radix_cache import RadixCache
 from pd.cluster.client import ClusterClient
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, CoordinatorConfig
+from pd.messages import NodeInfo
 from pd.node import NodeConfig
 
 logger = logging.getLogger(__name__)
@@ -55,12 +54,14 @@ def _free_port(host: str) -> int:
 
 
 class Cluster:
-    def __init__(self, engine_cfg: EngineConfig, cfg: ClusterConfig, router: CoordinatorConfig) -> None:
+    def __init__(
+        self, engine_cfg: EngineConfig, cfg: ClusterConfig, coordinator: CoordinatorConfig
+    ) -> None:
         self.engine_cfg = engine_cfg
         self.cfg = cfg
-        self.router = dataclasses.replace(router, page_size=engine_cfg.page_size)
+        self.coordinator_cfg = dataclasses.replace(coordinator, page_size=engine_cfg.page_size)
         self.client = ClusterClient(
-            Coordinator(self.router),
+            Coordinator(self.coordinator_cfg),
             f"tcp://{cfg.host}:{_free_port(cfg.host)}",
             ping=self._ping,
             on_node_failed=self._on_node_failed,
@@ -107,7 +108,7 @@ class Cluster:
         """Start one more node of ``role`` and register it with the coordinator."""
         info = ray.get(self._spawn(role), timeout=self.cfg.ready_timeout_s)
         self.client.add_node(info)
-        return info["node_id"]
+        return info.node_id
 
     def remove_node(self, node_id: str, timeout_s: float = 120.0) -> None:
         """Drain a node (no new requests, in-flight ones finish), then stop its actor."""
@@ -148,8 +149,8 @@ class Cluster:
                 logger.exception("could not start a %s node in place of %s", role, node_id)
                 return
             self.client.add_node(info)
-            self.replacements.append(info["node_id"])
-            logger.warning("started %s in place of %s", info["node_id"], node_id)
+            self.replacements.append(info.node_id)
+            logger.warning("started %s in place of %s", info.node_id, node_id)
 
         task = asyncio.get_running_loop().create_task(replace())
         self._tasks.add(task)  # the loop keeps only weak references to tasks
@@ -165,7 +166,7 @@ class Cluster:
         total = self.cfg.num_prefill + self.cfg.num_decode
         return max(1, (os.cpu_count() or 1) // total)
 
-    def _spawn(self, role: str) -> Any:
+    def _spawn(self, role: str) -> ray.ObjectRef[NodeInfo]:
         from decode.node import DecodeNode
         from prefill.node import PrefillNode
 
@@ -182,15 +183,9 @@ class Cluster:
             debug_checks=envs.PD_DEBUG,
         )
         actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
-        if role == "decode" and engine_cfg.enable_prefix_cache:
-            # a decode node keeps what it decoded, so a conversation's next turn sends less KV
-            handle = actor.remote(
-                engine_cfg, node_cfg, functools.partial(RadixCache, node_id=node_id)
-            )
-        else:
-            handle = actor.remote(engine_cfg, node_cfg)
+        handle = actor.remote(engine_cfg, node_cfg)
         self.actors[node_id] = handle
-        return handle.info.remote()
+        return handle.start.remote()
 
     def _kill(self, node_id: str) -> None:
         actor = self.actors.pop(node_id)

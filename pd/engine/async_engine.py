@@ -11,14 +11,18 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pd.engine.engine import Engine
+from pd.messages import NodeStatsMsg
 from pd.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 0.2
 
 
 class AsyncEngine:
@@ -27,17 +31,19 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stopped = threading.Event()
+        self._stats = engine.stats()
+        self._next_stats = 0.0
         self._thread = threading.Thread(target=self._loop, name="pd-engine", daemon=True)
         self._thread.start()
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         out_q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_q)
-        self._inbox.put(("add", (request_id, prompt_ids, params)))
+        self._inbox.put(("add", (request_id, prompt_ids, params, namespace)))
         finished = False
         try:
             while not finished:
@@ -56,6 +62,10 @@ class AsyncEngine:
 
     async def is_ready(self) -> bool:
         return self._thread.is_alive()
+
+    def stats(self) -> NodeStatsMsg:
+        """The engine's stats, as of its last step (refreshed a few times a second)."""
+        return self._stats
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -81,9 +91,9 @@ class AsyncEngine:
 
     def _handle(self, cmd: str, arg: Any) -> None:
         if cmd == "add":
-            request_id, prompt_ids, params = arg
+            request_id, prompt_ids, params, namespace = arg
             try:
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.add_request(prompt_ids, params, request_id, namespace)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif cmd == "abort":
@@ -99,6 +109,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
+            if time.monotonic() >= self._next_stats:
+                self._stats = self.engine.stats()
+                self._next_stats = time.monotonic() + _STATS_INTERVAL_S
             try:
                 block = not self.engine.has_unfinished
                 cmd, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
@@ -119,4 +132,5 @@ class AsyncEngine:
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = out.error is not None
+                self._deliver(out.request_id, RuntimeError(out.error) if failed else out)

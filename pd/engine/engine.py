@@ -1,28 +1,25 @@
 """The colocated engine: one process that prefills and decodes with continuous batching.
 
-It is the baseline the disaggregated cluster is measured against, and what ``pd generate``
-runs. Its step reads as three calls: ``schedule()`` -> ``run()`` -> ``postprocess()``.
+It is the baseline the disaggregated cluster is measured against, and what ``pd generate`` and
+``pd serve --colocated`` run. It owns an ``EngineCore`` (whose step is schedule -> run ->
+postprocess) and turns its results into ``RequestOutput``s.
 """
 
 from __future__ import annotations
 
-import itertools
-import random
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from pd.cache.base import BasePrefixCache, NoPrefixCache
+from pd.cache.base import BasePrefixCache
 from pd.config import EngineConfig
+from pd.engine.core import EngineCore
 from pd.engine.kv_pool import SlotAllocator
 from pd.engine.request import Req
 from pd.engine.runner import ModelRunner
-from pd.engine.sampler import make_generator
-from pd.engine.scheduler import ScheduledBatch, Scheduler
-from pd.model.tokenizer import eos_token_ids, load_tokenizer
+from pd.engine.scheduler import Scheduler
+from pd.messages import NodeStatsMsg
 from pd.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
-
-CacheFactory = Callable[[SlotAllocator], BasePrefixCache]
 
 
 class GenerateResult(NamedTuple):
@@ -34,37 +31,38 @@ class GenerateResult(NamedTuple):
 
 
 class Engine:
-    def __init__(
-        self, cfg: EngineConfig, cache_factory: CacheFactory | None = None, role: str = "colocated"
-    ) -> None:
-        """``role`` is the scheduler's (see ``Scheduler``): prefill and decode nodes build their
-        runner, pool, cache and scheduler through this class too, and drive them themselves."""
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.core = EngineCore(cfg)
         self.cfg = cfg
-        self.runner = ModelRunner(cfg)
-        self.tokenizer = load_tokenizer(self.runner.model_dir)
-        self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
-        self.cache = (
-            cache_factory(self.allocator) if cache_factory else NoPrefixCache(self.allocator)
-        )
-        self.scheduler = Scheduler(
-            self.allocator,
-            self.cache,
-            max_running_requests=cfg.max_running_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            max_model_len=self.runner.max_model_len,
-            eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
-            role=role,
-        )
-        self._ids = itertools.count()
-        self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
+
+    # The core's parts, for callers that inspect them (tests, benchmarks, the server's stats).
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        return self.core.allocator
+
+    @property
+    def cache(self) -> BasePrefixCache:
+        return self.core.cache
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.runner.max_model_len
+        return self.core.max_model_len
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.core.scheduler.num_unfinished > 0
 
     def add_request(
         self,
@@ -74,64 +72,31 @@ class Engine:
         namespace: str = "",
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add(self.make_request(prompt_ids, params, request_id, namespace))
+        request_id = request_id if request_id is not None else self.core.new_request_id()
+        self.core.scheduler.add(self.core.make_request(prompt_ids, params, request_id, namespace))
         return request_id
 
-    def make_request(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        namespace: str = "",
-    ) -> Req:
-        """A checked request (ValueError, with the numbers, if it can never run here)."""
-        vocab = self.runner.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
-        req = Req(request_id, list(prompt_ids), params, namespace)
-        self.scheduler.check_request(req)
-        req.generator = make_generator(params, self._rng.randrange(2**31))
-        return req
-
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id)
-        return None if req is None else self._output(req)
+        req = self.core.scheduler.abort(request_id)
+        return None if req is None else _output(req)
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        tokens = self.run(batch)
-        produced = self.scheduler.postprocess(batch, tokens)
-        return [self._output(r) for r in produced]
-
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        return self.runner.run(batch.reqs, batch.seqs)
-
-    def _output(self, req: Req) -> RequestOutput:
-        new = req.output_ids[len(req.output_ids) - req.num_new_outputs :]
-        req.num_new_outputs = 0
-        return RequestOutput(
-            req.request_id,
-            new,
-            req.is_finished,
-            req.finish_reason,
-            req.num_prompt_tokens,
-            req.num_cached,
-        )
+        result = self.core.step()
+        return [_output(r) for r in result.produced + result.failed]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerateResult]:
-        """Run prompts to completion (offline batch); results in prompt order."""
+        """Run prompts to completion (offline batch); results in prompt order. A request that
+        fails raises RuntimeError with its error."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, GenerateResult] = {}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished:
             for out in self.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
                     done[out.request_id] = GenerateResult(
@@ -150,16 +115,29 @@ class Engine:
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens of every admitted request so far."""
-        return self.scheduler.num_admitted_tokens
+        return self.core.scheduler.stats().num_prompt_tokens
 
     @property
     def num_cached_tokens(self) -> int:
         """Of those, the tokens served from the prefix cache."""
-        return self.scheduler.num_admitted_cached_tokens
+        return self.core.scheduler.stats().num_cached_tokens
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+    def stats(self) -> NodeStatsMsg:
+        return self.core.stats("colocated")
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self.core.check_integrity()
+
+
+def _output(req: Req) -> RequestOutput:
+    new = req.output_ids[len(req.output_ids) - req.num_new_outputs :]
+    req.num_new_outputs = 0
+    return RequestOutput(
+        req.request_id,
+        new,
+        req.is_finished,
+        req.finish_reason,
+        req.num_prompt_tokens,
+        req.num_cached_tokens,
+        req.error,
+    )

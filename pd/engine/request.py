@@ -16,9 +16,10 @@ class Req:
     namespace: str = ""
     output_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slots of the tokens computed so far
-    num_cached: int = 0  # leading prompt tokens served from the prefix cache (tree-owned slots)
+    num_cached_tokens: int = 0  # leading prompt tokens served from a prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds a lock on
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed here (finish_reason is then "abort")
     generator: Any = None  # torch.Generator for sampled requests; opaque to schedulers
     num_new_outputs: int = 0  # outputs not yet reported to the caller
 
@@ -46,3 +47,6 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def fail(self, error: str) -> None:
+        self.finish_reason, self.error = "abort", error

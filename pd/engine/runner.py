@@ -13,7 +13,7 @@ from pd.engine.attention import make_attention_backend
 from pd.engine.batch import ForwardBatch, SeqInput
 from pd.engine.kv_pool import KVPool
 from pd.engine.request import Req
-from pd.engine.sampler import sample
+from pd.engine.sampler import SampledRow, sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
@@ -58,7 +58,7 @@ class ModelRunner:
         batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
         return self.model(batch, self.pool, self.attn)
 
-    def run(self, reqs: Sequence[Req], seqs: Sequence[SeqInput]) -> list[int]:
+    def run(self, reqs: Sequence[Req], seqs: Sequence[SeqInput]) -> list[SampledRow]:
         """Forward one scheduled batch and sample each request's next token."""
         logits = self.forward(seqs)
         return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

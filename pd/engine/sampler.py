@@ -1,12 +1,22 @@
-"""Turn the last-token logits of a batch into next tokens, one SamplingParams per row."""
+"""Turn the last-token logits of a batch into next tokens, one SamplingParams per row.
+
+A row whose sampling fails (say, a distribution with no finite probability) fails alone: its
+request gets the error, the other rows of the batch their tokens.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from pd.sampling_params import SamplingParams
+
+
+class SampledRow(NamedTuple):
+    token: int  # -1 when ``error`` is set
+    error: str | None = None
 
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:
@@ -22,12 +32,18 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """logits: [R, vocab] float32 -> R token ids."""
-    out = logits.argmax(dim=-1).tolist()
+) -> list[SampledRow]:
+    """logits: [R, vocab] float32 -> R sampled rows."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
     for r, p in enumerate(params):
-        if not p.is_greedy:
-            out[r] = _sample_row(logits[r], p, generators[r])
+        if p.is_greedy:
+            out.append(SampledRow(greedy[r]))
+            continue
+        try:
+            out.append(SampledRow(_sample_row(logits[r], p, generators[r])))
+        except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
+            out.append(SampledRow(-1, f"sampling failed: {e}"))
     return out
 
 

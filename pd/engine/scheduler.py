@@ -3,23 +3,23 @@
 The life of a request:
 
 1. ``waiting``: FIFO. Admitted when the running set has room and its KV fits: the tokens it
-   may still need (prompt + max_tokens, less the cached prefix) must fit in free + evictable
-   slots after every running request's own outstanding need. Admission matches the prompt in the
-   prefix cache and locks the match, so those slots cannot be evicted under it.
+   may still need (``_reserve_len``: prompt + max_tokens, less the cached prefix) must fit in
+   free + evictable slots after every running request's own outstanding need. Admission matches
+   the prompt in the prefix cache and locks the match, so those slots cannot be evicted under it.
 2. ``running`` and prefilling: the unmatched suffix is computed in chunks, at most
    ``max_prefill_tokens`` per step over all requests (chunked prefill).
 3. ``running`` and decoding: one token per step, all decoding requests in one batch.
-4. finished (stop token, max_tokens, max_model_len, abort): its tokens and slots are handed to
-   the prefix cache, which keeps the page-aligned part and frees the rest.
+4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
+   handed to the prefix cache, which keeps the page-aligned part and frees the rest.
 
 A step prefills when any request is prefilling, else decodes (prefill-first, as SGLang).
 Because admission reserves each request's worst case, a step never runs out of slots and no
 running request is ever preempted.
 
-Roles: ``colocated`` runs all four stages. ``prefill`` (a prefill node) reserves only the
-prompt, and a request that has sampled its first token leaves ``running`` for ``prefilled``
-with its slots still held, for the node to send. ``decode`` (a decode node) never prefills:
-requests arrive through ``add_prefilled`` with their prompt KV already in their slots.
+This class is the colocated engine's scheduler. The roles specialise it:
+``prefill.scheduler.PrefillScheduler`` reserves only the prompt and hands a request off after its
+first token; ``decode.scheduler.DecodeScheduler`` also takes requests whose prompt KV arrives from
+a prefill node. Nodes talk to a scheduler through its methods, never its fields.
 """
 
 from __future__ import annotations
@@ -32,12 +32,30 @@ from pd.cache.base import BasePrefixCache
 from pd.engine.batch import SeqInput
 from pd.engine.kv_pool import SlotAllocator
 from pd.engine.request import Req
+from pd.engine.sampler import SampledRow
+
+# A slot list held outside ``running`` and the prefix-cache node it has locked.
+HeldSlots = tuple[list[int], Any]
 
 
 class ScheduledBatch(NamedTuple):
     reqs: list[Req]
     seqs: list[SeqInput]
     is_prefill: bool
+
+
+class StepResult(NamedTuple):
+    produced: list[Req]  # requests that produced a token this step (some may be finished)
+    failed: list[Req]  # requests that failed this step (``req.error`` says why), released
+    num_scheduled: int = 0  # requests in the batch that ran (0: nothing to do)
+
+
+class SchedulerStats(NamedTuple):
+    num_waiting: int
+    num_running: int
+    num_queued_tokens: int  # prompt tokens waiting or not yet computed (the router's load)
+    num_prompt_tokens: int  # prompt tokens of every admitted request so far ...
+    num_cached_tokens: int  # ... and how many of them the prefix cache served
 
 
 class Scheduler:
@@ -50,11 +68,7 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
-        role: str = "colocated",
     ) -> None:
-        if role not in ("colocated", "prefill", "decode"):
-            raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
-        self.role = role
         self.allocator = allocator
         self.cache = cache
         self.max_running_requests = max_running_requests
@@ -63,12 +77,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.prefilled: list[Req] = []  # prefill role: first token sampled, KV still held
-        self.num_pending_reserved = 0  # decode role: slots promised to KV still arriving
-        self.num_admitted_tokens = 0  # prompt tokens of admitted requests ...
-        self.num_admitted_cached_tokens = 0  # ... and how many of them the cache served
+        self._num_admitted_tokens = 0
+        self._num_admitted_cached_tokens = 0
 
-    # -- queues -----------------------------------------------------------------------------
+    # -- requests in and out ----------------------------------------------------------------
 
     @property
     def num_unfinished(self) -> int:
@@ -105,10 +117,15 @@ class Scheduler:
         for req in self.running:
             if req.request_id == request_id:
                 req.finish_reason = "abort"
-                self._release(req)
                 self.running.remove(req)
+                self._release(req)
                 return req
         return None
+
+    def fail(self, req: Req, error: str) -> None:
+        """``req`` failed (its forward, its sampling, its transfer): release what it holds."""
+        self.abort(req.request_id)
+        req.fail(error)
 
     # -- schedule ---------------------------------------------------------------------------
 
@@ -121,8 +138,19 @@ class Scheduler:
             return self._decode_batch()
         return None
 
+    def num_available_tokens(self) -> int:
+        """Slots a new request could still be promised: free + evictable, less what running
+        requests (and any other promise of the role's) may yet take."""
+        reserved = sum(self._outstanding(r) for r in self.running) + self._num_promised()
+        return self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
+
     def _reserve_len(self, req: Req) -> int:
-        return req.num_prompt_tokens if self.role == "prefill" else req.max_len
+        """Tokens of KV the request may hold here at most."""
+        return req.max_len
+
+    def _num_promised(self) -> int:
+        """Slots promised outside ``running`` (a role's reservations)."""
+        return 0
 
     def _outstanding(self, req: Req) -> int:
         return (
@@ -130,41 +158,29 @@ class Scheduler:
             * self.allocator.page_size
         )
 
-    def num_available_tokens(self) -> int:
-        """Slots a new request could still be promised: free + evictable, less what running
-        requests (and KV still arriving) may yet take."""
-        reserved = sum(self._outstanding(r) for r in self.running) + self.num_pending_reserved
-        return self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
-
-    @property
-    def num_queued_tokens(self) -> int:
-        """Prompt tokens waiting or not yet computed (the load a router balances)."""
-        waiting = sum(r.num_prompt_tokens for r in self.waiting)
-        return waiting + sum(
-            r.num_prompt_tokens - r.num_computed for r in self.running if r.is_prefilling
-        )
-
-    def add_prefilled(self, req: Req) -> None:
-        """Decode role: ``req.slots`` hold its prompt's KV and ``output_ids`` its first token."""
-        assert req.num_computed == req.num_prompt_tokens and len(req.output_ids) == 1
-        self.running.append(req)
-
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            match = self.cache.match_prompt(req.prompt_ids, req.namespace)
-            self.cache.inc_lock_ref(match.last_node)
-            need = self.allocator.num_pages_for(self._reserve_len(req)) * self.allocator.page_size
-            if need - match.num_tokens > self.num_available_tokens():
-                self.cache.dec_lock_ref(match.last_node)
+            if not self._lock_prefix(req, self._reserve_len(req)):
                 break
             self.waiting.popleft()
-            req.slots = list(match.slots)
-            req.num_cached = match.num_tokens
-            req.cache_node = match.last_node
-            self.num_admitted_tokens += req.num_prompt_tokens
-            self.num_admitted_cached_tokens += match.num_tokens
             self.running.append(req)
+
+    def _lock_prefix(self, req: Req, reserve_len: int) -> bool:
+        """Match ``req``'s prompt in the cache and lock the match if ``reserve_len`` tokens fit
+        (free + evictable, after what others may take); False (nothing locked) if not."""
+        match = self.cache.match_prompt(req.prompt_ids, req.namespace)
+        self.cache.inc_lock_ref(match.last_node)
+        need = self.allocator.num_pages_for(reserve_len) * self.allocator.page_size
+        if need - match.num_tokens > self.num_available_tokens():
+            self.cache.dec_lock_ref(match.last_node)
+            return False
+        req.slots = list(match.slots)
+        req.num_cached_tokens = match.num_tokens
+        req.cache_node = match.last_node
+        self._num_admitted_tokens += req.num_prompt_tokens
+        self._num_admitted_cached_tokens += match.num_tokens
+        return True
 
     def _grow(self, req: Req, new_len: int) -> None:
         self.cache.make_room(
@@ -195,23 +211,35 @@ class Scheduler:
 
     # -- postprocess ------------------------------------------------------------------------
 
-    def postprocess(self, batch: ScheduledBatch, next_tokens: Sequence[int]) -> list[Req]:
-        """Record sampled tokens; return the requests that produced a token this step."""
-        produced = []
-        for req, token in zip(batch.reqs, next_tokens):
+    def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow]) -> StepResult:
+        """Record sampled tokens; a row whose sampling failed fails its request alone."""
+        produced, failed = [], []
+        for req, row in zip(batch.reqs, rows):
             if req.is_prefilling:  # a chunk that did not reach the end of the prompt
                 continue
-            req.output_ids.append(token)
+            if row.error is not None:
+                self.fail(req, row.error)
+                failed.append(req)
+                continue
+            req.output_ids.append(row.token)
             req.num_new_outputs += 1
             produced.append(req)
-            req.finish_reason = self._finish_reason(req, token)
+            req.finish_reason = self._finish_reason(req, row.token)
             if req.is_finished:
+                self.running.remove(req)
                 self._release(req)
-            elif self.role == "prefill":
-                self.prefilled.append(req)
-        handed_off = {id(r) for r in self.prefilled}
-        self.running = [r for r in self.running if not r.is_finished and id(r) not in handed_off]
-        return produced
+            elif len(req.output_ids) == 1:
+                self._on_first_token(req)
+        return StepResult(produced, failed, len(batch.reqs))
+
+    def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Req]:
+        """The forward of ``batch`` raised: fail its requests, so the next step cannot repeat it."""
+        for req in batch.reqs:
+            self.fail(req, error)
+        return list(batch.reqs)
+
+    def _on_first_token(self, req: Req) -> None:
+        """A running request sampled its first token (a role may hand it off here)."""
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         p = req.params
@@ -221,19 +249,32 @@ class Scheduler:
             return "length"
         return None
 
-    def release(self, req: Req) -> None:
-        """Hand a request's tokens and slots to the cache (it keeps what it can, frees the rest)."""
-        self._release(req)
-
     def _release(self, req: Req) -> None:
+        """Hand a request's tokens and slots to the cache (it keeps what it can, frees the rest)."""
         tokens = req.all_ids[: req.num_computed]
         self.cache.cache_finished(tokens, req.slots, req.cache_node, req.namespace)
         req.slots = []
         req.cache_node = None
 
-    def check_integrity(self, other_holders: Sequence[tuple[list[int], Any]] = ()) -> None:
-        """Cache invariants, and every slot free, cached, or held by exactly one request
-        (``other_holders``: slot lists a node holds outside the scheduler, with their locks)."""
+    # -- reporting --------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        queued = sum(r.num_prompt_tokens for r in self.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed for r in self.running if r.is_prefilling
+        )
+        return SchedulerStats(
+            len(self.waiting),
+            len(self.running),
+            queued,
+            self._num_admitted_tokens,
+            self._num_admitted_cached_tokens,
+        )
+
+    def held_slots(self) -> list[HeldSlots]:
+        """Every slot list a request holds, with its locked cache node."""
+        return [(r.slots, r.cache_node) for r in self.running]
+
+    def check_integrity(self) -> None:
+        """Cache invariants, and every slot free, cached, or held by exactly one request."""
         self.cache.check_integrity()
-        held = [(r.slots, r.cache_node) for r in self.running + self.prefilled]
-        self.cache.check_slot_ownership(held + list(other_holders))
+        self.cache.check_slot_ownership(self.held_slots())

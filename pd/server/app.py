@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.outputs import EngineClient
+from pd.outputs import ClusterStats, EngineClient
 from pd.sampling_params import SamplingParams
 from pd.server.generation import Generation
 from pd.server.metrics import ServerMetrics
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MaybeAwaitable = T | Awaitable[T]
-StatsFn = Callable[[], MaybeAwaitable[Mapping[str, Any]]]
+StatsFn = Callable[[], MaybeAwaitable[ClusterStats]]
 HealthFn = Callable[[], MaybeAwaitable[Mapping[str, Any]]]
 
 
@@ -184,7 +184,7 @@ def build_app(
     stats_fn: StatsFn | None = None,
 ) -> FastAPI:
     """The HTTP app. ``extra_health()`` adds keys to GET /health's body; ``stats_fn()`` fills
-    the cluster gauges on each GET /metrics (dict shape: ``pd.server.metrics``). Either may be
+    the cluster gauges on each GET /metrics (a ``ClusterStats``). Either may be
     sync or async."""
     server = _Server(client, tokenizer, model_name, max_model_len, metrics or ServerMetrics())
     app = FastAPI(title="pd", version="0.1.0")

@@ -1,32 +1,17 @@
 """Prometheus metrics of the HTTP server, one registry per app (tests build many apps).
 
 Request metrics are recorded by the server itself. Cluster gauges come from a ``stats_fn``
-callback the cluster provides, called on every scrape of ``/metrics``; it returns a dict of
-this shape (every key optional, unknown keys ignored, counts cumulative since node start):
-
-    {
-      "nodes": {
-        "<node_id>": {
-          "role": "prefill" | "decode",
-          "queue_depth": int,        # requests waiting in the node's scheduler
-          "running": int,            # requests in the node's running batch
-          "slots_used": int,         # KV slots in use (incl. cached prefixes)
-          "slots_total": int,
-          "cache_hit_tokens": int,   # prompt tokens served from the node's prefix cache
-          "prompt_tokens": int,      # prompt tokens the node was asked to prefill
-        },
-      },
-      "transfer": {"bytes": int, "seconds": float, "count": int},  # KV moved prefill -> decode
-      "coordinator": {"queue_depth": int},  # requests not yet assigned to a node
-    }
+callback the cluster provides, called on every scrape of ``/metrics``; it returns a
+``ClusterStats``: each node's latest ``NodeStatsMsg`` (counts cumulative since the node started)
+and the requests waiting for a node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pd.messages import NodeStatsMsg
+from pd.outputs import ClusterStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -117,40 +102,35 @@ class ServerMetrics:
         if num_output_tokens > 1 and last_token is not None:
             self.tpot.observe((last_token - first_token) / (num_output_tokens - 1))
 
-    def update_stats(self, stats: Mapping[str, Any]) -> None:
-        """Set the cluster gauges from a ``stats_fn()`` dict (shape in the module docstring)."""
+    def update_stats(self, stats: ClusterStats) -> None:
+        """Set the cluster gauges from a ``stats_fn()`` result."""
         for g in (*self.node_gauges.values(), self.node_slot_usage):
             g.clear()
         for g in (*self.cache_gauges.values(), self.cache_hit_rate):
             g.clear()
-        for node_id, node in (stats.get("nodes") or {}).items():
-            role = str(node.get("role", ""))
-            for f in _NODE_FIELDS:
-                if f in node:
-                    self.node_gauges[f].labels(node=node_id, role=role).set(node[f])
-            if node.get("slots_total"):
-                usage = node.get("slots_used", 0) / node["slots_total"]
-                self.node_slot_usage.labels(node=node_id, role=role).set(usage)
-            if all(f in node for f in _CACHE_FIELDS):
-                for f in _CACHE_FIELDS:
-                    self.cache_gauges[f].labels(node=node_id).set(node[f])
-                rate = (
-                    node["cache_hit_tokens"] / node["prompt_tokens"]
-                    if node["prompt_tokens"]
-                    else 0.0
-                )
-                self.cache_hit_rate.labels(node=node_id).set(rate)
-        transfer = stats.get("transfer") or {}
-        for key, gauge in (
-            ("bytes", self.transfer_bytes),
-            ("seconds", self.transfer_seconds),
-            ("count", self.transfer_count),
+        for s in stats.nodes:
+            self._set_node(s)
+        self.transfer_bytes.set(sum(s.transfer_bytes for s in stats.nodes))
+        self.transfer_seconds.set(sum(s.transfer_seconds for s in stats.nodes))
+        self.transfer_count.set(sum(s.num_transfers for s in stats.nodes))
+        self.coordinator_queue.set(stats.num_queued)
+
+    def _set_node(self, s: NodeStatsMsg) -> None:
+        labels = {"node": s.node_id, "role": s.role}
+        used = s.num_slots - s.num_free_slots
+        for name, value in (
+            ("queue_depth", s.num_waiting),
+            ("running", s.num_running),
+            ("slots_used", used),
+            ("slots_total", s.num_slots),
         ):
-            if key in transfer:
-                gauge.set(transfer[key])
-        coordinator = stats.get("coordinator") or {}
-        if "queue_depth" in coordinator:
-            self.coordinator_queue.set(coordinator["queue_depth"])
+            self.node_gauges[name].labels(**labels).set(value)
+        if s.num_slots:
+            self.node_slot_usage.labels(**labels).set(used / s.num_slots)
+        prompt = s.num_hit_tokens + s.num_miss_tokens
+        self.cache_gauges["cache_hit_tokens"].labels(node=s.node_id).set(s.num_hit_tokens)
+        self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
+        self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

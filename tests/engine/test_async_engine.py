@@ -10,7 +10,7 @@ import pytest
 
 from pd.config import EngineConfig
 from pd.engine.async_engine import AsyncEngine
-from pd.launch import build_engine
+from pd.engine.engine import Engine
 from pd.sampling_params import SamplingParams
 from pd.server.app import build_app
 from tests.hf_reference import hf_greedy
@@ -21,7 +21,7 @@ PROMPT = [1000 + 37 * i for i in range(30)]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir):
-    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
     client = AsyncEngine(engine)
     yield client
     client.shutdown()
@@ -105,7 +105,7 @@ def test_http_over_the_colocated_engine(client, tiny_llama_dir):
 
 
 def test_request_larger_than_the_kv_pool_is_a_400(tiny_llama_dir):
-    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=64))
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=64))
     client = AsyncEngine(engine)
     app = build_app(
         client, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=engine.max_model_len

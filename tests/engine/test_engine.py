@@ -21,9 +21,9 @@ TINY = ["tiny_llama_dir", "tiny_llama_tied_dir", "tiny_qwen2_dir", "tiny_llama3_
 
 
 def _make_engine(model_dir, **kw) -> Engine:
-    cfg = EngineConfig(
-        model=str(model_dir), max_total_tokens=kw.pop("max_total_tokens", 4096), **kw
-    )
+    kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("enable_prefix_cache", False)  # every slot back in the pool after each test
+    cfg = EngineConfig(model=str(model_dir), **kw)
     return Engine(cfg)
 
 

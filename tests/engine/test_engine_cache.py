@@ -16,7 +16,6 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.launch import build_engine
 from pd.model.tokenizer import encode_chat
 from pd.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
@@ -41,7 +40,7 @@ class Done(NamedTuple):
 
 def _make_engine(model_dir, *, cache: bool, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
-    return build_engine(EngineConfig(model=str(model_dir), enable_prefix_cache=cache, **kw))
+    return Engine(EngineConfig(model=str(model_dir), enable_prefix_cache=cache, **kw))
 
 
 def _prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
@@ -220,7 +219,7 @@ def test_eviction_under_pressure_never_breaks_a_shared_prefix(tiny_llama_dir, pa
             tokens[ids[out.request_id]] += out.new_token_ids
             cached[ids[out.request_id]] = out.num_cached_tokens
         on.check_integrity()
-        locks = [id(r.cache_node) for r in on.scheduler.running if r.num_cached]
+        locks = [id(r.cache_node) for r in on.scheduler.running if r.num_cached_tokens]
         shared = len(locks) > len(set(locks))
         if shared and on.cache.stats.num_evicted_tokens > evicted:
             num_shared_evicting_steps += 1

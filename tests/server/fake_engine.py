@@ -34,6 +34,7 @@ class FakeEngineClient:
         self.ready = ready
         self.fail_after = fail_after  # raise after this many outputs (an engine crash)
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.namespaces: list[str] = []
         self.aborted: list[str] = []
         self.cancelled: list[str] = []
         self.finished: list[str] = []
@@ -46,9 +47,10 @@ class FakeEngineClient:
         self.aborted.append(request_id)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_ids), params))
+        self.namespaces.append(namespace)
         num_cached = min(self.num_cached_tokens, len(prompt_ids))
         pos = 0
         num_outputs = 0

@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from pd.messages import NodeStatsMsg
+from pd.outputs import ClusterStats
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, SCRIPT_TEXT
 from tests.server.fake_engine import FakeEngineClient
 
@@ -261,15 +263,24 @@ async def test_engine_failure_is_500_in_openai_shape(make_app: MakeApp) -> None:
 
 
 async def test_models_health_and_metrics(make_app: MakeApp) -> None:
-    stats = {
-        "nodes": {
-            "prefill-0": {"role": "prefill", "queue_depth": 2, "slots_used": 30, "slots_total": 120,
-                          "cache_hit_tokens": 75, "prompt_tokens": 100},
-            "decode-0": {"role": "decode", "running": 5, "slots_used": 10, "slots_total": 40},
-        },
-        "transfer": {"bytes": 4096, "seconds": 0.25, "count": 3},
-        "coordinator": {"queue_depth": 1},
-    }  # fmt: skip
+    def node(node_id: str, role: str, **kw: Any) -> NodeStatsMsg:
+        zero = dict.fromkeys(
+            ("num_waiting", "num_running", "num_transferring", "num_cached_tokens",
+             "num_hit_tokens", "num_miss_tokens", "num_queued_tokens", "transfer_bytes",
+             "num_transfers"), 0,
+        )  # fmt: skip
+        fields = {**zero, "transfer_seconds": 0.0, **kw}
+        return NodeStatsMsg(node_id=node_id, role=role, **fields)
+
+    stats = ClusterStats(
+        [
+            node("prefill-0", "prefill", num_waiting=2, num_slots=120, num_free_slots=90,
+                 num_hit_tokens=75, num_miss_tokens=25, transfer_bytes=4096,
+                 transfer_seconds=0.25, num_transfers=3),
+            node("decode-0", "decode", num_running=5, num_slots=40, num_free_slots=30),
+        ],
+        num_queued=1,
+    )  # fmt: skip
     app, fake = make_app(ready=False, stats_fn=lambda: stats, extra_health=lambda: {"nodes": 2})
     async with _client(app) as c:
         models = (await c.get("/v1/models")).json()

@@ -16,7 +16,7 @@ from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 
-logger = logging.getLogger("pd.serve")
+logger = logging.getLogger(__name__)
 
 
 def build_cluster_app(cluster: Cluster, model_name: str):  # noqa: ANN201 - FastAPI
@@ -29,7 +29,7 @@ def build_cluster_app(cluster: Cluster, model_name: str):  # noqa: ANN201 - Fast
         client,
         tokenizer=tokenizer,
         model_name=model_name,
-        max_model_len=info["max_model_len"],
+        max_model_len=info.max_model_len,
         stats_fn=client.stats,
         extra_health=lambda: {"nodes": sorted(client.nodes)},
     )
@@ -55,8 +55,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     cluster_cfg = ClusterConfig(
         num_prefill=args.prefill, num_decode=args.decode, address=args.address, host=args.host
     )
-    router = CoordinatorConfig(policy=args.policy)
-    cluster = Cluster(engine_cfg, cluster_cfg, router)
+    cluster = Cluster(engine_cfg, cluster_cfg, CoordinatorConfig(policy=args.policy))
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
     cluster.start()
     model_name = args.served_model_name or _default_name(engine_cfg)
@@ -86,28 +85,16 @@ def _default_name(engine_cfg: EngineConfig) -> str:
 def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     """One process, no Ray: the colocated engine behind the same HTTP API (the baseline)."""
     from pd.engine.async_engine import AsyncEngine
-    from pd.launch import build_engine
+    from pd.engine.engine import Engine
+    from pd.outputs import ClusterStats
 
-    engine = build_engine(engine_cfg)
+    engine = Engine(engine_cfg)
     client = AsyncEngine(engine)
     app = build_app(
         client,
         tokenizer=engine.tokenizer,
         model_name=args.served_model_name or _default_name(engine_cfg),
         max_model_len=engine.max_model_len,
-        stats_fn=lambda: {"nodes": {"engine": engine_stats(engine)}},
+        stats_fn=lambda: ClusterStats([client.stats()]),
     )
     return _run_http(app, args, on_exit=client.shutdown)
-
-
-def engine_stats(engine) -> dict[str, object]:  # noqa: ANN001 - Engine, imported lazily
-    sched = engine.scheduler
-    return {
-        "role": "colocated",
-        "queue_depth": len(sched.waiting),
-        "running": len(sched.running),
-        "slots_used": engine.allocator.num_used_slots,
-        "slots_total": engine.allocator.num_slots,
-        "cache_hit_tokens": sched.num_admitted_cached_tokens,
-        "prompt_tokens": sched.num_admitted_tokens,
-    }

@@ -1,20 +1,19 @@
-"""``pd``: the command line. ``pd generate`` runs the colocated engine; ``pd serve`` the server."""
+"""``pd``: the command line. ``pd generate`` runs the colocated engine (``pd.cli.generate``);
+``pd serve`` the cluster or the colocated engine behind the HTTP server (``pd.cli.serve``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import uuid
-from typing import Any
 
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--flag`` per field; default, type and help read from the dataclass."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -28,65 +27,21 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, type=kind, default=default, help=help_)
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pd.detokenizer import TextStream
-    from pd.launch import build_engine
-    from pd.model.tokenizer import encode_chat, encode_prompt
-    from pd.sampling_params import SamplingParams
+    from pd.cli.generate import generate
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed_sampling,
-        stop=tuple(args.stop or ()),
-    )
-    engine = build_engine(_engine_config(args))
-    tok = engine.tokenizer
-    if args.chat:
-        prompt_ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = encode_prompt(tok, args.prompt)
-    request_id = f"gen-{uuid.uuid4().hex[:8]}"
-    engine.add_request(prompt_ids, params, request_id)
-    stream = TextStream(tok, params, prompt_ids)
-    token_ids: list[int] = []
-    finish_reason = None
-    while engine.has_unfinished:
-        for out in engine.step():
-            token_ids.extend(out.new_token_ids)
-            delta = stream.step(out.new_token_ids, out.finished)
-            if not args.json:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-            if delta.stop_str is not None:
-                engine.abort(request_id)
-                finish_reason = "stop"
-            elif out.finished:
-                finish_reason = out.finish_reason
-    if args.json:
-        result: dict[str, Any] = {
-            "text": stream.text,
-            "token_ids": token_ids,
-            "prompt_tokens": len(prompt_ids),
-            "finish_reason": finish_reason,
-        }
-        print(json.dumps(result))
-    else:
-        print()
-    return 0
+    return generate(args, engine_config(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pd.serve import serve
+    from pd.cli.serve import serve
 
-    return serve(args, _engine_config(args))
+    return serve(args, engine_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_dataclass_args(gen, EngineConfig)
+    add_dataclass_args(gen, EngineConfig)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_args(srv)
-    _add_dataclass_args(srv, EngineConfig)
+    add_dataclass_args(srv, EngineConfig)
     srv.set_defaults(func=cmd_serve)
     return parser
 

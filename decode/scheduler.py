@@ -1,0 +1,90 @@
+"""``DecodeScheduler``: the scheduler of a decode node.
+
+On top of ``Scheduler``'s life (which a decode node runs whole for requests it prefills itself),
+a request whose prompt KV comes from a prefill node lives as:
+
+1. ``reserve_incoming``: the longest prefix of the prompt this node still caches is locked and
+   not sent again; if prompt + max_tokens fit (free + evictable, less what running requests and
+   other reservations may still take), slots for the rest of the prompt are allocated and the
+   remainder is promised. Else None ("no room"; the sender asks again).
+2. ``incoming``: the KV lands in those slots (the node's transfer agent writes them).
+3. ``admit_prefilled``: the first token arrives -> ``running``, decoded with the rest. The batch
+   is bounded by the KV pool (step 1), not by ``max_running_requests``: refusing KV that fits
+   would only make the prefill node's handshake time out.
+4. ``release_incoming``: the transfer failed or was aborted: the reserved slots go back to the
+   pool and the cached prefix is unlocked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pd.engine.request import Req
+from pd.engine.scheduler import HeldSlots, Scheduler
+from transfer import SlotReservation
+
+
+class _Incoming(NamedTuple):
+    req: Req
+    num_promised: int  # slots promised beyond the prompt's, until the request runs
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._incoming: dict[str, _Incoming] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return super().num_unfinished + len(self._incoming)
+
+    @property
+    def num_incoming(self) -> int:
+        return len(self._incoming)
+
+    def reserve_incoming(self, req: Req, num_tokens: int) -> SlotReservation | None:
+        """Slots for the KV of ``req``'s prompt (see the module docstring), or None for no room."""
+        if num_tokens != req.num_prompt_tokens:
+            raise ValueError(
+                f"transfer of {num_tokens} tokens for a {req.num_prompt_tokens}-token prompt"
+            )
+        if req.request_id in self._incoming:
+            raise ValueError(f"request {req.request_id!r} already has a reservation")
+        if not self._lock_prefix(req, req.max_len):
+            return None
+        page = self.allocator.page_size
+        self.cache.make_room(self.allocator.num_new_pages(req.slots, num_tokens) * page)
+        self.allocator.extend(req.slots, num_tokens)
+        total = self.allocator.num_pages_for(req.max_len) * page
+        promised = total - self.allocator.num_pages_for(num_tokens) * page
+        self._incoming[req.request_id] = _Incoming(req, promised)
+        return SlotReservation(req.slots[req.num_cached_tokens :], req.num_cached_tokens)
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> Req | None:
+        """The reserved slots hold the prompt's KV: decode from ``first_token`` on. None if
+        there is no such reservation (released meanwhile)."""
+        inc = self._incoming.pop(request_id, None)
+        if inc is None:
+            return None
+        req = inc.req
+        req.output_ids = [first_token]
+        self.running.append(req)
+        return req
+
+    def release_incoming(self, request_id: str) -> Req | None:
+        """Free a reservation whose KV will never arrive. None if there is none."""
+        inc = self._incoming.pop(request_id, None)
+        if inc is None:
+            return None
+        req = inc.req
+        self.allocator.free(req.slots[req.num_cached_tokens :])  # the prefix stays cached
+        self.cache.dec_lock_ref(req.cache_node)
+        req.slots, req.cache_node = [], None
+        return req
+
+    def held_slots(self) -> list[HeldSlots]:
+        incoming = [(i.req.slots, i.req.cache_node) for i in self._incoming.values()]
+        return super().held_slots() + incoming
+
+    def _num_promised(self) -> int:
+        return sum(i.num_promised for i in self._incoming.values())

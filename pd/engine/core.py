@@ -1,0 +1,124 @@
+"""``EngineCore``: the model runner, its KV pool, the prefix cache and a scheduler, with one step.
+
+The colocated ``Engine`` and every node own one. ``step()`` reads as three calls:
+``schedule()`` -> ``run()`` -> ``postprocess()``, and it is the one place where a failed forward
+is handled: the requests of that batch fail (and are released), so the next step cannot trip
+over them again. A request whose own sampling fails fails alone (``Scheduler.postprocess``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pd.cache import make_prefix_cache
+from pd.config import EngineConfig
+from pd.engine.kv_pool import SlotAllocator
+from pd.engine.request import Req
+from pd.engine.runner import ModelRunner
+from pd.engine.sampler import make_generator
+from pd.engine.scheduler import Scheduler, StepResult
+from pd.messages import NodeStatsMsg
+from pd.model.tokenizer import eos_token_ids, load_tokenizer
+from pd.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class TransferCounters(NamedTuple):
+    """A node's KV transfer counters, cumulative since it started."""
+
+    num_transferring: int = 0  # transfers (or expected requests) open now
+    num_bytes: int = 0
+    num_seconds: float = 0.0
+    num_done: int = 0
+
+
+_NO_TRANSFERS = TransferCounters()
+
+
+class EngineCore:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        node_id: str = "engine",
+        scheduler_cls: type[Scheduler] = Scheduler,
+    ) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.runner = ModelRunner(cfg)
+        self.tokenizer = load_tokenizer(self.runner.model_dir)
+        self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
+        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id)
+        self.scheduler = scheduler_cls(
+            self.allocator,
+            self.cache,
+            max_running_requests=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_model_len=self.runner.max_model_len,
+            eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
+        )
+        self._ids = itertools.count()
+        self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def make_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        namespace: str = "",
+    ) -> Req:
+        """A checked request (ValueError, with the numbers, if it can never run here)."""
+        vocab = self.runner.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
+        req = Req(request_id, list(prompt_ids), params, namespace)
+        self.scheduler.check_request(req)
+        req.generator = make_generator(params, self._rng.randrange(2**31))
+        return req
+
+    def step(self) -> StepResult:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return StepResult([], [])
+        try:
+            rows = self.runner.run(batch.reqs, batch.seqs)
+        except Exception as e:  # fail this batch's requests rather than retry them forever
+            logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
+            failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
+            return StepResult([], failed, len(failed))
+        return self.scheduler.postprocess(batch, rows)
+
+    def stats(self, role: str, transfer: TransferCounters = _NO_TRANSFERS) -> NodeStatsMsg:
+        """This engine's gauges and counters; a node adds its transfer counters."""
+        s = self.scheduler.stats()
+        return NodeStatsMsg(
+            node_id=self.node_id,
+            role=role,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_transferring=transfer.num_transferring,
+            num_slots=self.allocator.num_slots,
+            num_free_slots=self.allocator.num_free_slots,
+            num_cached_tokens=self.cache.num_cached_tokens,
+            num_hit_tokens=s.num_cached_tokens,
+            num_miss_tokens=s.num_prompt_tokens - s.num_cached_tokens,
+            num_queued_tokens=s.num_queued_tokens,
+            transfer_bytes=transfer.num_bytes,
+            transfer_seconds=transfer.num_seconds,
+            num_transfers=transfer.num_done,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

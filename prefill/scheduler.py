@@ -1,0 +1,72 @@
+"""``PrefillScheduler``: the scheduler of a prefill node.
+
+The life of a request on it:
+
+1. ``waiting`` -> admitted as in ``Scheduler``, but reserving only its prompt: a prefill node
+   never decodes, so max_tokens costs it nothing.
+2. ``running``: the unmatched suffix is prefilled in chunks under the token budget.
+3. The first token is sampled. If that ends the request (EOS, max_tokens=1) it is released like
+   any finished request. Otherwise the prompt goes into the prefix cache (``cache_unfinished``:
+   its KV stays locked), and the request moves to ``sending``; ``take_prefilled`` hands it to the
+   node, which sends its KV to the decode node.
+4. ``finish_sending``: the transfer ended (either way); the request's slots are released (the
+   prompt stays cached, unlocked).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd.engine.request import Req
+from pd.engine.scheduler import HeldSlots, Scheduler
+
+
+class PrefillScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sending: dict[str, Req] = {}
+        self._prefilled: list[Req] = []  # moved to sending since the last take_prefilled()
+
+    @property
+    def num_unfinished(self) -> int:
+        return super().num_unfinished + len(self._sending)
+
+    @property
+    def num_sending(self) -> int:
+        return len(self._sending)
+
+    def take_prefilled(self) -> list[Req]:
+        """Requests whose prompt KV is ready to send, each handed out once."""
+        prefilled, self._prefilled = self._prefilled, []
+        return prefilled
+
+    def finish_sending(self, request_id: str) -> Req | None:
+        """The request's transfer is over: release its slots. None if it is not sending."""
+        req = self._sending.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+        return req
+
+    def abort(self, request_id: str) -> Req | None:
+        req = self._sending.pop(request_id, None)
+        if req is None:
+            return super().abort(request_id)
+        self._prefilled = [r for r in self._prefilled if r is not req]
+        req.finish_reason = "abort"
+        self._release(req)
+        return req
+
+    def held_slots(self) -> list[HeldSlots]:
+        return super().held_slots() + [(r.slots, r.cache_node) for r in self._sending.values()]
+
+    def _reserve_len(self, req: Req) -> int:
+        return req.num_prompt_tokens
+
+    def _on_first_token(self, req: Req) -> None:
+        self.running.remove(req)
+        match = self.cache.cache_unfinished(
+            req.prompt_ids, req.slots, req.cache_node, req.namespace
+        )
+        req.slots, req.cache_node = match.slots, match.last_node
+        self._sending[req.request_id] = req
+        self._prefilled.append(req)

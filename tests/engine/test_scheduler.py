@@ -1,0 +1,280 @@
+"""The schedulers on their own, no model: admission, chunked prefill, abort in each state,
+failures, counters, and the prefill and decode roles' hand-offs. A fake "forward" samples
+tokens from a script."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from decode.scheduler import DecodeScheduler
+from pd.cache import NoPrefixCache, RadixCache
+from pd.engine.kv_pool import SlotAllocator
+from pd.engine.request import Req
+from pd.engine.sampler import SampledRow
+from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
+from pd.sampling_params import SamplingParams
+from prefill.scheduler import PrefillScheduler
+
+EOS = 2
+pytestmark = pytest.mark.timeout(10)
+
+
+def _make_scheduler(
+    cls: type[Scheduler] = Scheduler,
+    *,
+    num_slots: int = 256,
+    page_size: int = 1,
+    cache: bool = True,
+    max_running: int = 8,
+    budget: int = 64,
+    max_model_len: int = 512,
+) -> Scheduler:
+    alloc = SlotAllocator(num_slots, page_size)
+    prefix_cache = RadixCache(alloc, "n") if cache else NoPrefixCache(alloc)
+    return cls(
+        alloc,
+        prefix_cache,
+        max_running_requests=max_running,
+        max_prefill_tokens=budget,
+        max_model_len=max_model_len,
+        eos_token_ids=[EOS],
+    )
+
+
+def _req(rid: str, n: int, max_tokens: int = 8, base: int = 100, **params: object) -> Req:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)  # type: ignore[arg-type]
+    return Req(rid, list(range(base, base + n)), sp)
+
+
+def _run(
+    s: Scheduler, token: int = 7, errors: Sequence[str] = ()
+) -> tuple[ScheduledBatch, StepResult]:
+    """One step with a fake forward: every row samples ``token``; rows of the requests named in
+    ``errors`` fail."""
+    batch = s.schedule()
+    assert batch is not None, "nothing scheduled"
+    rows = [
+        SampledRow(-1, "boom") if r.request_id in errors else SampledRow(token) for r in batch.reqs
+    ]
+    return batch, s.postprocess(batch, rows)
+
+
+def _drain(s: Scheduler, max_steps: int = 200) -> list[str]:
+    """Step until idle; the finished request ids in order."""
+    done = []
+    for _ in range(max_steps):
+        if not s.num_unfinished:
+            return done
+        _, result = _run(s)
+        done += [r.request_id for r in result.produced if r.is_finished]
+    raise AssertionError(f"not idle after {max_steps} steps")
+
+
+def _assert_idle_and_whole(s: Scheduler) -> None:
+    s.check_integrity()
+    assert s.num_unfinished == 0
+    assert s.allocator.num_free_slots + s.cache.num_cached_tokens == s.allocator.num_slots
+    assert s.cache.num_evictable_tokens == s.cache.num_cached_tokens, "a lock outlived its request"
+
+
+def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
+    s = _make_scheduler(num_slots=64, cache=False)
+    s.add(_req("a", 10, max_tokens=30))  # may hold 39 slots
+    s.add(_req("b", 10, max_tokens=30, base=200))
+    _run(s)
+    assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
+    assert s.num_available_tokens() == 64 - 39
+    assert _drain(s) == ["a", "b"]
+    _assert_idle_and_whole(s)
+
+
+def test_max_running_requests_bounds_the_batch() -> None:
+    s = _make_scheduler(max_running=2)
+    for i in range(3):
+        s.add(_req(f"r{i}", 4, base=100 * (i + 1)))
+    batch, _ = _run(s)
+    assert len(batch.reqs) == 2 and len(s.waiting) == 1
+
+
+def test_chunked_prefill_under_the_token_budget_then_decode() -> None:
+    s = _make_scheduler(budget=8)
+    s.add(_req("a", 20, max_tokens=3))
+    chunks = []
+    for _ in range(3):
+        batch, result = _run(s)
+        assert batch.is_prefill
+        chunks.append((batch.seqs[0].num_prefix, len(batch.seqs[0].new_token_ids)))
+    assert chunks == [(0, 8), (8, 8), (16, 4)]
+    assert [r.request_id for r in result.produced] == ["a"]  # the last chunk samples
+    batch, result = _run(s)
+    assert not batch.is_prefill and batch.seqs[0].num_prefix == 20
+    assert list(batch.seqs[0].new_token_ids) == [7]
+    assert _drain(s) == ["a"]
+    _assert_idle_and_whole(s)
+
+
+def test_a_new_prompt_is_prefilled_before_the_next_decode_step() -> None:
+    s = _make_scheduler()
+    s.add(_req("a", 4))
+    _run(s)
+    s.add(_req("b", 4, base=300))
+    batch, _ = _run(s)
+    assert batch.is_prefill and [r.request_id for r in batch.reqs] == ["b"]
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
+def test_abort_in_each_state_releases_everything(state: str) -> None:
+    s = _make_scheduler(budget=8, max_running=1)
+    s.add(_req("a", 20))
+    s.add(_req("b", 4, base=300))
+    steps = {"waiting": 1, "prefilling": 1, "decoding": 4}[state]
+    for _ in range(steps):
+        _run(s)
+    victim = "b" if state == "waiting" else "a"
+    req = s.abort(victim)
+    assert req is not None and req.finish_reason == "abort" and req.slots == []
+    assert s.abort(victim) is None and s.abort("unknown") is None
+    s.check_integrity()
+    _drain(s)
+    _assert_idle_and_whole(s)
+    if state != "waiting":  # what it computed stays cached for the next request
+        assert s.cache.num_cached_tokens >= 16
+
+
+def test_a_failed_sample_fails_its_request_alone() -> None:
+    s = _make_scheduler()
+    s.add(_req("a", 4))
+    s.add(_req("b", 4, base=300))
+    _, result = _run(s, errors=["a"])
+    assert [r.request_id for r in result.failed] == ["a"]
+    assert [r.request_id for r in result.produced] == ["b"]
+    assert result.failed[0].error == "boom" and result.failed[0].finish_reason == "abort"
+    assert [r.request_id for r in s.running] == ["b"]
+    assert _drain(s) == ["b"]
+    _assert_idle_and_whole(s)
+
+
+def test_a_failed_forward_releases_the_batch() -> None:
+    s = _make_scheduler()
+    s.add(_req("a", 4))
+    s.add(_req("b", 4, base=300))
+    batch = s.schedule()
+    assert batch is not None
+    failed = s.fail_batch(batch, "forward failed: x")
+    assert {r.request_id for r in failed} == {"a", "b"}
+    assert all(r.error == "forward failed: x" for r in failed)
+    _assert_idle_and_whole(s)
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "reason", "n_out"),
+    [
+        ({}, [5, EOS], "stop", 2),
+        ({"ignore_eos": True, "max_tokens": 3}, [EOS, EOS, EOS], "length", 3),
+        ({"stop_token_ids": (9,)}, [5, 9], "stop", 2),
+        ({"max_tokens": 2}, [5, 5], "length", 2),
+    ],
+)
+def test_finish_reasons(params: dict, tokens: list[int], reason: str, n_out: int) -> None:
+    s = _make_scheduler()
+    p = {"max_tokens": 8, **params}
+    req = _req("a", 4, **p)  # type: ignore[arg-type]
+    s.add(req)
+    for t in tokens:
+        _run(s, token=t)
+    assert req.finish_reason == reason and len(req.output_ids) == n_out
+    _assert_idle_and_whole(s)
+
+
+def test_context_length_ends_a_request_and_bad_requests_are_refused() -> None:
+    s = _make_scheduler(max_model_len=8, num_slots=16)
+    req = _req("a", 6, max_tokens=2)
+    s.add(req)
+    _drain(s)
+    assert req.finish_reason == "length" and len(req.all_ids) == 8
+    with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_tokens \(3\) = 9"):
+        s.add(_req("b", 6, max_tokens=3))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        s.add(_req("c", 0))
+    big = _make_scheduler(num_slots=16, max_model_len=64)
+    with pytest.raises(ValueError, match="needs 20 KV slots, the pool has 16"):
+        big.add(_req("d", 10, max_tokens=11))
+
+
+def test_counters_count_prompt_and_cached_tokens() -> None:
+    s = _make_scheduler(page_size=4)
+    s.add(_req("a", 17))
+    _drain(s)
+    s.add(_req("b", 17))  # same prompt: 16 of 17 - 1 tokens, page-aligned, come from the cache
+    s.add(_req("c", 9, base=900))
+    stats = s.stats()
+    assert (stats.num_waiting, stats.num_running, stats.num_queued_tokens) == (2, 0, 26)
+    _run(s)
+    stats = s.stats()
+    assert stats.num_prompt_tokens == 17 + 17 + 9
+    assert stats.num_cached_tokens == 16
+    assert stats.num_running == 2 and stats.num_queued_tokens == 0
+    _drain(s)
+    _assert_idle_and_whole(s)
+
+
+def test_prefill_role_reserves_the_prompt_and_hands_off_after_the_first_token() -> None:
+    s = _make_scheduler(PrefillScheduler, num_slots=32, page_size=4)
+    assert isinstance(s, PrefillScheduler)
+    s.add(_req("a", 14, max_tokens=400))  # max_tokens costs a prefill node nothing
+    s.add(_req("once", 6, max_tokens=1, base=500))
+    _, result = _run(s)
+    assert {r.request_id for r in result.produced} == {"a", "once"}
+    sent = s.take_prefilled()
+    assert [r.request_id for r in sent] == ["a"] and s.take_prefilled() == []
+    assert s.running == [] and s.num_sending == 1 and s.num_unfinished == 1
+    assert s.cache.num_cached_tokens == 12 + 4  # a's aligned prompt (locked), once's prompt
+    assert s.cache.num_protected_tokens == 12
+    s.check_integrity()
+    assert s.finish_sending("a") is sent[0] and s.finish_sending("a") is None
+    _assert_idle_and_whole(s)
+    assert s.cache.num_cached_tokens == 16  # the prompt stays cached, unlocked
+
+
+def test_prefill_role_abort_while_sending() -> None:
+    s = _make_scheduler(PrefillScheduler)
+    s.add(_req("a", 10))
+    _run(s)
+    req = s.abort("a")
+    assert req is not None and req.finish_reason == "abort"
+    assert s.take_prefilled() == []
+    _assert_idle_and_whole(s)
+
+
+def test_decode_role_reserves_incoming_kv_and_decodes_it() -> None:
+    s = _make_scheduler(DecodeScheduler, num_slots=64, page_size=4)
+    assert isinstance(s, DecodeScheduler)
+    s.add(_req("warm", 13, max_tokens=1))  # leaves 12 prompt tokens cached
+    _drain(s)
+    a = _req("a", 13, max_tokens=20)
+    res = s.reserve_incoming(a, 13)
+    assert res is not None and res.num_cached_tokens == 12 and len(res.slots) == 1
+    assert s.num_incoming == 1 and s.num_unfinished == 1
+    # a's 32 slots (prompt 13 + 19 to decode, in pages) are promised: b cannot fit beside it
+    b = _req("b", 30, max_tokens=8, base=400)
+    assert s.reserve_incoming(b, 30) is None
+    assert s.cache.num_protected_tokens == 12, "a refused reservation must lock nothing"
+    s.check_integrity()
+    assert s.admit_prefilled("a", 11) is a and a.output_ids == [11]
+    assert s.admit_prefilled("a", 11) is None
+    assert _drain(s) == ["a"] and len(a.output_ids) == 20
+    _assert_idle_and_whole(s)
+
+
+def test_decode_role_releases_a_reservation_whose_kv_never_comes() -> None:
+    s = _make_scheduler(DecodeScheduler)
+    a = _req("a", 10)
+    assert s.reserve_incoming(a, 10) is not None
+    with pytest.raises(ValueError, match="already has a reservation"):
+        s.reserve_incoming(a, 10)
+    with pytest.raises(ValueError, match="transfer of 9 tokens for a 10-token prompt"):
+        s.reserve_incoming(_req("b", 10), 9)
+    assert s.release_incoming("a") is a and s.release_incoming("a") is None
+    _assert_idle_and_whole(s)
