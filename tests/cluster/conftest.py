@@ -43,10 +43,10 @@ def start_live_cluster(
 ) -> tuple[LiveCluster, object]:
     import uvicorn
 
+    from pd.cli.serve import build_cluster_app
     from pd.cluster.launcher import Cluster, ClusterConfig
     from pd.config import EngineConfig
     from pd.coordinator import CoordinatorConfig
-    from pd.cli.serve import build_cluster_app
 
     engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48, page_size=page_size)
     cluster = Cluster(
