@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 
-def _opt(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name
+def _opt(default: Any, help: str) -> Any:  # "help": argparse's name
     """A field with its CLI help text (``pd.cli`` builds flags from these)."""
     return field(default=default, metadata={"help": help})
 

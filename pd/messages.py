@@ -97,6 +97,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     transfer_seconds: float
     num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
+    num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
 
 
 class NodeInfo(msgspec.Struct, frozen=True):

@@ -203,7 +203,10 @@ class BaseNode:
         if now < self._next_stats:
             return
         self._next_stats = now + self.node_cfg.stats_interval_s
-        counters = self.transfer_counters._replace(num_transferring=self._num_transferring())
+        counters = self.transfer_counters._replace(
+            num_transferring=self._num_transferring(),
+            num_dropped_msgs=self.num_bad_msgs + self.transfer.num_dropped_msgs,
+        )
         self.send_server(self.core.stats(self.role, counters))
 
     # -- helpers for the roles --------------------------------------------------------------

@@ -134,7 +134,7 @@ class PairWorker:
     def _run(self) -> None:
         try:
             self._backend = self._connect()
-        except Exception as e:  # noqa: BLE001 - any connect failure breaks the pair
+        except Exception as e:  # any connect failure breaks the pair
             self._break(f"connect failed: {type(e).__name__}: {e}")
         while (job := self._jobs.get()) is not None:
             if self.is_broken:
@@ -146,7 +146,7 @@ class PairWorker:
                 self._results.put(JobResult(job, None))
             except _Cancelled as e:
                 self._results.put(JobResult(job, str(e)))
-            except Exception as e:  # noqa: BLE001 - a failed op leaves the stream unusable
+            except Exception as e:  # a failed op leaves the stream unusable
                 self._break(f"{type(e).__name__}: {e}")
                 self._results.put(JobResult(job, f"pair {self.name} broken: {self._error}"))
         if self._backend is not None:

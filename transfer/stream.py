@@ -33,7 +33,7 @@ def _run_now(fn: Callable[[int], list[torch.Tensor]], layer: int) -> Future[list
     done: Future[list[torch.Tensor]] = Future()
     try:
         done.set_result(fn(layer))
-    except Exception as e:  # noqa: BLE001 - re-raised by result(), like a copier future
+    except Exception as e:  # re-raised by result(), like a copier future
         done.set_exception(e)
     return done
 

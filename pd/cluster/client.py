@@ -257,7 +257,7 @@ class ClusterClient:
                     await asyncio.wait_for(self._ping(node_id), timeout=self.ping_timeout_s)
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # noqa: BLE001 - any failure means the node is gone
+                except Exception as e:  # any failure means the node is gone
                     self.fail_node(node_id, f"{type(e).__name__}: {e}")
 
     def fail_node(self, node_id: str, why: str) -> None:

@@ -35,6 +35,7 @@ class TransferCounters(NamedTuple):
     num_bytes: int = 0
     num_seconds: float = 0.0
     num_done: int = 0
+    num_dropped_msgs: int = 0  # malformed messages the node dropped
 
 
 _NO_TRANSFERS = TransferCounters()
@@ -118,6 +119,7 @@ class EngineCore:
             transfer_bytes=transfer.num_bytes,
             transfer_seconds=transfer.num_seconds,
             num_transfers=transfer.num_done,
+            num_dropped_msgs=transfer.num_dropped_msgs,
         )
 
     def check_integrity(self) -> None:

@@ -71,6 +71,12 @@ class ServerMetrics:
             "pd_transfer_seconds", "KV transfer time, cumulative.", registry=r
         )
         self.transfer_count = Gauge("pd_transfer_count", "KV transfers, cumulative.", registry=r)
+        self.dropped_msgs = Gauge(
+            "pd_node_dropped_messages",
+            "Per node, cumulative: malformed messages dropped by its sockets.",
+            ["node"],
+            registry=r,
+        )
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
@@ -106,7 +112,7 @@ class ServerMetrics:
         """Set the cluster gauges from a ``stats_fn()`` result."""
         for g in (*self.node_gauges.values(), self.node_slot_usage):
             g.clear()
-        for g in (*self.cache_gauges.values(), self.cache_hit_rate):
+        for g in (*self.cache_gauges.values(), self.cache_hit_rate, self.dropped_msgs):
             g.clear()
         for s in stats.nodes:
             self._set_node(s)
@@ -131,6 +137,7 @@ class ServerMetrics:
         self.cache_gauges["cache_hit_tokens"].labels(node=s.node_id).set(s.num_hit_tokens)
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
+        self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

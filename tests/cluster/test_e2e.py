@@ -267,13 +267,13 @@ def test_next_turn_of_a_conversation_moves_only_new_kv(live, smollm2_dir, tokeni
     wait_idle_and_check(live)
     time.sleep(0.5)  # node stats are published a few times a second
     after = live.cluster.client.stats()
-    sent = after["transfer"]["bytes"] - stats_before["transfer"]["bytes"]
+    sent = sum(n.transfer_bytes for n in after.nodes) - sum(
+        n.transfer_bytes for n in stats_before.nodes
+    )
     prompt2 = len(encode_chat(tokenizer, turn2))
     bytes_per_token = 2 * 30 * 3 * 64 * 4
     assert 0 < sent < (prompt2 // 2) * bytes_per_token, (sent, prompt2)
-    decode_hits = sum(
-        n["cache_hit_tokens"] for n in after["nodes"].values() if n["role"] == "decode"
-    )
+    decode_hits = sum(n.num_hit_tokens for n in after.nodes if n.role == "decode")
     assert decode_hits > prompt2 // 2
 
 

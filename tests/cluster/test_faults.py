@@ -40,6 +40,7 @@ def test_prefill_node_dies_requests_fail_cleanly_and_survivor_serves(ray_session
         codes = sorted(r.status_code for r in results)
         assert codes[0] == 200, [r.text for r in results]
         failed = [r for r in results if r.status_code != 200]
+        assert len(failed) == 1, [r.text for r in results]  # the request on the victim
         for r in failed:
             assert r.status_code == 500 and "failed" in r.json()["error"]["message"]
         assert victim in cluster.client.dead_nodes

@@ -62,4 +62,6 @@ def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode is not None
+    # Ctrl-C is a normal way to stop the server: a clean exit, no traceback
+    assert proc.returncode in (0, 130), (proc.returncode, log.read_text()[-3000:])
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
