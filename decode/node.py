@@ -3,7 +3,9 @@
 The life of a request on a decode node (its scheduler is ``DecodeScheduler``):
 
 1. ``DecodeReqMsg`` from the server -> ``expected`` (checked: a request that can never run is
-   answered with an error at once).
+   answered with an error at once). A ``LocalReqMsg`` instead goes straight to the scheduler's
+   ``waiting`` queue: this node prefills it itself (conditional disaggregation), in chunks
+   interleaved with the running decodes, and streams every token, the first included.
 2. The prefill node's transfer request arrives -> ``reserve`` (the transfer agent asks this
    node as its slot owner) -> ``DecodeScheduler.reserve_incoming``: the cached prefix is locked
    and not sent again, slots for the rest are reserved, or "no room" and the sender retries.
@@ -25,7 +27,7 @@ from decode.scheduler import DecodeScheduler
 from pd.config import EngineConfig
 from pd.engine.request import Req
 from pd.engine.scheduler import StepResult
-from pd.messages import AbortMsg, DecodeReqMsg, PrefilledMsg
+from pd.messages import AbortMsg, DecodeReqMsg, LocalReqMsg, PrefilledMsg
 from pd.node import BaseNode, NodeConfig
 from transfer import BaseSlotOwner, KVPoll, SlotReservation
 
@@ -44,18 +46,21 @@ class DecodeNode(BaseNode, BaseSlotOwner):
     # -- messages ---------------------------------------------------------------------------
 
     def _on_msg(self, msg: Any) -> None:
-        if isinstance(msg, DecodeReqMsg):
+        if isinstance(msg, DecodeReqMsg | LocalReqMsg):
             self._on_request(msg)
         elif isinstance(msg, PrefilledMsg):
             self._on_prefilled(msg)
         elif isinstance(msg, AbortMsg):
             self._abort(msg.request_id)
 
-    def _on_request(self, msg: DecodeReqMsg) -> None:
+    def _on_request(self, msg: DecodeReqMsg | LocalReqMsg) -> None:
         try:
             req = self.core.make_request(
                 msg.prompt_ids, msg.sampling, msg.request_id, msg.namespace
             )
+            if isinstance(msg, LocalReqMsg):
+                self.scheduler.add(req)
+                return
         except ValueError as e:
             self.report_error(msg.request_id, str(e))
             return

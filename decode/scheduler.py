@@ -4,13 +4,16 @@ On top of ``Scheduler``'s life (which a decode node runs whole for requests it p
 a request whose prompt KV comes from a prefill node lives as:
 
 1. ``reserve_incoming``: the longest prefix of the prompt this node still caches is locked and
-   not sent again; if prompt + max_tokens fit (free + evictable, less what running requests and
-   other reservations may still take), slots for the rest of the prompt are allocated and the
-   remainder is promised. Else None ("no room"; the sender asks again).
+   not sent again; if the request's expected length fits (the prompt + the estimated part of
+   max_tokens; free + evictable, less what running requests and other reservations are expected
+   to take), slots for the rest of the prompt are allocated and the remainder is promised. Else
+   None ("no room"; the sender asks again).
 2. ``incoming``: the KV lands in those slots (the node's transfer agent writes them).
-3. ``admit_prefilled``: the first token arrives -> ``running``, decoded with the rest. The batch
-   is bounded by the KV pool (step 1), not by ``max_running_requests``: refusing KV that fits
-   would only make the prefill node's handshake time out.
+3. ``admit_prefilled``: the first token arrives -> ``running``, decoded with the rest (and, like
+   any running request, retracted if the pool runs out: it then resumes here by recomputing
+   what was evicted). The batch is bounded by the KV pool (step 1), not by
+   ``max_running_requests``: refusing KV that fits would only make the prefill node's handshake
+   time out.
 4. ``release_incoming``: the transfer failed or was aborted: the reserved slots go back to the
    pool and the cached prefix is unlocked.
 """
@@ -50,12 +53,13 @@ class DecodeScheduler(Scheduler):
             )
         if req.request_id in self._incoming:
             raise ValueError(f"request {req.request_id!r} already has a reservation")
-        if not self._lock_prefix(req, req.max_len):
+        expected = self._expected_len(req)
+        if not self._lock_prefix(req, expected):
             return None
         page = self.allocator.page_size
         self.cache.make_room(self.allocator.num_new_pages(req.slots, num_tokens) * page)
         self.allocator.extend(req.slots, num_tokens)
-        total = self.allocator.num_pages_for(req.max_len) * page
+        total = self.allocator.num_pages_for(expected) * page
         promised = total - self.allocator.num_pages_for(num_tokens) * page
         self._incoming[req.request_id] = _Incoming(req, promised)
         return SlotReservation(req.slots[req.num_cached_tokens :], req.num_cached_tokens)

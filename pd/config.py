@@ -31,6 +31,14 @@ class EngineConfig:
     max_prefill_tokens: int = _opt(
         2048, "token budget of a prefill batch; longer prompts are chunked"
     )
+    max_mixed_prefill_tokens: int = _opt(
+        512, "prefill tokens a step may run beside decoding requests (smaller keeps their TPOT)"
+    )
+    new_token_ratio: float = _opt(
+        0.7,
+        "admission expects a request to decode this fraction of its max_tokens (it decays while "
+        "nothing is retracted); 1.0 reserves the worst case and never retracts",
+    )
     max_model_len: int | None = _opt(None, "context length; default: the model's")
     enable_prefix_cache: bool = _opt(True, "RadixCache prefix reuse")
     num_threads: int | None = _opt(None, "torch threads per process; default: torch's")
@@ -47,6 +55,12 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_mixed_prefill_tokens < 1:
+            raise ValueError(
+                f"max_mixed_prefill_tokens must be >= 1, got {self.max_mixed_prefill_tokens}"
+            )
+        if not 0.0 < self.new_token_ratio <= 1.0:
+            raise ValueError(f"new_token_ratio must be in (0, 1], got {self.new_token_ratio}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -53,6 +53,16 @@ class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
     prefill_node: str
 
 
+class LocalReqMsg(msgspec.Struct, tag="local_req", frozen=True):
+    """Server -> decode node: prefill this request here too, then decode it (conditional
+    disaggregation: its uncached part is short, or this node holds most of it)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    namespace: str
+
+
 class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True):
     """Prefill node -> decode node: the KV is in your slots; here is the first token."""
 
@@ -98,6 +108,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
     num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
+    num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
 
 
 class NodeInfo(msgspec.Struct, frozen=True):
@@ -111,5 +122,5 @@ class NodeInfo(msgspec.Struct, frozen=True):
     max_model_len: int
 
 
-NodeMsg = PrefillReqMsg | DecodeReqMsg | PrefilledMsg | AbortMsg
+NodeMsg = PrefillReqMsg | DecodeReqMsg | LocalReqMsg | PrefilledMsg | AbortMsg
 ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg

@@ -6,23 +6,27 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    run is answered with an error at once).
 2. Admission matches the prompt in the RadixCache and locks the match; the unmatched suffix
    is prefilled in chunks under the token budget.
-3. The first token is sampled and streamed to the server, after the cache events of the step
-   (when the coordinator hears a prefill is done, it already knows what it left in this cache).
-   A request that ends there is released, and its decode node told to forget it.
-4. ``transferring``: a ``KVSender`` moves the prompt's KV to the decode node chosen by the
-   coordinator. On success the decode node gets ``PrefilledMsg`` (the first token); on
+3. When the batch with a request's last chunk is about to run, its transfer starts: a
+   ``KVSender`` asks the decode node chosen by the coordinator for slots (that handshake
+   overlaps the forward), and sends each layer's KV as soon as the forward has written it, so
+   by the time the first token is sampled most of the KV is already across.
+4. The first token is streamed to the server. A request that ends there is released, its
+   transfer aborted and its decode node told to forget it.
+5. ``transferring``: on success the decode node gets ``PrefilledMsg`` (the first token); on
    failure the server gets an error. Either way the scheduler releases the request
-   (``finish_sending``): the prompt stays cached, unlocked.
+   (``finish_sending``): the prompt goes into the cache, unlocked, and its cache events go to
+   the server.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from pd.config import EngineConfig
 from pd.engine.request import Req
-from pd.engine.scheduler import StepResult
+from pd.engine.scheduler import ScheduledBatch, StepResult
 from pd.messages import AbortMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
 from prefill.scheduler import PrefillScheduler
@@ -48,6 +52,7 @@ class PrefillNode(BaseNode):
         super().__init__(engine_cfg, node_cfg)
         assert isinstance(self.core.scheduler, PrefillScheduler)
         self.prefill_scheduler: PrefillScheduler = self.core.scheduler
+        self.core.before_run = self._start_transfers
         self._routes: dict[str, _Route] = {}
         self._transfers: dict[str, _Transfer] = {}
 
@@ -69,30 +74,54 @@ class PrefillNode(BaseNode):
         self._routes[msg.request_id] = _Route(msg.decode_addr, msg.decode_transfer_addr)
 
     def _abort(self, request_id: str) -> None:
-        t = self._transfers.pop(request_id, None)
-        if t is not None:
+        if (t := self._transfers.pop(request_id, None)) is not None:
             t.sender.abort("aborted by the server")
         self.scheduler.abort(request_id)
         self._routes.pop(request_id, None)
 
-    def _on_step(self, result: StepResult) -> None:
-        for req in self.prefill_scheduler.take_prefilled():
-            with self._guard(req.request_id):
-                self._start_transfer(req)
-        self.publish_cache_events()
-        self.report_step(result)
-        for req in result.produced + result.failed:
-            route = self._routes.pop(req.request_id, None) if req.is_finished else None
-            if route is not None:  # done at its first token: the decode node can forget it
-                self.send_peer(route.decode_addr, AbortMsg(req.request_id, "finished at prefill"))
+    def _start_transfers(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        """Before a forward: start the transfer of each request whose last chunk it computes."""
+        senders = []
+        for req, seq in zip(batch.reqs[batch.num_decode :], batch.seqs[batch.num_decode :]):
+            if seq.num_prefix + len(seq.new_token_ids) == req.fill_len:
+                with self._guard(req.request_id):
+                    senders.append(self._start_transfer(req))
+        if not senders:
+            return None
 
-    def _start_transfer(self, req: Req) -> None:
+        def on_layer_done(layer: int) -> None:
+            for sender in senders:
+                sender.set_ready_layers(layer + 1)
+
+        return on_layer_done
+
+    def _start_transfer(self, req: Req) -> KVSender:
         route = self._routes[req.request_id]
         sender = self.transfer.sender(
             req.request_id, route.decode_transfer_addr, req.num_prompt_tokens, req.prompt_ids
         )
         self._transfers[req.request_id] = _Transfer(req, sender, time.monotonic())
-        sender.send(req.slots)
+        sender.send(req.slots, num_ready_layers=0)
+        return sender
+
+    def _on_step(self, result: StepResult) -> None:
+        num_layers = self.core.runner.pool.num_layers
+        for req in self.prefill_scheduler.take_prefilled():
+            t = self._transfers.get(req.request_id)
+            if t is not None:
+                t.sender.set_ready_layers(num_layers)
+        self.report_step(result)
+        for req in result.produced + result.failed:
+            if req.is_finished:  # done at its first token: the decode node can forget it
+                self._forget(req.request_id, "finished at prefill")
+
+    def _forget(self, request_id: str, why: str) -> None:
+        t = self._transfers.pop(request_id, None)
+        if t is not None:
+            t.sender.abort(why)
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            self.send_peer(route.decode_addr, AbortMsg(request_id, why))
 
     def _progress(self) -> None:
         if not self._transfers:

@@ -6,11 +6,12 @@ The life of a request on it:
    never decodes, so max_tokens costs it nothing.
 2. ``running``: the unmatched suffix is prefilled in chunks under the token budget.
 3. The first token is sampled. If that ends the request (EOS, max_tokens=1) it is released like
-   any finished request. Otherwise the prompt goes into the prefix cache (``cache_unfinished``:
-   its KV stays locked), and the request moves to ``sending``; ``take_prefilled`` hands it to the
-   node, which sends its KV to the decode node.
-4. ``finish_sending``: the transfer ended (either way); the request's slots are released (the
-   prompt stays cached, unlocked).
+   any finished request. Otherwise the request moves to ``sending`` with its slots as they are
+   (its KV may already be on the wire: the node starts the transfer with the last chunk);
+   ``take_prefilled`` hands it to the node.
+4. ``finish_sending``: the transfer ended (either way); the request is released: its prompt
+   goes into the prefix cache (pages another request cached meanwhile are freed only now, when
+   no transfer can still read them).
 """
 
 from __future__ import annotations
@@ -59,14 +60,13 @@ class PrefillScheduler(Scheduler):
     def held_slots(self) -> list[HeldSlots]:
         return super().held_slots() + [(r.slots, r.cache_node) for r in self._sending.values()]
 
-    def _reserve_len(self, req: Req) -> int:
+    def _max_len(self, req: Req) -> int:
+        return req.num_prompt_tokens
+
+    def _expected_len(self, req: Req) -> int:
         return req.num_prompt_tokens
 
     def _on_first_token(self, req: Req) -> None:
         self.running.remove(req)
-        match = self.cache.cache_unfinished(
-            req.prompt_ids, req.slots, req.cache_node, req.namespace
-        )
-        req.slots, req.cache_node = match.slots, match.last_node
         self._sending[req.request_id] = req
         self._prefilled.append(req)

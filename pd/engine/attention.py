@@ -41,20 +41,32 @@ class _DecodeMeta(NamedTuple):
 
 
 class _ExtendMeta(NamedTuple):
-    q_bounds: list[tuple[int, int]]
+    q_bounds: list[tuple[int, int]]  # flat token range of each extend request
     masks: list[torch.Tensor | None]  # [n, seq_len] bool, None for a cold prefill (plain causal)
+    kv_slots: list[torch.Tensor]
+
+
+class _Meta(NamedTuple):
+    """A batch's leading one-token rows (``num_decode`` of them) attend in one padded SDPA;
+    the extend rows after them one SDPA each."""
+
+    num_decode: int
+    decode: _DecodeMeta | None
+    extend: _ExtendMeta
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
-    """SDPA per request for extends; one padded SDPA per layer for decode batches."""
+    """One padded SDPA per layer for the batch's decode rows, one SDPA per extend request."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.is_decode:
-            batch.attn_metadata = self._decode_meta(batch)
-            return
+        nd = 0
+        while nd < batch.num_reqs and batch.extend_lens[nd] == 1:
+            nd += 1
+        device = batch.input_ids.device
+        decode = self._decode_meta(batch.seq_lens[:nd], batch.kv_slots[:nd], device) if nd else None
         bounds, masks = [], []
-        start = 0
-        for n, seq_len in zip(batch.extend_lens, batch.seq_lens):
+        start = nd
+        for n, seq_len in zip(batch.extend_lens[nd:], batch.seq_lens[nd:]):
             bounds.append((start, start + n))
             start += n
             if n == seq_len:
@@ -62,22 +74,21 @@ class TorchAttentionBackend(BaseAttentionBackend):
             else:
                 # query i sits at position seq_len - n + i and sees keys [0, seq_len - n + i]
                 masks.append(
-                    torch.ones(n, seq_len, dtype=torch.bool, device=batch.input_ids.device).tril(
-                        seq_len - n
-                    )
+                    torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(seq_len - n)
                 )
-        batch.attn_metadata = _ExtendMeta(bounds, masks)
+        batch.attn_metadata = _Meta(nd, decode, _ExtendMeta(bounds, masks, batch.kv_slots[nd:]))
 
     @staticmethod
-    def _decode_meta(batch: ForwardBatch) -> _DecodeMeta:
-        max_len = max(batch.seq_lens)
-        if len(set(batch.seq_lens)) == 1:
-            return _DecodeMeta(torch.stack(batch.kv_slots), None)
-        device = batch.input_ids.device
-        idx = torch.zeros(batch.num_reqs, max_len, dtype=torch.int64, device=device)
-        for r, slots in enumerate(batch.kv_slots):
+    def _decode_meta(
+        seq_lens: list[int], kv_slots: list[torch.Tensor], device: torch.device
+    ) -> _DecodeMeta:
+        if len(set(seq_lens)) == 1:
+            return _DecodeMeta(torch.stack(kv_slots), None)
+        max_len = max(seq_lens)
+        idx = torch.zeros(len(seq_lens), max_len, dtype=torch.int64, device=device)
+        for r, slots in enumerate(kv_slots):
             idx[r, : slots.shape[0]] = slots
-        lens = torch.tensor(batch.seq_lens, device=device)
+        lens = torch.tensor(seq_lens, device=device)
         mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
         return _DecodeMeta(idx, mask[:, None, None, :])
 
@@ -91,17 +102,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
-        meta = batch.attn_metadata
-        if isinstance(meta, _DecodeMeta):
-            # q: [B, H, 1, D]; keys: [B, KVH, max_len, D]
-            keys = pool.k[layer][meta.idx].transpose(1, 2)
-            values = pool.v[layer][meta.idx].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=meta.mask, enable_gqa=True
-            )
-            return out[:, :, 0, :]
+        meta: _Meta = batch.attn_metadata
+        if meta.decode is not None and meta.num_decode == q.shape[0]:
+            return self._decode(q, layer, pool, meta.decode)
         out = torch.empty_like(q)
-        for (start, end), mask, slots in zip(meta.q_bounds, meta.masks, batch.kv_slots):
+        if meta.decode is not None:
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], layer, pool, meta.decode)
+        ext = meta.extend
+        for (start, end), mask, slots in zip(ext.q_bounds, ext.masks, ext.kv_slots):
             qr = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
             if mask is None:  # cold prefill: the keys are exactly this batch's new tokens
                 kr, vr = k[start:end], v[start:end]
@@ -117,6 +125,16 @@ class TorchAttentionBackend(BaseAttentionBackend):
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, layer: int, pool: KVPool, meta: _DecodeMeta) -> torch.Tensor:
+        # q: [B, H, D] -> [B, H, 1, D]; keys: [B, KVH, max_len, D]
+        keys = pool.k[layer][meta.idx].transpose(1, 2)
+        values = pool.v[layer][meta.idx].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=meta.mask, enable_gqa=True
+        )
+        return out[:, :, 0, :]
 
 
 def make_attention_backend(name: str, device: torch.device) -> BaseAttentionBackend:

@@ -10,7 +10,7 @@ the flat token range ``[q_start[r], q_start[r+1])``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -35,6 +35,8 @@ class ForwardBatch:
     seq_lens: list[int]
     logits_indices: torch.Tensor | None  # [R] flat index of each request's last token; None: all
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
+    # called with i once layer i's K/V of the new tokens are in the pool (e.g. to send them)
+    on_layer_done: Callable[[int], None] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -81,7 +83,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.extend_lens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pd.cache import make_prefix_cache
@@ -20,7 +20,7 @@ from pd.engine.kv_pool import SlotAllocator
 from pd.engine.request import Req
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
-from pd.engine.scheduler import Scheduler, StepResult
+from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.messages import NodeStatsMsg
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 from pd.sampling_params import SamplingParams
@@ -41,6 +41,10 @@ class TransferCounters(NamedTuple):
 _NO_TRANSFERS = TransferCounters()
 
 
+# A role's look at a batch before it runs; what it returns is called as each layer finishes.
+BatchHook = Callable[[ScheduledBatch], Callable[[int], None] | None]
+
+
 class EngineCore:
     def __init__(
         self,
@@ -59,9 +63,12 @@ class EngineCore:
             self.cache,
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
+            new_token_ratio=cfg.new_token_ratio,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
         )
+        self.before_run: BatchHook | None = None  # set by a role that acts on batches
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
 
@@ -94,7 +101,8 @@ class EngineCore:
         if batch is None:
             return StepResult([], [])
         try:
-            rows = self.runner.run(batch.reqs, batch.seqs)
+            on_layer_done = self.before_run(batch) if self.before_run is not None else None
+            rows = self.runner.run(batch.reqs, batch.seqs, on_layer_done)
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
@@ -120,6 +128,7 @@ class EngineCore:
             transfer_seconds=transfer.num_seconds,
             num_transfers=transfer.num_done,
             num_dropped_msgs=transfer.num_dropped_msgs,
+            num_retracted=s.num_retracted,
         )
 
     def check_integrity(self) -> None:

@@ -22,6 +22,11 @@ class Req:
     error: str | None = None  # why the request failed here (finish_reason is then "abort")
     generator: Any = None  # torch.Generator for sampled requests; opaque to schedulers
     num_new_outputs: int = 0  # outputs not yet reported to the caller
+    fill_len: int = 0  # tokens to compute before sampling: the prompt, or all ids on a resume
+    num_admissions: int = 0  # > 1: the request was retracted and resumed
+
+    def __post_init__(self) -> None:
+        self.fill_len = self.fill_len or len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -37,7 +42,7 @@ class Req:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < self.fill_len
 
     @property
     def max_len(self) -> int:

@@ -3,7 +3,7 @@ tensors. Schedulers hand it plain-Python ``SeqInput`` lists and get token ids ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,12 +53,24 @@ class ModelRunner:
         model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
         return model.to(self.dtype).eval()
 
-    def forward(self, seqs: Sequence[SeqInput], *, return_all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        seqs: Sequence[SeqInput],
+        *,
+        return_all_logits: bool = False,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Run one batch; logits [R, vocab] (or [T, vocab] with return_all_logits)."""
         batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
+        batch.on_layer_done = on_layer_done
         return self.model(batch, self.pool, self.attn)
 
-    def run(self, reqs: Sequence[Req], seqs: Sequence[SeqInput]) -> list[SampledRow]:
+    def run(
+        self,
+        reqs: Sequence[Req],
+        seqs: Sequence[SeqInput],
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> list[SampledRow]:
         """Forward one scheduled batch and sample each request's next token."""
-        logits = self.forward(seqs)
+        logits = self.forward(seqs, on_layer_done=on_layer_done)
         return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

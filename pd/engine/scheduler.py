@@ -2,19 +2,26 @@
 
 The life of a request:
 
-1. ``waiting``: FIFO. Admitted when the running set has room and its KV fits: the tokens it
-   may still need (``_reserve_len``: prompt + max_tokens, less the cached prefix) must fit in
-   free + evictable slots after every running request's own outstanding need. Admission matches
-   the prompt in the prefix cache and locks the match, so those slots cannot be evicted under it.
-2. ``running`` and prefilling: the unmatched suffix is computed in chunks, at most
-   ``max_prefill_tokens`` per step over all requests (chunked prefill).
-3. ``running`` and decoding: one token per step, all decoding requests in one batch.
+1. ``waiting``: FIFO. Admitted when the running set has room and its KV is expected to fit:
+   the tokens it is expected to need (``_expected_len``: its prompt, plus ``new_token_ratio`` of
+   its max_tokens, less the cached prefix) must fit in free + evictable slots after what every
+   running request is expected to still take. Admission matches the prompt in the prefix cache
+   and locks the match, so those slots cannot be evicted under it.
+2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
+   (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
+   that also decodes, so running streams keep their pace.
+3. ``running`` and decoding: one token per step; every decoding request is in every step.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
    handed to the prefix cache, which keeps the page-aligned part and frees the rest.
 
-A step prefills when any request is prefilling, else decodes (prefill-first, as SGLang).
-Because admission reserves each request's worst case, a step never runs out of slots and no
-running request is ever preempted.
+Retraction (admission is an estimate, so a step may find no room): before a step, if the running
+requests' next tokens do not fit in free + evictable slots, the newest running request is
+retracted: its KV goes into the prefix cache (unlocked), and it returns to the front of
+``waiting`` with the tokens it has. When it is admitted again it matches its prompt and output so
+far in the cache and recomputes only what was evicted, then samples its next token (``fill_len``
+is then its whole history). ``new_token_ratio`` decays while nothing is retracted and goes back up
+when something is, as in SGLang. With ``new_token_ratio=1`` admission reserves the worst case and
+nothing is ever retracted.
 
 This class is the colocated engine's scheduler. The roles specialise it:
 ``prefill.scheduler.PrefillScheduler`` reserves only the prompt and hands a request off after its
@@ -24,6 +31,7 @@ a prefill node. Nodes talk to a scheduler through its methods, never its fields.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -37,11 +45,23 @@ from pd.engine.sampler import SampledRow
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
 
+# Admission estimates at most this many of a request's max_tokens (as SGLang): a chat request
+# without max_tokens may ask for the whole context but rarely uses it.
+CLIP_MAX_TOKENS_ESTIMATE = 4096
+# new_token_ratio decays from its initial value to MIN_RATIO_FACTOR times it over DECAY_STEPS
+# decode steps without a retraction.
+MIN_RATIO_FACTOR = 0.2
+DECAY_STEPS = 600
+
 
 class ScheduledBatch(NamedTuple):
-    reqs: list[Req]
+    reqs: list[Req]  # decoding requests first, then prefill chunks
     seqs: list[SeqInput]
-    is_prefill: bool
+    num_decode: int  # the first num_decode entries decode one token each
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_decode < len(self.reqs)
 
 
 class StepResult(NamedTuple):
@@ -53,9 +73,10 @@ class StepResult(NamedTuple):
 class SchedulerStats(NamedTuple):
     num_waiting: int
     num_running: int
-    num_queued_tokens: int  # prompt tokens waiting or not yet computed (the router's load)
+    num_queued_tokens: int  # tokens waiting or not yet computed (the router's load)
     num_prompt_tokens: int  # prompt tokens of every admitted request so far ...
     num_cached_tokens: int  # ... and how many of them the prefix cache served
+    num_retracted: int  # retractions so far
 
 
 class Scheduler:
@@ -68,17 +89,31 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        max_mixed_prefill_tokens: int | None = None,
+        new_token_ratio: float = 1.0,
     ) -> None:
+        if not 0.0 < new_token_ratio <= 1.0:
+            raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
         self.allocator = allocator
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_mixed_prefill_tokens = (
+            max_prefill_tokens if max_mixed_prefill_tokens is None else max_mixed_prefill_tokens
+        )
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.init_new_token_ratio = new_token_ratio
+        self.new_token_ratio = new_token_ratio
+        self._min_ratio = (
+            new_token_ratio if new_token_ratio == 1.0 else new_token_ratio * MIN_RATIO_FACTOR
+        )
+        self._ratio_decay = (new_token_ratio - self._min_ratio) / DECAY_STEPS
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        self.running: list[Req] = []  # in admission order: the newest last
         self._num_admitted_tokens = 0
         self._num_admitted_cached_tokens = 0
+        self._num_retracted = 0
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -96,7 +131,7 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) = "
                 f"{n + req.params.max_tokens} exceeds the context length ({self.max_model_len})"
             )
-        pages = self.allocator.num_pages_for(self._reserve_len(req))
+        pages = self.allocator.num_pages_for(self._max_len(req))
         if pages > self.allocator.num_pages:
             raise ValueError(
                 f"request needs {pages * self.allocator.page_size} KV slots, "
@@ -131,22 +166,46 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self._admit()
-        prefilling = [r for r in self.running if r.is_prefilling]
-        if prefilling:
-            return self._prefill_batch(prefilling)
-        if self.running:
-            return self._decode_batch()
-        return None
+        self._retract_until_decodes_fit()
+        decoding = [r for r in self.running if not r.is_prefilling]
+        reqs, seqs = [], []
+        for req in decoding:
+            self._grow(req, req.num_computed + 1)
+            reqs.append(req)
+            seqs.append(SeqInput(req.all_ids[-1:], req.slots, req.num_computed - 1))
+        budget = self.max_mixed_prefill_tokens if decoding else self.max_prefill_tokens
+        for req in [r for r in self.running if r.is_prefilling]:
+            if budget <= 0:
+                break
+            start = req.num_computed
+            n = self._grow_upto(req, min(req.fill_len, start + budget)) - start
+            if n <= 0:
+                continue
+            reqs.append(req)
+            seqs.append(SeqInput(req.all_ids[start : start + n], req.slots, start))
+            budget -= n
+        if not reqs:
+            self._retract_stalled()
+            return None
+        if decoding:
+            self.new_token_ratio = max(self._min_ratio, self.new_token_ratio - self._ratio_decay)
+        return ScheduledBatch(reqs, seqs, len(decoding))
 
     def num_available_tokens(self) -> int:
         """Slots a new request could still be promised: free + evictable, less what running
-        requests (and any other promise of the role's) may yet take."""
+        requests (and any other promise of the role's) are expected to take yet."""
         reserved = sum(self._outstanding(r) for r in self.running) + self._num_promised()
         return self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
 
-    def _reserve_len(self, req: Req) -> int:
+    def _max_len(self, req: Req) -> int:
         """Tokens of KV the request may hold here at most."""
         return req.max_len
+
+    def _expected_len(self, req: Req) -> int:
+        """Tokens of KV the request is expected to hold here at most (admission's estimate)."""
+        left = req.params.max_tokens - len(req.output_ids)
+        guess = math.ceil(min(left, CLIP_MAX_TOKENS_ESTIMATE) * self.new_token_ratio)
+        return min(self._max_len(req), max(req.fill_len, req.num_computed) + guess)
 
     def _num_promised(self) -> int:
         """Slots promised outside ``running`` (a role's reservations)."""
@@ -154,32 +213,35 @@ class Scheduler:
 
     def _outstanding(self, req: Req) -> int:
         return (
-            self.allocator.num_new_pages(req.slots, self._reserve_len(req))
+            self.allocator.num_new_pages(req.slots, self._expected_len(req))
             * self.allocator.page_size
         )
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            if not self._lock_prefix(req, self._reserve_len(req)):
+            if not self._lock_prefix(req, self._expected_len(req)):
                 break
             self.waiting.popleft()
             self.running.append(req)
 
-    def _lock_prefix(self, req: Req, reserve_len: int) -> bool:
-        """Match ``req``'s prompt in the cache and lock the match if ``reserve_len`` tokens fit
-        (free + evictable, after what others may take); False (nothing locked) if not."""
-        match = self.cache.match_prompt(req.prompt_ids, req.namespace)
+    def _lock_prefix(self, req: Req, expected_len: int) -> bool:
+        """Match ``req``'s tokens in the cache and lock the match if ``expected_len`` tokens
+        fit (free + evictable, after what others may take); False (nothing locked) if not."""
+        tokens = req.all_ids[: req.fill_len]
+        match = self.cache.match_prompt(tokens, req.namespace)
         self.cache.inc_lock_ref(match.last_node)
-        need = self.allocator.num_pages_for(reserve_len) * self.allocator.page_size
+        need = self.allocator.num_pages_for(expected_len) * self.allocator.page_size
         if need - match.num_tokens > self.num_available_tokens():
             self.cache.dec_lock_ref(match.last_node)
             return False
         req.slots = list(match.slots)
-        req.num_cached_tokens = match.num_tokens
         req.cache_node = match.last_node
-        self._num_admitted_tokens += req.num_prompt_tokens
-        self._num_admitted_cached_tokens += match.num_tokens
+        req.num_admissions += 1
+        if req.num_admissions == 1:
+            req.num_cached_tokens = match.num_tokens
+            self._num_admitted_tokens += req.num_prompt_tokens
+            self._num_admitted_cached_tokens += match.num_tokens
         return True
 
     def _grow(self, req: Req, new_len: int) -> None:
@@ -188,26 +250,43 @@ class Scheduler:
         )
         self.allocator.extend(req.slots, new_len)
 
-    def _prefill_batch(self, prefilling: Sequence[Req]) -> ScheduledBatch:
-        budget = self.max_prefill_tokens
-        reqs, seqs = [], []
-        for req in prefilling:
-            if budget == 0:
-                break
-            start = req.num_computed
-            n = min(req.num_prompt_tokens - start, budget)
-            self._grow(req, start + n)
-            reqs.append(req)
-            seqs.append(SeqInput(req.prompt_ids[start : start + n], req.slots, start))
-            budget -= n
-        return ScheduledBatch(reqs, seqs, is_prefill=True)
+    def _grow_upto(self, req: Req, new_len: int) -> int:
+        """Grow ``req.slots`` toward ``new_len`` as far as free + evictable slots allow."""
+        ps = self.allocator.page_size
+        room = self.allocator.num_free_slots + self.cache.num_evictable_tokens
+        own_tail = -len(req.slots) % ps  # free slots left in the request's last page
+        new_len = min(new_len, len(req.slots) + own_tail + room // ps * ps)
+        if new_len > len(req.slots):
+            self._grow(req, new_len)
+        return len(req.slots)
 
-    def _decode_batch(self) -> ScheduledBatch:
-        seqs = []
-        for req in self.running:
-            self._grow(req, req.num_computed + 1)
-            seqs.append(SeqInput(req.all_ids[-1:], req.slots, req.num_computed - 1))
-        return ScheduledBatch(list(self.running), seqs, is_prefill=False)
+    def _decode_need(self) -> int:
+        ps = self.allocator.page_size
+        return sum(
+            self.allocator.num_new_pages(r.slots, r.num_computed + 1) * ps
+            for r in self.running
+            if not r.is_prefilling
+        )
+
+    def _retract_until_decodes_fit(self) -> None:
+        """Retract the newest running requests until every decoding one can take a token."""
+        while self.running and self._decode_need() > (
+            self.allocator.num_free_slots + self.cache.num_evictable_tokens
+        ):
+            self._retract(self.running[-1])
+
+    def _retract_stalled(self) -> None:
+        """Nothing could run: requests are waiting on slots that only retraction frees."""
+        if self.running and all(r.is_prefilling for r in self.running):
+            self._retract(self.running[-1])
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.fill_len = len(req.all_ids)
+        self.waiting.appendleft(req)
+        self._num_retracted += 1
+        self.new_token_ratio = self.init_new_token_ratio
 
     # -- postprocess ------------------------------------------------------------------------
 
@@ -215,7 +294,7 @@ class Scheduler:
         """Record sampled tokens; a row whose sampling failed fails its request alone."""
         produced, failed = [], []
         for req, row in zip(batch.reqs, rows):
-            if req.is_prefilling:  # a chunk that did not reach the end of the prompt
+            if req.is_prefilling:  # a chunk that did not reach the end of what it fills
                 continue
             if row.error is not None:
                 self.fail(req, row.error)
@@ -259,8 +338,8 @@ class Scheduler:
     # -- reporting --------------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
-        queued = sum(r.num_prompt_tokens for r in self.waiting) + sum(
-            r.num_prompt_tokens - r.num_computed for r in self.running if r.is_prefilling
+        queued = sum(r.fill_len for r in self.waiting) + sum(
+            r.fill_len - r.num_computed for r in self.running if r.is_prefilling
         )
         return SchedulerStats(
             len(self.waiting),
@@ -268,6 +347,7 @@ class Scheduler:
             queued,
             self._num_admitted_tokens,
             self._num_admitted_cached_tokens,
+            self._num_retracted,
         )
 
     def held_slots(self) -> list[HeldSlots]:

@@ -146,8 +146,10 @@ class LlamaForCausalLM(nn.Module):
         h = body.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.positions, h.dtype)
         attn.init_forward_metadata(batch)
-        for layer in body.layers:
+        for i, layer in enumerate(body.layers):
             h = layer(h, cos, sin, batch, pool, attn)
+            if batch.on_layer_done is not None:
+                batch.on_layer_done(i)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
         h = body.norm(h)

@@ -77,6 +77,12 @@ class ServerMetrics:
             ["node"],
             registry=r,
         )
+        self.retracted = Gauge(
+            "pd_node_retractions",
+            "Per node, cumulative: running requests retracted for want of KV slots.",
+            ["node"],
+            registry=r,
+        )
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
@@ -112,7 +118,12 @@ class ServerMetrics:
         """Set the cluster gauges from a ``stats_fn()`` result."""
         for g in (*self.node_gauges.values(), self.node_slot_usage):
             g.clear()
-        for g in (*self.cache_gauges.values(), self.cache_hit_rate, self.dropped_msgs):
+        for g in (
+            *self.cache_gauges.values(),
+            self.cache_hit_rate,
+            self.dropped_msgs,
+            self.retracted,
+        ):
             g.clear()
         for s in stats.nodes:
             self._set_node(s)
@@ -138,6 +149,7 @@ class ServerMetrics:
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
         self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
+        self.retracted.labels(node=s.node_id).set(s.num_retracted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

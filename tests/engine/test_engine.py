@@ -224,3 +224,25 @@ def test_cli_generate_json(smollm2_dir, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "Paris" in out["text"]
     assert out["prompt_tokens"] > 5 and len(out["token_ids"]) <= 16
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retracted_requests_resume_with_the_same_greedy_tokens(tiny_llama_dir, page_size):
+    """A pool too small for every running request's growth: the newest is retracted, its KV
+    cached, and it resumes by recomputing only what was evicted; its tokens equal a roomy run."""
+    prompts = [_prompt(n, 100 + n) for n in (30, 42, 25, 37)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    roomy = _make_engine(tiny_llama_dir, page_size=page_size).generate(prompts, params)
+    tight = _make_engine(
+        tiny_llama_dir,
+        max_total_tokens=192,
+        page_size=page_size,
+        new_token_ratio=0.2,
+        enable_prefix_cache=True,
+    )
+    results = tight.generate(prompts, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
+    assert tight.scheduler.stats().num_retracted >= 1
+    assert tight.stats().num_retracted == tight.scheduler.stats().num_retracted
+    tight.check_integrity()
+    assert tight.allocator.num_free_slots + tight.cache.num_cached_tokens == 192

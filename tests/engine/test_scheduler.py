@@ -115,13 +115,17 @@ def test_chunked_prefill_under_the_token_budget_then_decode() -> None:
     _assert_idle_and_whole(s)
 
 
-def test_a_new_prompt_is_prefilled_before_the_next_decode_step() -> None:
-    s = _make_scheduler()
+def test_a_new_prompt_is_prefilled_beside_the_running_decodes() -> None:
+    s = _make_scheduler(budget=64)
+    s.max_mixed_prefill_tokens = 6
     s.add(_req("a", 4))
     _run(s)
-    s.add(_req("b", 4, base=300))
+    s.add(_req("b", 10, base=300))
+    batch, _ = _run(s)  # a decodes, b gets the mixed budget
+    assert [r.request_id for r in batch.reqs] == ["a", "b"] and batch.num_decode == 1
+    assert [len(q.new_token_ids) for q in batch.seqs] == [1, 6]
     batch, _ = _run(s)
-    assert batch.is_prefill and [r.request_id for r in batch.reqs] == ["b"]
+    assert [len(q.new_token_ids) for q in batch.seqs] == [1, 4]
 
 
 @pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
@@ -230,8 +234,9 @@ def test_prefill_role_reserves_the_prompt_and_hands_off_after_the_first_token() 
     sent = s.take_prefilled()
     assert [r.request_id for r in sent] == ["a"] and s.take_prefilled() == []
     assert s.running == [] and s.num_sending == 1 and s.num_unfinished == 1
-    assert s.cache.num_cached_tokens == 12 + 4  # a's aligned prompt (locked), once's prompt
-    assert s.cache.num_protected_tokens == 12
+    # a's KV may be on the wire: its slots stay its own until the transfer ends
+    assert s.cache.num_cached_tokens == 4  # "once" finished: its aligned prompt is cached
+    assert s.allocator.num_used_slots == 16 + 4
     s.check_integrity()
     assert s.finish_sending("a") is sent[0] and s.finish_sending("a") is None
     _assert_idle_and_whole(s)
@@ -277,4 +282,47 @@ def test_decode_role_releases_a_reservation_whose_kv_never_comes() -> None:
     with pytest.raises(ValueError, match="transfer of 9 tokens for a 10-token prompt"):
         s.reserve_incoming(_req("b", 10), 9)
     assert s.release_incoming("a") is a and s.release_incoming("a") is None
+    _assert_idle_and_whole(s)
+
+
+def test_optimistic_admission_runs_more_requests_than_the_worst_case_allows() -> None:
+    worst = _make_scheduler(num_slots=64, cache=False)
+    optimistic = _make_scheduler(num_slots=64, cache=False)
+    optimistic.new_token_ratio = optimistic.init_new_token_ratio = 0.7
+    for s in (worst, optimistic):
+        for i in range(3):
+            s.add(_req(f"r{i}", 10, max_tokens=30, base=100 * (i + 1)))
+        _run(s)
+    assert len(worst.running) == 1  # 39 slots each at worst: one fits in 64
+    assert len(optimistic.running) == 2  # 10 + 0.7 * 30 = 31 expected each
+
+
+def test_a_pool_too_small_for_all_running_requests_retracts_and_resumes() -> None:
+    s = _make_scheduler(num_slots=64, page_size=4)
+    s.new_token_ratio = s.init_new_token_ratio = 0.3
+    reqs = [_req(f"r{i}", 10, max_tokens=40, base=100 * (i + 1)) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    peak = 0
+    for _ in range(400):
+        if not s.num_unfinished:
+            break
+        _run(s, token=5 + len(s.running))
+        s.check_integrity()
+        peak = max(peak, len(s.running))
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 40 for r in reqs)
+    assert peak >= 2 and s.stats().num_retracted >= 1
+    resumed = [r for r in reqs if r.num_admissions > 1]
+    assert resumed and all(r.fill_len > r.num_prompt_tokens for r in resumed)
+    # what a resumed request computed before its retraction came back from the cache
+    assert s.cache.stats.num_hit_tokens > 0
+    _assert_idle_and_whole(s)
+
+
+def test_reserving_the_worst_case_never_retracts() -> None:
+    s = _make_scheduler(num_slots=64, page_size=4)  # new_token_ratio 1.0
+    for i in range(3):
+        s.add(_req(f"r{i}", 10, max_tokens=40, base=100 * (i + 1)))
+    _drain(s)
+    assert s.stats().num_retracted == 0
     _assert_idle_and_whole(s)

@@ -18,6 +18,7 @@ from pd.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
+    LocalReqMsg,
     NodeStatsMsg,
     PrefillReqMsg,
     ServerMsg,
@@ -28,7 +29,7 @@ from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from transfer import TransferConfig
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(90)  # fixtures load models; each test runs in ~0.1 s
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 300 + i, 42, 9, 1000 + 7 * i, 77] * 3 for i in range(3)]
 
@@ -185,11 +186,11 @@ def test_a_failed_forward_fails_its_batch_and_the_node_goes_on(server, nodes, mo
     real_run = runner.run
     calls = {"n": 0}
 
-    def flaky_run(reqs, seqs):
+    def flaky_run(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real_run(reqs, seqs)
+        return real_run(*args)
 
     monkeypatch.setattr(runner, "run", flaky_run)
     _send_request(server, p, d, "victim", PROMPTS[0])
@@ -198,4 +199,20 @@ def test_a_failed_forward_fails_its_batch_and_the_node_goes_on(server, nodes, mo
     _send_request(server, p, d, "survivor", PROMPTS[0])
     _run_until(server, nodes, lambda: "survivor" in server.finished)
     assert server.finished["survivor"].error is None
+    _assert_idle(p, d)
+
+
+def test_a_decode_node_prefills_a_local_request_beside_transferred_ones(
+    server, nodes, reference
+) -> None:
+    """Conditional disaggregation's node side: a LocalReqMsg is prefilled on the decode node,
+    interleaved with requests whose KV came from the prefill node; all equal the reference."""
+    p, d = nodes
+    _send_request(server, p, d, "via-prefill-0", PROMPTS[0])
+    server.send(d, LocalReqMsg("local-1", PROMPTS[1], GREEDY, ""))
+    _send_request(server, p, d, "via-prefill-2", PROMPTS[2])
+    names = ["via-prefill-0", "local-1", "via-prefill-2"]
+    _run_until(server, nodes, lambda: all(n in server.finished for n in names))
+    assert [server.tokens[n] for n in names] == reference
+    assert server.finished["local-1"].num_prompt_tokens == len(PROMPTS[1])
     _assert_idle(p, d)
