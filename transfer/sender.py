@@ -87,9 +87,7 @@ class KVSender:
         self._progress()
 
     def set_ready_layers(self, num_ready_layers: int) -> None:
-        self._rec.num_ready_layers = max(self._rec.num_ready_layers, num_ready_layers)
-        if self._rec.job is not None:
-            self._rec.job.set_ready_layers(num_ready_layers)
+        self._side.set_ready_layers(self._rec, num_ready_layers)
 
     def abort(self, reason: str = "aborted by sender") -> None:
         self._side.fail(self._rec, reason)
@@ -148,6 +146,16 @@ class SenderSide:
         )
         if rec.state == KVPoll.WAITING:
             self._start(rec)
+
+    def set_ready_layers(self, rec: SendRecord, num_ready_layers: int) -> None:
+        was_ready = rec.num_ready_layers == self._layout.num_layers
+        rec.num_ready_layers = max(rec.num_ready_layers, num_ready_layers)
+        if rec.job is not None:
+            rec.job.set_ready_layers(num_ready_layers)
+        elif not was_ready and rec.num_ready_layers == self._layout.num_layers:
+            # a handshake started while the data was being computed gets its full timeout from
+            # the moment the data is ready: the sender's own compute is not the receiver's delay
+            rec.deadline = max(rec.deadline, time.monotonic() + self._cfg.handshake_timeout_s)
 
     def fail(
         self, rec: SendRecord, reason: str, notify: bool = True, pair_broken: bool = False
