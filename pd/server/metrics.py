@@ -77,6 +77,22 @@ class ServerMetrics:
             ["node"],
             registry=r,
         )
+        self.rejected_msgs = Gauge(
+            "pd_node_rejected_messages",
+            "Per node, cumulative: frames its sockets refused (failed authentication).",
+            ["node"],
+            registry=r,
+        )
+        self.server_rejected_msgs = Gauge(
+            "pd_server_rejected_messages",
+            "Frames the server's socket refused (failed authentication), cumulative.",
+            registry=r,
+        )
+        self.server_dropped_msgs = Gauge(
+            "pd_server_dropped_messages",
+            "Authentic node messages the server dropped (malformed or failed), cumulative.",
+            registry=r,
+        )
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
@@ -112,7 +128,9 @@ class ServerMetrics:
         """Set the cluster gauges from a ``stats_fn()`` result."""
         for g in (*self.node_gauges.values(), self.node_slot_usage):
             g.clear()
-        for g in (*self.cache_gauges.values(), self.cache_hit_rate, self.dropped_msgs):
+        for g in (*self.cache_gauges.values(), self.cache_hit_rate):
+            g.clear()
+        for g in (self.dropped_msgs, self.rejected_msgs):
             g.clear()
         for s in stats.nodes:
             self._set_node(s)
@@ -120,6 +138,8 @@ class ServerMetrics:
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats.nodes))
         self.transfer_count.set(sum(s.num_transfers for s in stats.nodes))
         self.coordinator_queue.set(stats.num_queued)
+        self.server_rejected_msgs.set(stats.num_rejected_msgs)
+        self.server_dropped_msgs.set(stats.num_dropped_msgs)
 
     def _set_node(self, s: NodeStatsMsg) -> None:
         labels = {"node": s.node_id, "role": s.role}
@@ -138,6 +158,7 @@ class ServerMetrics:
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
         self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
+        self.rejected_msgs.labels(node=s.node_id).set(s.num_rejected_msgs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
