@@ -52,6 +52,10 @@ _HEADER = struct.Struct(">B8sQQ")  # version, stream id, counter, timestamp (us)
 HEADER_BYTES = _HEADER.size  # 25
 TAG_BYTES = 16
 OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
+# Wide: a frame is judged when it is read, so one that waited in a socket's queue behind a long
+# stall of its reader (a first-use kernel compile) must still pass; and clocks of machines
+# differ. Replays inside the window are refused by the counters anyway.
+DEFAULT_MAX_AGE_S = 300.0
 
 
 def new_secret() -> bytes:
@@ -141,7 +145,7 @@ class Opener:
         self,
         secret: bytes,
         audience: str,
-        max_age_s: float = 60.0,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if max_age_s <= 0:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from transfer.auth import Opener, Sealer, reply_audience
+from transfer.auth import DEFAULT_MAX_AGE_S, Opener, Sealer, reply_audience
 from transfer.endpoint import parse_endpoint
 from transfer.messages import ControlMsg, decode_msg, encode_msg
 
@@ -42,7 +42,7 @@ class ControlPlane:
         host: str = "127.0.0.1",
         port: int = 0,
         max_queued: int = 10_000,
-        max_msg_age_s: float = 60.0,
+        max_msg_age_s: float = DEFAULT_MAX_AGE_S,
     ) -> None:
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)

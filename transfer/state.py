@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from transfer.auth import check_secret, new_secret
+from transfer.auth import DEFAULT_MAX_AGE_S, check_secret, new_secret
 from transfer.endpoint import check_host
 
 
@@ -41,7 +41,7 @@ class TransferConfig:
     # The cluster secret every control frame and pair rendezvous is authenticated with
     # (``auth.py``): every member must get the same one, through Ray, never on a command line.
     secret: bytes = field(default_factory=new_secret, repr=False)
-    max_msg_age_s: float = 60.0  # a frame stamped further than this from our clock is refused
+    max_msg_age_s: float = DEFAULT_MAX_AGE_S  # a frame stamped further from our clock is refused
 
     def __post_init__(self) -> None:
         check_host(self.host)
