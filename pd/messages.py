@@ -3,6 +3,8 @@
 ``SamplingParams`` travels inside them as it is (msgspec encodes the dataclass and re-runs its
 checks on decode). ``NodeInfo`` is what a node tells the launcher when it starts (through Ray);
 ``NodeStatsMsg`` is the one shape of a node's (or the colocated engine's) gauges and counters.
+Every frame they travel in is authenticated (``transfer.auth``); on top of that, an address a
+node would dial must be a ``tcp://host:port`` (checked on decode, so a bad one is dropped).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from pd.sampling_params import SamplingParams
+from transfer.endpoint import parse_endpoint
 
 
 class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
@@ -41,6 +44,10 @@ class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True):
     decode_node: str  # node id
     decode_addr: str  # the decode node's request socket (for PrefilledMsg)
     decode_transfer_addr: str  # the decode node's transfer control endpoint
+
+    def __post_init__(self) -> None:
+        parse_endpoint(self.decode_addr)
+        parse_endpoint(self.decode_transfer_addr)
 
 
 class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
@@ -108,6 +115,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
     num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
+    num_rejected_msgs: int = 0  # frames that failed authentication (forged, replayed, stale)
     num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
 
 
@@ -120,6 +128,10 @@ class NodeInfo(msgspec.Struct, frozen=True):
     transfer_addr: str  # its transfer control endpoint (ROUTER)
     num_slots: int
     max_model_len: int
+
+    def __post_init__(self) -> None:
+        parse_endpoint(self.addr)
+        parse_endpoint(self.transfer_addr)
 
 
 NodeMsg = PrefillReqMsg | DecodeReqMsg | LocalReqMsg | PrefilledMsg | AbortMsg

@@ -3,7 +3,8 @@
 A node owns an ``EngineCore`` (model runner, KV pool, prefix cache, its role's scheduler), a
 transfer agent over the pool, and two sockets: a PULL socket it binds (requests from the server,
 ``PrefilledMsg`` from prefill nodes) and a PUSH socket to the server (tokens, cache events,
-stats). ``start()`` runs its event loop on a thread of its own; one iteration reads
+stats). Every frame is sealed under the cluster secret (``transfer.auth``); what fails it is
+dropped and counted (``num_rejected_msgs`` in the node's stats). ``start()`` runs its event loop on a thread of its own; one iteration reads
 
     recv() -> commands -> core.step() -> on_step() (the role's) -> progress() -> publish()
 
@@ -29,12 +30,14 @@ import msgspec
 import torch
 import zmq
 
+from pd.cluster.addresses import node_addrs
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.request import Req
 from pd.engine.scheduler import Scheduler, StepResult
 from pd.messages import NodeInfo, NodeMsg, ServerMsg, TokenMsg
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
+from transfer.auth import Opener, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +46,12 @@ logger = logging.getLogger(__name__)
 class NodeConfig:
     node_id: str
     server_addr: str  # the server's PULL socket this node pushes to
-    host: str = "127.0.0.1"  # where this node's sockets bind; "auto": this machine's Ray IP
+    # where this node's sockets bind ("auto": this machine's Ray IP; see pd.cluster.addresses)
+    host: str = "127.0.0.1"
     stats_interval_s: float = 0.2
     idle_poll_ms: int = 5
     debug_checks: bool = False  # check_integrity() whenever the node goes idle
-    transfer: TransferConfig = field(default_factory=TransferConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # holds the cluster secret
 
 
 class BaseNode:
@@ -60,13 +64,10 @@ class BaseNode:
         node_cfg: NodeConfig,
         slot_owner: BaseSlotOwner | None = None,
     ) -> None:
-        if node_cfg.host == "auto":  # inside a Ray actor on a multi-machine cluster
-            import ray
-
-            ip = ray.util.get_node_ip_address()
-            node_cfg = dataclasses.replace(
-                node_cfg, host=ip, transfer=dataclasses.replace(node_cfg.transfer, host=ip)
-            )
+        addrs = node_addrs(node_cfg.host, _ray_node_ip)
+        node_cfg = dataclasses.replace(  # the transfer plane binds the address it advertises
+            node_cfg, transfer=dataclasses.replace(node_cfg.transfer, host=addrs.host)
+        )
         self.node_cfg = node_cfg
         self.node_id = node_cfg.node_id
         self.core = EngineCore(engine_cfg, node_cfg.node_id, self.scheduler_cls)
@@ -76,11 +77,13 @@ class BaseNode:
         )
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
-        port = self._pull.bind_to_random_port(f"tcp://{node_cfg.host}")
-        self.addr = f"tcp://{node_cfg.host}:{port}"
+        self.addr = addrs.endpoint(self._pull.bind_to_random_port(f"tcp://{addrs.bind_host}"))
+        secret = node_cfg.transfer.secret
+        self._opener = Opener(secret, self.addr, node_cfg.transfer.max_msg_age_s)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(node_cfg.server_addr)
-        self._peers: dict[str, zmq.Socket[Any]] = {}
+        self._server_sealer = Sealer(secret, node_cfg.server_addr)
+        self._peers: dict[str, tuple[zmq.Socket[Any], Sealer]] = {}
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
         self._encoder = msgspec.msgpack.Encoder()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = (
@@ -95,6 +98,11 @@ class BaseNode:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    @property
+    def num_rejected_msgs(self) -> int:
+        """Frames that failed authentication, on the request and transfer sockets."""
+        return self._opener.drops.total + self.transfer.num_rejected_msgs
 
     # -- called from the actor's thread -----------------------------------------------------
 
@@ -138,7 +146,7 @@ class BaseNode:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.transfer.close()
-        for sock in (self._pull, self._push, *self._peers.values()):
+        for sock in (self._pull, self._push, *(p[0] for p in self._peers.values())):
             sock.close(linger=0)
         self._ctx.term()
 
@@ -174,9 +182,11 @@ class BaseNode:
     def _recv(self) -> None:
         while True:
             try:
-                raw = self._pull.recv(zmq.NOBLOCK)
+                frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if (raw := self._opener.open(frame)) is None:
+                continue
             try:
                 msg = self._decoder.decode(raw)
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -207,7 +217,8 @@ class BaseNode:
             num_transferring=self._num_transferring(),
             num_dropped_msgs=self.num_bad_msgs + self.transfer.num_dropped_msgs,
         )
-        self.send_server(self.core.stats(self.role, counters))
+        stats = self.core.stats(self.role, counters)
+        self.send_server(msgspec.structs.replace(stats, num_rejected_msgs=self.num_rejected_msgs))
 
     # -- helpers for the roles --------------------------------------------------------------
 
@@ -228,14 +239,15 @@ class BaseNode:
             self.send_server(event)
 
     def send_server(self, msg: ServerMsg) -> None:
-        self._push.send(self._encoder.encode(msg))
+        self._push.send(self._server_sealer.seal(self._encoder.encode(msg)))
 
     def send_peer(self, addr: str, msg: Any) -> None:
-        sock = self._peers.get(addr)
-        if sock is None:
-            sock = self._peers[addr] = self._ctx.socket(zmq.PUSH)
+        peer = self._peers.get(addr)
+        if peer is None:
+            sock = self._ctx.socket(zmq.PUSH)
             sock.connect(addr)
-        sock.send(self._encoder.encode(msg))
+            peer = self._peers[addr] = (sock, Sealer(self.node_cfg.transfer.secret, addr))
+        peer[0].send(peer[1].seal(self._encoder.encode(msg)))
 
     def report(self, req: Req, new_tokens: list[int]) -> None:
         self.send_server(
@@ -303,3 +315,9 @@ class BaseNode:
     def _num_expected(self) -> int:
         """Requests the role knows of that its scheduler does not hold yet."""
         return 0
+
+
+def _ray_node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -31,6 +31,8 @@ class ClusterStats(NamedTuple):
 
     nodes: list[NodeStatsMsg]
     num_queued: int = 0
+    num_rejected_msgs: int = 0  # frames the server refused: failed authentication
+    num_dropped_msgs: int = 0  # authentic frames the server dropped: malformed or failed
 
 
 class EngineClient(Protocol):

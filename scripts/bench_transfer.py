@@ -55,7 +55,9 @@ def _checksum(pool: KVPool, slots: list[int]) -> float:
     return sum(float(t[idx].double().flatten(1).sum(1) @ w) for t in pool.k + pool.v)
 
 
-def _receiver(args: argparse.Namespace, scattered: bool, out: Any, cmd: Any) -> None:
+def _receiver(
+    args: argparse.Namespace, cfg: TransferConfig, scattered: bool, out: Any, cmd: Any
+) -> None:
     torch.set_num_threads(1)
     pool = _pool(args, None)
     alloc = SlotAllocator(pool.num_slots)
@@ -72,7 +74,6 @@ def _receiver(args: argparse.Namespace, scattered: bool, out: Any, cmd: Any) -> 
         return [free[i] for i in pick[:n].tolist()]
 
     owner = CallbackSlotOwner(allocate, alloc.free)
-    cfg = TransferConfig(backend=args.backend, timeout_s=60.0, connect_timeout_s=60.0)
     agent = TransferAgent(cfg, pool.k + pool.v, pool.num_layers, owner)
     out.put(agent.endpoint)
     for i in range(args.iters + 1):
@@ -123,11 +124,12 @@ def bench_transfer(
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out, cmd = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(args, scattered_dst, out, cmd))
+    # one config, so both ends hold the same cluster secret
+    cfg = TransferConfig(backend=args.backend, timeout_s=60.0, connect_timeout_s=60.0)
+    proc = ctx.Process(target=_receiver, args=(args, cfg, scattered_dst, out, cmd))
     proc.start()
     try:
         pool = _pool(args, seed=0)
-        cfg = TransferConfig(backend=args.backend, timeout_s=60.0, connect_timeout_s=60.0)
         agent = TransferAgent(cfg, pool.k + pool.v, pool.num_layers)
         endpoint = out.get(timeout=120)
         gen = torch.Generator().manual_seed(1)

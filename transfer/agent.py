@@ -15,6 +15,7 @@ import torch.distributed as dist
 from transfer.backend import BaseTransferBackend, FakeTransferBackend
 from transfer.control import ControlPlane
 from transfer.datapath import JobResult, KVLayout, PairWorker
+from transfer.endpoint import parse_endpoint
 from transfer.group import TorchPairGroup, host_store
 from transfer.messages import TransferRequestMsg
 from transfer.receiver import KVReceiver, ReceiverSide
@@ -53,7 +54,7 @@ class TransferAgent:
         self._incarnations = itertools.count()
         self._store: dist.TCPStore | None = None
         self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._ctrl = ControlPlane(cfg.host, cfg.port)
+        self._ctrl = ControlPlane(cfg.secret, cfg.host, cfg.port, max_msg_age_s=cfg.max_msg_age_s)
         self._sender = SenderSide(
             cfg, self._ctrl, self.layout, kind, self._new_send_worker, self._store_addr
         )
@@ -69,8 +70,13 @@ class TransferAgent:
 
     @property
     def num_dropped_msgs(self) -> int:
-        """Control frames dropped as malformed or undeliverable."""
+        """Authentic control frames dropped as malformed or undeliverable."""
         return self._ctrl.num_dropped
+
+    @property
+    def num_rejected_msgs(self) -> int:
+        """Control frames that failed authentication (forged, altered, replayed, stale)."""
+        return self._ctrl.num_rejected
 
     @property
     def num_pairs(self) -> int:
@@ -81,7 +87,9 @@ class TransferAgent:
         self, transfer_id: str, peer: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> KVSender:
         """Start a transfer of ``num_tokens`` tokens to the agent at ``peer``: the handshake
-        begins now, the data when ``send()`` has been called and the receiver is ready."""
+        begins now, the data when ``send()`` has been called and the receiver is ready.
+        ValueError if ``peer`` is not a ``tcp://host:port`` to dial."""
+        parse_endpoint(peer)
         rec = self._sender.create(transfer_id, peer, num_tokens, token_ids)
         return KVSender(self._sender, rec, self.progress)
 
@@ -162,6 +170,7 @@ class TransferAgent:
             rank=rank,
             timeout_s=self.cfg.connect_timeout_s,
             device=self._pair_device,
+            secret=self.cfg.secret,
             local_host=self.cfg.host,
             store=self._store if rank == 0 else None,
         )

@@ -1,13 +1,15 @@
 """Wire messages of the transfer control plane (msgspec Structs over zmq, never pickle).
 
 One tagged union, ``ControlMsg``, covers every frame either side may send; ``decode_msg``
-raises ``msgspec.ValidationError``/``msgspec.DecodeError`` on anything else, and the caller
-drops the frame and goes on.
+raises ``msgspec.ValidationError``/``msgspec.DecodeError`` on anything else (including a
+request naming a store no one could dial), and the caller drops the frame and goes on.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from transfer.endpoint import check_host
 
 
 class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True):
@@ -29,6 +31,15 @@ class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True):
     elems_per_token: int  # per layer, summed over the layer's buffers (K and V)
     dtype: str
     token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        check_host(self.store_host)
+        min_port = 0 if self.backend == "fake" else 1  # the fake backend has no store
+        if not min_port <= self.store_port <= 65535 or not 0 < len(self.group_prefix) <= 200:
+            raise ValueError(
+                f"bad pair group: store port {self.store_port}, "
+                f"prefix of {len(self.group_prefix)} chars"
+            )
 
 
 class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True):

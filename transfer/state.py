@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from transfer.auth import DEFAULT_MAX_AGE_S, check_secret, new_secret
+from transfer.endpoint import check_host
 
 
 class KVPoll(enum.IntEnum):
@@ -25,7 +28,9 @@ class KVPoll(enum.IntEnum):
 
 @dataclass(frozen=True)
 class TransferConfig:
-    host: str = "127.0.0.1"  # address this node's control socket and pair groups bind to
+    # the address this node's control socket, store and pair groups bind and advertise: one
+    # other machines can dial (never 0.0.0.0)
+    host: str = "127.0.0.1"
     port: int = 0  # control (ROUTER) port; 0 = a free one
     backend: str = "auto"  # auto (nccl for CUDA buffers, else gloo) | gloo | nccl | fake
     handshake_timeout_s: float = 10.0  # request -> ready, no-room retries included
@@ -33,11 +38,17 @@ class TransferConfig:
     timeout_s: float = 30.0  # sender: start -> ack; receiver: ready -> data scattered
     connect_timeout_s: float = 10.0  # pair group rendezvous
     linger_s: float = 60.0  # finished transfers stay pollable (by id) this long
+    # The cluster secret every control frame and pair rendezvous is authenticated with
+    # (``auth.py``): every member must get the same one, through Ray, never on a command line.
+    secret: bytes = field(default_factory=new_secret, repr=False)
+    max_msg_age_s: float = DEFAULT_MAX_AGE_S  # a frame stamped further from our clock is refused
 
     def __post_init__(self) -> None:
+        check_host(self.host)
+        check_secret(self.secret)
         if self.backend not in ("auto", "gloo", "nccl", "fake"):
             raise ValueError(f"backend must be auto, gloo, nccl or fake, got {self.backend!r}")
-        for name in ("handshake_timeout_s", "timeout_s", "connect_timeout_s"):
+        for name in ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_msg_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_interval_s < 0 or self.linger_s < 0:

@@ -4,6 +4,8 @@ For each request it asks the coordinator for a (prefill, decode) pair, tells the
 what to expect and the prefill node what to compute, then streams the ``TokenMsg``s both send
 back (the first token from the prefill node, the rest from the decode node). One PULL socket
 receives everything the nodes send: tokens, cache events (fed to the coordinator) and stats.
+Every frame either way is sealed under the cluster secret (``transfer.auth``); the reader drops
+and counts what fails it, what does not decode and what fails to apply, and never stops.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pd.messages import (
 )
 from pd.outputs import ClusterStats, RequestOutput
 from pd.sampling_params import SamplingParams
+from transfer.auth import Opener, Sealer
+from transfer.endpoint import parse_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class ClusterClient:
         coordinator: Coordinator,
         pull_addr: str,
         *,
+        secret: bytes,
         capacity_timeout_s: float = 300.0,
         ping: Callable[[str], Awaitable[Any]] | None = None,
         on_node_failed: Callable[[str], None] | None = None,
@@ -53,7 +58,11 @@ class ClusterClient:
         ping_timeout_s: float = 30.0,
     ) -> None:
         self.coordinator = coordinator
-        self.pull_addr = pull_addr
+        self.pull_addr = pull_addr  # what the PULL socket binds
+        self.addr = pull_addr  # what nodes push to (``listen_at``)
+        self._secret = secret
+        self._opener = Opener(secret, pull_addr)
+        self.num_bad_msgs = 0  # authentic, but malformed or failed to apply
         self.capacity_timeout_s = capacity_timeout_s
         self.nodes: dict[str, NodeInfo] = {}
         self.node_stats: dict[str, NodeStatsMsg] = {}
@@ -63,7 +72,7 @@ class ClusterClient:
         self._num_waiting = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
-        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._push: dict[str, tuple[zmq.asyncio.Socket, Sealer]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # liveness comes from the lifecycle plane (a Ray actor call answers even while the
@@ -77,6 +86,19 @@ class ClusterClient:
         self._decoder = msgspec.msgpack.Decoder(ServerMsg)
 
     # -- membership (the launcher calls these) ----------------------------------------------
+
+    def listen_at(self, pull_addr: str, addr: str) -> None:
+        """Bind the PULL socket at ``pull_addr`` (e.g. every interface) and tell nodes ``addr``
+        (routable). Only before ``start()``."""
+        assert self._pull is None, "the PULL socket is already bound"
+        parse_endpoint(addr)
+        self.pull_addr, self.addr = pull_addr, addr
+        self._opener = Opener(self._secret, addr)
+
+    @property
+    def num_rejected_msgs(self) -> int:
+        """Frames from nodes (or anyone else) that failed authentication."""
+        return self._opener.drops.total
 
     def add_node(self, info: NodeInfo) -> None:
         self.nodes[info.node_id] = info
@@ -96,9 +118,9 @@ class ClusterClient:
         self.coordinator.remove(node_id)
         self.nodes.pop(node_id, None)
         self.node_stats.pop(node_id, None)
-        sock = self._push.pop(node_id, None)
-        if sock is not None:
-            sock.close(linger=0)
+        push = self._push.pop(node_id, None)
+        if push is not None:
+            push[0].close(linger=0)
 
     # -- EngineClient -----------------------------------------------------------------------
 
@@ -186,7 +208,7 @@ class ClusterClient:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for sock in [*self._push.values(), *([self._pull] if self._pull else [])]:
+        for sock in [*(p[0] for p in self._push.values()), *([self._pull] if self._pull else [])]:
             sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
@@ -215,12 +237,14 @@ class ClusterClient:
             self._num_waiting -= 1
 
     def _send(self, node_id: str, msg: Any) -> None:
-        sock = self._push.get(node_id)
-        if sock is None:
+        push = self._push.get(node_id)
+        if push is None:
             assert self._ctx is not None
-            sock = self._push[node_id] = self._ctx.socket(zmq.PUSH)
-            sock.connect(self.nodes[node_id].addr)
-        sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+            addr = self.nodes[node_id].addr
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            push = self._push[node_id] = (sock, Sealer(self._secret, addr))
+        push[0].send(push[1].seal(self._encoder.encode(msg)), flags=zmq.NOBLOCK)
 
     def _abort_on_nodes(self, request_id: str, prefill: str, decode: str) -> None:
         for node_id in (prefill, decode):
@@ -231,22 +255,26 @@ class ClusterClient:
     async def _read_loop(self) -> None:
         assert self._pull is not None
         while True:
-            raw = await self._pull.recv()
-            try:
-                msg = self._decoder.decode(raw)
-            except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                logger.warning("dropped a malformed node message: %s", e)
+            frame = await self._pull.recv()
+            if (raw := self._opener.open(frame)) is None:
                 continue
-            if isinstance(msg, TokenMsg):
-                # the first token of a request comes from its prefill node (idempotent after)
-                self.coordinator.on_prefilled(msg.request_id)
-                queue = self._streams.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(msg)
-            elif isinstance(msg, CacheEventMsg):
-                self.coordinator.apply_event(msg)
-            elif isinstance(msg, NodeStatsMsg):
-                self.node_stats[msg.node_id] = msg
+            try:
+                self._on_msg(self._decoder.decode(raw))
+            except Exception as e:  # one bad message must never stop the reader
+                self.num_bad_msgs += 1
+                logger.warning("dropped a node message (%d so far): %r", self.num_bad_msgs, e)
+
+    def _on_msg(self, msg: ServerMsg) -> None:
+        if isinstance(msg, TokenMsg):
+            # the first token of a request comes from its prefill node (idempotent after)
+            self.coordinator.on_prefilled(msg.request_id)
+            queue = self._streams.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, CacheEventMsg):
+            self.coordinator.apply_event(msg)
+        elif isinstance(msg, NodeStatsMsg):
+            self.node_stats[msg.node_id] = msg
 
     async def _watch_nodes(self) -> None:
         assert self._ping is not None
@@ -281,4 +309,9 @@ class ClusterClient:
 
     def stats(self) -> ClusterStats:
         """What GET /metrics shows: every node's latest stats and the requests waiting."""
-        return ClusterStats(list(self.node_stats.values()), self._num_waiting)
+        return ClusterStats(
+            list(self.node_stats.values()),
+            self._num_waiting,
+            num_rejected_msgs=self.num_rejected_msgs,
+            num_dropped_msgs=self.num_bad_msgs,
+        )

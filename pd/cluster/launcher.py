@@ -3,7 +3,9 @@
 Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling); requests, tokens, cache
 events and transfer handshakes never go through Ray. Locally (``address=None``) a Ray instance
 is started with the nodes as CPU actors; with ``address="auto"`` (or a Ray address) the nodes
-join an existing cluster, one GPU each.
+join an existing cluster, one GPU each. The launcher makes the cluster's secret, which every
+zmq frame and pair rendezvous is authenticated with, and hands it to the client and (through
+Ray, inside ``TransferConfig``) to every node; it never goes on a command line or into a log.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from typing import Any
 import ray
 
 from pd import envs
+from pd.cluster.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.cluster.client import ClusterClient
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, CoordinatorConfig
 from pd.messages import NodeInfo
 from pd.node import NodeConfig
+from transfer import TransferConfig
+from transfer.auth import new_secret
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,9 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     address: str | None = None  # None: start a local Ray instance; "auto": join a running one
-    host: str = "127.0.0.1"  # where the server's PULL socket binds (the head's IP on a cluster)
+    # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
+    # (this machine's Ray IP); nodes are always told a routable one (pd.cluster.addresses)
+    host: str = "127.0.0.1"
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
     ready_timeout_s: float = 300.0
     replace_dead_nodes: bool = True  # start a new node of the same role when one dies
@@ -60,9 +67,11 @@ class Cluster:
         self.engine_cfg = engine_cfg
         self.cfg = cfg
         self.coordinator_cfg = dataclasses.replace(coordinator, page_size=engine_cfg.page_size)
+        self._secret = new_secret()
         self.client = ClusterClient(
             Coordinator(self.coordinator_cfg),
-            f"tcp://{cfg.host}:{_free_port(cfg.host)}",
+            "tcp://127.0.0.1:0",  # replaced in start(), once Ray tells this machine's IP
+            secret=self._secret,
             ping=self._ping,
             on_node_failed=self._on_node_failed,
         )
@@ -88,10 +97,10 @@ class Cluster:
             else:
                 ray.init(address=self.cfg.address)
         self._on_gpu = self.cfg.address is not None and ray.cluster_resources().get("GPU", 0) > 0
-        if self.cfg.address is not None and self.cfg.host in ("127.0.0.1", "localhost"):
-            # nodes on other machines must reach the server: bind on this machine's cluster IP
-            host = ray.util.get_node_ip_address()
-            self.client.pull_addr = f"tcp://{host}:{_free_port(host)}"
+        node_ip = cluster_node_ip(self.cfg.address is None, ray.util.get_node_ip_address())
+        addrs = choose_addrs(self.cfg.host, node_ip)
+        port = _free_port(addrs.bind_host)
+        self.client.listen_at(addrs.bind(port), addrs.endpoint(port))
         refs = [self._spawn("prefill") for _ in range(self.cfg.num_prefill)]
         refs += [self._spawn("decode") for _ in range(self.cfg.num_decode)]
         for info in ray.get(refs, timeout=self.cfg.ready_timeout_s):
@@ -175,12 +184,12 @@ class Cluster:
         options: dict[str, Any] = {"name": None, "max_concurrency": 4}
         options.update({"num_gpus": 1, "num_cpus": 1} if self._on_gpu else {"num_cpus": 0})
         engine_cfg = dataclasses.replace(self.engine_cfg, num_threads=self._threads())
-        host = self.cfg.host if self.cfg.address is None else "auto"  # the actor's own IP
         node_cfg = NodeConfig(
             node_id=node_id,
-            server_addr=self.client.pull_addr,
-            host=host,
+            server_addr=self.client.addr,
+            host=node_bind_host(self.cfg.address is None),
             debug_checks=envs.PD_DEBUG,
+            transfer=TransferConfig(secret=self._secret),
         )
         actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
         handle = actor.remote(engine_cfg, node_cfg)

@@ -19,6 +19,15 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _NODE_FIELDS = ("queue_depth", "running", "slots_used", "slots_total")
 _CACHE_FIELDS = ("cache_hit_tokens", "prompt_tokens")
+# NodeStatsMsg field -> (metric name after pd_node_, help)
+_NODE_COUNTERS = {
+    "num_dropped_msgs": ("dropped_messages", "malformed messages dropped by its sockets"),
+    "num_rejected_msgs": (
+        "rejected_messages",
+        "frames its sockets refused (failed authentication)",
+    ),
+    "num_retracted": ("retractions", "running requests retracted for want of KV slots"),
+}
 
 
 class ServerMetrics:
@@ -71,16 +80,19 @@ class ServerMetrics:
             "pd_transfer_seconds", "KV transfer time, cumulative.", registry=r
         )
         self.transfer_count = Gauge("pd_transfer_count", "KV transfers, cumulative.", registry=r)
-        self.dropped_msgs = Gauge(
-            "pd_node_dropped_messages",
-            "Per node, cumulative: malformed messages dropped by its sockets.",
-            ["node"],
+        # per node, cumulative counters of what went wrong (or was worked around) there
+        self.node_counters = {
+            attr: Gauge(f"pd_node_{name}", f"Per node, cumulative: {help_}.", ["node"], registry=r)
+            for attr, (name, help_) in _NODE_COUNTERS.items()
+        }
+        self.server_rejected_msgs = Gauge(
+            "pd_server_rejected_messages",
+            "Frames the server's socket refused (failed authentication), cumulative.",
             registry=r,
         )
-        self.retracted = Gauge(
-            "pd_node_retractions",
-            "Per node, cumulative: running requests retracted for want of KV slots.",
-            ["node"],
+        self.server_dropped_msgs = Gauge(
+            "pd_server_dropped_messages",
+            "Authentic node messages the server dropped (malformed or failed), cumulative.",
             registry=r,
         )
         self.coordinator_queue = Gauge(
@@ -118,12 +130,7 @@ class ServerMetrics:
         """Set the cluster gauges from a ``stats_fn()`` result."""
         for g in (*self.node_gauges.values(), self.node_slot_usage):
             g.clear()
-        for g in (
-            *self.cache_gauges.values(),
-            self.cache_hit_rate,
-            self.dropped_msgs,
-            self.retracted,
-        ):
+        for g in (*self.cache_gauges.values(), self.cache_hit_rate, *self.node_counters.values()):
             g.clear()
         for s in stats.nodes:
             self._set_node(s)
@@ -131,6 +138,8 @@ class ServerMetrics:
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats.nodes))
         self.transfer_count.set(sum(s.num_transfers for s in stats.nodes))
         self.coordinator_queue.set(stats.num_queued)
+        self.server_rejected_msgs.set(stats.num_rejected_msgs)
+        self.server_dropped_msgs.set(stats.num_dropped_msgs)
 
     def _set_node(self, s: NodeStatsMsg) -> None:
         labels = {"node": s.node_id, "role": s.role}
@@ -148,8 +157,8 @@ class ServerMetrics:
         self.cache_gauges["cache_hit_tokens"].labels(node=s.node_id).set(s.num_hit_tokens)
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
-        self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
-        self.retracted.labels(node=s.node_id).set(s.num_retracted)
+        for attr, gauge in self.node_counters.items():
+            gauge.labels(node=s.node_id).set(getattr(s, attr))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

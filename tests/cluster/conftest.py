@@ -39,7 +39,11 @@ def _free_port() -> int:
 
 
 def start_live_cluster(
-    num_prefill: int, num_decode: int, policy: str = "cache_aware", page_size: int = 1
+    num_prefill: int,
+    num_decode: int,
+    policy: str = "cache_aware",
+    page_size: int = 1,
+    host: str = "127.0.0.1",
 ) -> tuple[LiveCluster, object]:
     import uvicorn
 
@@ -51,7 +55,9 @@ def start_live_cluster(
     engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48, page_size=page_size)
     cluster = Cluster(
         engine_cfg,
-        ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, threads_per_node=1),
+        ClusterConfig(
+            num_prefill=num_prefill, num_decode=num_decode, host=host, threads_per_node=1
+        ),
         CoordinatorConfig(policy=policy),
     )
     cluster.start()

@@ -28,38 +28,51 @@ from pd.node import BaseNode, NodeConfig
 from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from transfer import TransferConfig
+from transfer.auth import Opener, Sealer, new_secret
 
 pytestmark = pytest.mark.timeout(90)  # fixtures load models; each test runs in ~0.1 s
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 300 + i, 42, 9, 1000 + 7 * i, 77] * 3 for i in range(3)]
+SECRET = new_secret()
 
 
 @dataclass
 class Server:
-    """The server's side of the sockets: a PULL for what nodes send, PUSHes to nodes."""
+    """The server's side of the sockets: a PULL for what nodes send, PUSHes to nodes; every
+    frame sealed under ``SECRET``, as the ``ClusterClient`` does."""
 
     ctx: zmq.Context[Any]
     pull: zmq.Socket[Any]
     addr: str
-    push: dict[str, zmq.Socket[Any]] = field(default_factory=dict)
+    push: dict[str, tuple[zmq.Socket[Any], Sealer]] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, TokenMsg] = field(default_factory=dict)
     events: list[CacheEventMsg] = field(default_factory=list)
     stats: dict[str, NodeStatsMsg] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.opener = Opener(SECRET, self.addr)
+
     def send(self, node: BaseNode, msg: Any) -> None:
+        self.send_raw(node, msgspec.msgpack.encode(msg))
+
+    def send_raw(self, node: BaseNode, payload: bytes) -> None:
         if node.addr not in self.push:
-            self.push[node.addr] = self.ctx.socket(zmq.PUSH)
-            self.push[node.addr].connect(node.addr)
-        self.push[node.addr].send(msgspec.msgpack.encode(msg))
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(node.addr)
+            self.push[node.addr] = (sock, Sealer(SECRET, node.addr))
+        sock, sealer = self.push[node.addr]
+        sock.send(sealer.seal(payload))
 
     def drain(self) -> None:
         decoder = msgspec.msgpack.Decoder(ServerMsg)
         while True:
             try:
-                msg = decoder.decode(self.pull.recv(zmq.NOBLOCK))
+                raw = self.opener.open(self.pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            assert raw is not None, self.opener.drops
+            msg = decoder.decode(raw)
             if isinstance(msg, TokenMsg):
                 self.tokens.setdefault(msg.request_id, []).extend(msg.token_ids)
                 if msg.finished:
@@ -87,11 +100,11 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def nodes(engine_cfg: EngineConfig, server: Server) -> Iterator[tuple[PrefillNode, DecodeNode]]:
-    fake = TransferConfig(backend="fake", timeout_s=5.0, handshake_timeout_s=5.0)
+    fake = TransferConfig(backend="fake", timeout_s=5.0, handshake_timeout_s=5.0, secret=SECRET)
     p = PrefillNode(engine_cfg, NodeConfig("prefill-0", server.addr, transfer=fake))
     d = DecodeNode(engine_cfg, NodeConfig("decode-0", server.addr, transfer=fake))
     yield p, d
-    for sock in server.push.values():
+    for sock, _ in server.push.values():
         sock.close(linger=0)
     server.push.clear()
     p.shutdown()
@@ -169,11 +182,8 @@ def test_abort_frees_both_nodes(server, nodes, when: str) -> None:
 def test_malformed_messages_are_counted_and_dropped(server, nodes) -> None:
     p, d = nodes
     before = p.num_bad_msgs
-    sock = server.ctx.socket(zmq.PUSH)
-    sock.connect(p.addr)
-    sock.send(b"\x00garbage")
-    sock.send(msgspec.msgpack.encode({"type": "prefill_req", "request_id": 5}))
-    sock.close(linger=1000)
+    server.send_raw(p, b"\x00garbage")  # authentic frames, malformed messages
+    server.send_raw(p, msgspec.msgpack.encode({"type": "prefill_req", "request_id": 5}))
     _run_until(server, nodes, lambda: p.num_bad_msgs == before + 2, max_iters=2000)
     _send_request(server, p, d, "after-garbage", PROMPTS[2])
     _run_until(server, nodes, lambda: "after-garbage" in server.finished)

@@ -18,6 +18,7 @@ from tests.transfer.helpers import (
     run_until,
 )
 from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.auth import Sealer
 from transfer.messages import TransferDoneMsg, TransferStartMsg, encode_msg
 
 pytestmark = pytest.mark.timeout(30)
@@ -219,18 +220,19 @@ def test_malformed_control_messages_are_dropped_and_the_loop_goes_on(pair) -> No
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(r.endpoint)
+    sealer = Sealer(r.cfg.secret, r.endpoint)  # authentic frames, malformed messages
     try:
-        sock.send(b"\xc1 not msgpack")
-        sock.send(encode_msg(TransferDoneMsg("x"))[:-1])  # truncated
-        sock.send(b"\x82\xa4type\xa8no_room!\xa3xid\x01")  # unknown tag
+        sock.send(sealer.seal(b"\xc1 not msgpack"))
+        sock.send(sealer.seal(encode_msg(TransferDoneMsg("x"))[:-1]))  # truncated
+        sock.send(sealer.seal(b"\x82\xa4type\xa8no_room!\xa3xid\x01"))  # unknown tag
         sock.send_multipart([b"a", b"b"])  # wrong frame count
-        sock.send(encode_msg(TransferStartMsg("ghost", 0, "no/such/group")))  # valid, unknown
+        sock.send(sealer.seal(encode_msg(TransferStartMsg("ghost", 0, "no/such/group"))))
         assert run_until(lambda: r.num_dropped_msgs >= 4, [r], 5)
         snd = s.sender("t", r.endpoint, 3)
         snd.send([4, 5, 6])
         assert run_until(lambda: snd.poll().is_final, [s, r], 5)
         assert snd.poll() == KVPoll.SUCCESS, snd.failure
-        assert r.num_dropped_msgs == 4
+        assert (r.num_dropped_msgs, r.num_rejected_msgs) == (4, 0)
     finally:
         sock.close()
 

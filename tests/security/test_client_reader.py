@@ -1,0 +1,61 @@
+"""The server's reader drops, counts and goes on past anything: frames that fail the seal and
+authentic messages that do not decode or fail to apply."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import msgspec
+import pytest
+import zmq
+
+from pd.cluster.client import ClusterClient
+from pd.coordinator import Coordinator, CoordinatorConfig
+from pd.messages import CacheEventMsg, NodeInfo, NodeStatsMsg
+from transfer.auth import Sealer, new_secret
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _scenario() -> None:
+    secret = new_secret()
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    client = ClusterClient(Coordinator(CoordinatorConfig()), addr, secret=secret)
+    await client.start()
+    client.add_node(
+        NodeInfo("prefill-0", "prefill", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 64, 64)
+    )
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(client.addr)
+    sealer = Sealer(secret, client.addr)
+    enc = msgspec.msgpack.encode
+    try:
+        push.send(b"not sealed")
+        push.send(sealer.seal(b"\xc1 sealed, not msgpack"))
+        push.send(sealer.seal(enc(CacheEventMsg("prefill-0", 0, "bogus", "", [1]))))  # raises
+        push.send(sealer.seal(enc(CacheEventMsg("decode-9", 0, "reset", "", []))))  # unknown
+        push.send(sealer.seal(enc(NodeStatsMsg("prefill-0", "prefill", *[0] * 12))))
+        for _ in range(500):
+            if "prefill-0" in client.node_stats:
+                break
+            await asyncio.sleep(0.01)
+        assert "prefill-0" in client.node_stats  # the reader is alive after all of them
+        assert (client.num_rejected_msgs, client.num_bad_msgs) == (1, 2)
+        stats = client.stats()
+        assert (stats.num_rejected_msgs, stats.num_dropped_msgs) == (1, 2)
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        await client.close()
+
+
+def test_the_reader_survives_bad_frames_and_bad_messages() -> None:
+    asyncio.run(_scenario())

@@ -1,0 +1,209 @@
+"""A process without the cluster secret sends to every socket of a running cluster (the
+server's PULL, each node's PULL and transfer ROUTER) while requests are in flight.
+
+The cluster is the real ``ClusterClient`` and a ``PrefillNode`` + ``DecodeNode`` on their own
+loop threads, in this process, over the fake transfer backend and a tiny model (no Ray). The
+decode node is held mid-decode while the stranger sends, so every request is in flight then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import pytest
+
+from decode.node import DecodeNode
+from pd.cluster.client import ClusterClient
+from pd.config import EngineConfig
+from pd.coordinator import Coordinator, CoordinatorConfig
+from pd.engine.engine import Engine
+from pd.messages import (
+    AbortMsg,
+    CacheEventMsg,
+    NodeStatsMsg,
+    PrefilledMsg,
+    TokenMsg,
+)
+from pd.node import NodeConfig
+from pd.sampling_params import SamplingParams
+from pd.server.metrics import ServerMetrics
+from prefill.node import PrefillNode
+from tests.security.helpers import capture, random_frames, run_stranger, unsigned
+from transfer import TransferConfig
+from transfer.auth import new_secret, reply_audience
+from transfer.messages import TransferReadyMsg, TransferRequestMsg
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = new_secret()
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5 + i, 17, 300 + i, 42, 9, 1000 + 7 * i, 77] * 3 for i in range(3)]
+
+
+class DecodeGate:
+    """Holds the decode node's forward passes while ``closed`` (requests stay in flight)."""
+
+    def __init__(self, node: DecodeNode) -> None:
+        self.closed = False
+        self.is_held = threading.Event()
+        self._open = threading.Event()
+        run = node.core.runner.run
+
+        def gated_run(reqs: Any, seqs: Any) -> Any:
+            if self.closed:
+                self.is_held.set()
+                self._open.wait(60)
+            return run(reqs, seqs)
+
+        node.core.runner.run = gated_run  # type: ignore[method-assign]
+
+    def open(self) -> None:
+        self.closed = False
+        self._open.set()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prefill_req_with_bad_addr(rid: str, prompt: list[int]) -> str:
+    """What ``PrefillReqMsg`` refuses to build: a transfer address no one can dial."""
+    sampling = {"max_tokens": 4, "temperature": 0.0}
+    return unsigned(
+        {"type": "prefill_req", "request_id": rid, "prompt_ids": prompt, "sampling": sampling,
+         "namespace": "", "decode_node": "decode-0", "decode_addr": "tcp://127.0.0.1:1",
+         "decode_transfer_addr": "tcp://0.0.0.0:0"}
+    )  # fmt: skip
+
+
+async def _wait(pred: Any, timeout_s: float, what: str) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def engine_cfg(tiny_llama_dir) -> EngineConfig:
+    return EngineConfig(model=str(tiny_llama_dir), max_total_tokens=512, page_size=4)
+
+
+def test_hostile_frames_reach_no_handler_and_requests_in_flight_finish(
+    engine_cfg: EngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = [r.token_ids for r in Engine(engine_cfg).generate(PROMPTS, GREEDY)]
+    asyncio.run(_scenario(engine_cfg, reference, capture(monkeypatch)))
+
+
+async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captured: Any) -> None:
+    client = ClusterClient(
+        Coordinator(CoordinatorConfig(page_size=4)),
+        f"tcp://127.0.0.1:{_free_port()}",
+        secret=SECRET,
+    )
+    await client.start()
+    fake = TransferConfig(backend="fake", timeout_s=30.0, handshake_timeout_s=30.0, secret=SECRET)
+    p = PrefillNode(engine_cfg, NodeConfig("prefill-0", client.addr, transfer=fake))
+    d = DecodeNode(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake))
+    gate = DecodeGate(d)
+    try:
+        client.add_node(p.start())
+        client.add_node(d.start())
+        outputs: dict[str, list[int]] = {}
+
+        async def run(rid: str, prompt: list[int]) -> None:
+            async for out in client.generate(rid, prompt, GREEDY):
+                outputs.setdefault(rid, []).extend(out.new_token_ids)
+
+        tasks = [asyncio.create_task(run(f"r{i}", pr)) for i, pr in enumerate(PROMPTS)]
+        await _wait(lambda: all(len(outputs.get(f"r{i}", [])) >= 2 for i in range(3)), 60,
+                    "every request decoding")  # fmt: skip
+        gate.closed = True
+        await _wait(gate.is_held.is_set, 30, "the decode node held mid-request")
+
+        p_ctrl, d_ctrl = p.transfer.endpoint, d.transfer.endpoint
+        forged_request = TransferRequestMsg("r0", 3, "127.0.0.1", 9, "kvx/x/0", "fake", 3, 1, "f")
+        plan = {
+            client.addr: random_frames(3, seed=1)
+            + [
+                unsigned(TokenMsg("r0", [7], True, "stop", 21, 0)),  # would end r0 early
+                unsigned(CacheEventMsg("prefill-0", 10**6, "reset", "", [])),
+                unsigned(NodeStatsMsg("prefill-0", "prefill", *[0] * 12)),
+                captured.first(client.addr),  # a node's real frame, replayed
+            ],
+            p.addr: random_frames(2, seed=2)
+            + [
+                _prefill_req_with_bad_addr("evil", PROMPTS[0]),
+                unsigned(AbortMsg("r0")),
+                captured.first(p.addr),  # the server's PrefillReqMsg of r0, replayed
+            ],
+            d.addr: random_frames(2, seed=3)
+            + [
+                unsigned(AbortMsg("r1")),
+                unsigned(PrefilledMsg("r2", 5, 0)),
+                captured.first(d.addr),  # the server's DecodeReqMsg of r0, replayed
+                captured.first(p.addr),  # sealed for the prefill node: not for this socket
+            ],
+        }
+        ctrl_plan = {
+            d_ctrl: random_frames(2, seed=4)
+            + [
+                unsigned(forged_request),
+                captured.first(d_ctrl),  # the prefill node's TransferRequestMsg, replayed
+            ],
+            p_ctrl: random_frames(2, seed=5)
+            + [
+                unsigned(TransferReadyMsg("r0", [1, 2, 3])),
+                captured.first(reply_audience(d_ctrl)),  # a reply of d's, sent to p's ROUTER
+            ],
+        }
+        actions = [{"push": a, "frames": f} for a, f in plan.items()]
+        actions += [{"dealer": a, "frames": f} for a, f in ctrl_plan.items()]
+        await asyncio.to_thread(run_stranger, actions)
+
+        await _wait(lambda: client.num_rejected_msgs == len(plan[client.addr]), 30, "the server")
+        await _wait(lambda: p._opener.drops.total == len(plan[p.addr]), 30, "the prefill node")
+        gate.open()
+        want_d = len(plan[d.addr]) + len(ctrl_plan[d_ctrl])
+        await _wait(lambda: d.num_rejected_msgs == want_d, 30, "the decode node")
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        # a prefill node reads its transfer socket only while it sends: one more request
+        await asyncio.wait_for(run("after", PROMPTS[0]), 60)
+        want_p = len(plan[p.addr]) + len(ctrl_plan[p_ctrl])
+        await _wait(lambda: p.num_rejected_msgs == want_p, 30, "the prefill node's transfer port")
+
+        assert [outputs[f"r{i}"] for i in range(3)] + [outputs["after"]] == reference + [
+            reference[0]
+        ]
+        # refused at the seal: none decoded, none applied
+        assert (client.num_rejected_msgs, p.num_rejected_msgs, d.num_rejected_msgs) == (
+            7, want_p, want_d
+        )  # fmt: skip
+        assert client._opener.drops.num_replayed == 1
+        assert p._opener.drops.num_replayed == 1 and d._opener.drops.num_replayed == 1
+        assert client.num_bad_msgs == p.num_bad_msgs == d.num_bad_msgs == 0
+        assert p.transfer.num_dropped_msgs == d.transfer.num_dropped_msgs == 0
+        assert client.coordinator.index("prefill-0").num_cached_tokens > 0  # no forged reset
+        await _wait(lambda: client.node_stats["decode-0"].num_rejected_msgs == want_d, 10,
+                    "the decode node's stats")  # fmt: skip
+        await _wait(lambda: client.node_stats["prefill-0"].num_rejected_msgs == want_p, 10,
+                    "the prefill node's stats")  # fmt: skip
+        metrics = ServerMetrics()
+        metrics.update_stats(client.stats())
+        text = metrics.render().decode()
+        assert "pd_server_rejected_messages 7.0" in text
+        assert f'pd_node_rejected_messages{{node="decode-0"}} {float(want_d)}' in text
+        for node in (p, d):
+            report = node.check_integrity()
+            assert report["unfinished"] == 0 and report["in_use"] == 0, (node.node_id, report)
+    finally:
+        gate.open()
+        await client.close()
+        p.shutdown()
+        d.shutdown()
