@@ -52,11 +52,11 @@ class DecodeGate:
         self._open = threading.Event()
         run = node.core.runner.run
 
-        def gated_run(reqs: Any, seqs: Any) -> Any:
+        def gated_run(*args: Any) -> Any:
             if self.closed:
                 self.is_held.set()
                 self._open.wait(60)
-            return run(reqs, seqs)
+            return run(*args)
 
         node.core.runner.run = gated_run  # type: ignore[method-assign]
 
