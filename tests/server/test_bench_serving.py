@@ -28,6 +28,14 @@ def _load_bench() -> Any:
     return module
 
 
+def _run_bench(app: Any, tmp_path: Path, argv: list[str], url_suffix: str = "") -> Any:
+    """bench_serving.main(argv) against ``app``; its JSON summary."""
+    out = tmp_path / "bench.json"
+    with serve(app) as url:
+        assert _load_bench().main(["--url", url + url_suffix, *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("workload", ["shared-prefix", "fixed"])
 def test_bench_serving_reports_latency_throughput_and_cache_hits(
@@ -36,18 +44,13 @@ def test_bench_serving_reports_latency_throughput_and_cache_hits(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    bench = _load_bench()
     app, fake = make_app(num_cached_tokens=5, tokens_per_step=1, delay_s=0.002)
-    out = tmp_path / "bench.json"
-    with serve(app) as url:
-        argv = [
-            "--url", f"{url}/v1", "--workload", workload, "--num-groups", "2",
-            "--prompts-per-group", "3", "--num-prompts", "4", "--prefix-len", "20",
-            "--suffix-len", "5", "--max-tokens", "8", "--max-concurrency", "3",
-            "--label", "t", "--json", str(out),
-        ]  # fmt: skip
-        assert bench.main(argv) == 0
-    summary = json.loads(out.read_text())
+    argv = [
+        "--workload", workload, "--num-groups", "2", "--prompts-per-group", "3",
+        "--num-prompts", "4", "--prefix-len", "20", "--suffix-len", "5", "--max-tokens", "8",
+        "--max-concurrency", "3", "--label", "t",
+    ]  # fmt: skip
+    summary = _run_bench(app, tmp_path, argv, url_suffix="/v1")
     num = 6 if workload == "shared-prefix" else 4
     assert (summary["num_requests"], summary["num_failed"]) == (num, 0)
     assert summary["output_tokens"] == 8 * num  # the fake's script is longer than max_tokens
@@ -71,17 +74,12 @@ def test_bench_serving_reports_latency_throughput_and_cache_hits(
 def test_cached_prefix_warms_up_then_sends_prefix_plus_fresh_ids(
     make_app: Callable[..., tuple[Any, FakeEngineClient]], tmp_path: Path
 ) -> None:
-    bench = _load_bench()
     app, fake = make_app(num_cached_tokens=32, tokens_per_step=1, delay_s=0.002)
-    out = tmp_path / "bench.json"
-    with serve(app) as url:
-        argv = [
-            "--url", url, "--workload", "cached-prefix", "--num-prompts", "3",
-            "--prefix-len", "32", "--suffix-len", "4", "--max-tokens", "2",
-            "--max-concurrency", "8", "--json", str(out),
-        ]  # fmt: skip
-        assert bench.main(argv) == 0
-    summary = json.loads(out.read_text())
+    argv = [
+        "--workload", "cached-prefix", "--num-prompts", "3", "--prefix-len", "32",
+        "--suffix-len", "4", "--max-tokens", "2", "--max-concurrency", "8",
+    ]  # fmt: skip
+    summary = _run_bench(app, tmp_path, argv)
     prompts = [p for _, p, _ in fake.requests]
     assert len(prompts) == 4  # the warm-up + 3 measured
     assert all(len(p) == 36 and p[:32] == prompts[0][:32] for p in prompts)
@@ -129,17 +127,12 @@ def test_chat_workload_streams_chat_completions(
     tokenizer: Any,
     tmp_path: Path,
 ) -> None:
-    bench = _load_bench()
     app, fake = make_app(num_cached_tokens=0, tokens_per_step=1, delay_s=0.002)
-    out = tmp_path / "chat.json"
-    with serve(app) as url:
-        argv = [
-            "--url", url, "--workload", "chat", "--num-groups", "2", "--prompts-per-group", "3",
-            "--prefix-len", "40", "--max-tokens", "6", "--max-concurrency", "2",
-            "--json", str(out),
-        ]  # fmt: skip
-        assert bench.main(argv) == 0
-    summary = json.loads(out.read_text())
+    argv = [
+        "--workload", "chat", "--num-groups", "2", "--prompts-per-group", "3",
+        "--prefix-len", "40", "--max-tokens", "6", "--max-concurrency", "2",
+    ]  # fmt: skip
+    summary = _run_bench(app, tmp_path, argv)
     assert (summary["num_requests"], summary["num_failed"]) == (6, 0)
     assert summary["output_tokens"] == 6 * 6
     prompts = [tokenizer.decode(p) for _, p, _ in fake.requests]
@@ -165,7 +158,6 @@ def test_trace_replay_sends_block_prompts_at_their_times(
 
     from pd.server import ServerMetrics, build_app
 
-    bench = _load_bench()
     fake = FakeEngineClient(script_ids, eos_token_id=tokenizer.eos_token_id, delay_s=0.002)
     app = build_app(
         fake, tokenizer=tokenizer, model_name="m", max_model_len=4096, metrics=ServerMetrics()
@@ -177,14 +169,12 @@ def test_trace_replay_sends_block_prompts_at_their_times(
     ]
     path = tmp_path / "trace.jsonl"
     write_trace(path, trace)
-    out, plots = tmp_path / "trace.json", tmp_path / "plots"
-    with serve(app) as url:
-        argv = [
-            "--url", url, "--workload", "trace", "--trace", str(path), "--time-scale", "0.05",
-            "--slo-ttft", "5", "--slo-tpot", "1", "--plot-dir", str(plots), "--json", str(out),
-        ]  # fmt: skip
-        assert bench.main(argv) == 0
-    summary = json.loads(out.read_text())
+    plots = tmp_path / "plots"
+    argv = [
+        "--workload", "trace", "--trace", str(path), "--time-scale", "0.05",
+        "--slo-ttft", "5", "--slo-tpot", "1", "--plot-dir", str(plots),
+    ]  # fmt: skip
+    summary = _run_bench(app, tmp_path, argv)
     assert (summary["num_requests"], summary["num_failed"]) == (3, 0)
     assert summary["duration_s"] >= 0.3  # the last arrives (7000 - 1000) ms × 0.05 after start
     sent = sorted(fake.requests, key=lambda r: len(r[1]))
