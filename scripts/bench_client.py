@@ -29,9 +29,10 @@ class Result:
 
 
 def request_body(args: argparse.Namespace, req: Request) -> dict[str, Any]:
+    max_tokens = req.max_tokens or args.max_tokens
     body: dict[str, Any] = {
         "model": args.model,
-        "max_tokens": req.max_tokens or args.max_tokens,
+        "max_tokens": max_tokens,
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -40,8 +41,9 @@ def request_body(args: argparse.Namespace, req: Request) -> dict[str, Any]:
         body["messages"] = req.messages
     else:
         body["prompt"] = req.prompt
-    if args.ignore_eos:
-        body["ignore_eos"] = True  # vLLM/SGLang/pd extension: every request runs max_tokens
+    if args.ignore_eos:  # every request runs max_tokens
+        body["ignore_eos"] = True  # vLLM/SGLang/pd
+        body["min_tokens"] = max_tokens  # llama-cpp-python (and vLLM): no EOS before this
     return body
 
 
