@@ -202,6 +202,7 @@ def write_plots(rows: list[tuple[str, dict[str, Any]]], plot_dir: str | Path) ->
         fractions = [(i + 1) / s["num_requests"] for i in range(len(ttfts))]
         ax.step(ttfts, fractions, where="post", label=label)
     ax.axvline(c["slo_ttft"], color="grey", linestyle="--", label="TTFT objective")
+    ax.set_xscale("log")  # runs may differ by orders of magnitude
     ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", ylim=(0, 1.02), title="TTFT CDF")
     ax.legend()
     fig.tight_layout()
