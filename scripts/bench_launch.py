@@ -1,8 +1,10 @@
-"""Start ``pd serve`` as a subprocess for one benchmark run, then stop it and everything it spawned.
+"""Start a server as a subprocess for one benchmark run, then stop it and everything it spawned.
 
-Used by ``bench_serving.py --launch "label=ARGS"``: each launch gets a free loopback port, its
-own session (so Ray's workers, which change process group, are still ours to stop), and a log
-file; ``launched()`` yields the server's base URL once it printed "pd is serving".
+Used by ``bench_serving.py``: ``--launch "label=ARGS"`` starts ``pd serve ARGS``,
+``--launch-llamacpp "label=ARGS"`` starts llama-cpp-python's OpenAI server (from the side venv
+that scripts/setup_llamacpp.sh builds) on the GGUF pd's default model comes from. Each launch
+gets a free loopback port, its own session (so Ray's workers, which change process group, are
+still ours to stop), and a log file; ``launched()`` yields the server's base URL once it serves.
 """
 
 from __future__ import annotations
@@ -16,31 +18,65 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 _REPO = Path(__file__).resolve().parents[1]
+LLAMACPP_PYTHON = _REPO / ".venv-llamacpp" / "bin" / "python"
 _SERVING = re.compile(r"pd is serving (http://127\.0\.0\.1:\d+)/v1")
 _OWNED_FLAGS = ("--host", "--port")  # the launcher picks these: loopback and a free port
 _LABEL = re.compile(r"^([A-Za-z0-9_.:-]+)=(.*)$", re.S)
+_BARE_LABEL = re.compile(r"^[A-Za-z0-9_.:]+$")
+KINDS = ("pd", "llamacpp")
 
 
 class Launch(NamedTuple):
     label: str
-    args: list[str]  # arguments of `pd serve`, without --host/--port
+    args: list[str]  # extra arguments of the server, without --host/--port
+    kind: str = "pd"  # "pd": `pd serve`; "llamacpp": llama-cpp-python's server
 
 
-def parse_launch(spec: str) -> Launch:
-    """``"label=--prefill 2 ..."`` or ``"--prefill 2 ..."`` (the label is then the args)."""
-    m = _LABEL.match(spec.strip())
-    label, rest = (m.group(1), m.group(2)) if m else (spec.strip(), spec)
+def parse_launch(spec: str, kind: str = "pd") -> Launch:
+    """``"label=ARGS"``, ``"ARGS"`` (the label is then the args) or ``"label"`` (no args)."""
+    assert kind in KINDS, kind
+    spec = spec.strip()
+    if m := _LABEL.match(spec):
+        label, rest = m.group(1), m.group(2)
+    else:
+        label, rest = spec, ("" if _BARE_LABEL.match(spec) else spec)
     args = shlex.split(rest)
     for a in args:
         if a.split("=")[0] in _OWNED_FLAGS:
-            raise ValueError(f"--launch {spec!r}: {a.split('=')[0]} is set by the launcher")
-    return Launch(label, args)
+            raise ValueError(f"launch {spec!r}: {a.split('=')[0]} is set by the launcher")
+    return Launch(label, args, kind)
+
+
+def check_launchable(launch: Launch) -> None:
+    """Raise, before anything starts, if ``launch`` cannot start on this machine."""
+    if launch.kind == "llamacpp" and not LLAMACPP_PYTHON.is_file():
+        raise RuntimeError(
+            f"[{launch.label}] no llama.cpp server at {LLAMACPP_PYTHON}: "
+            "run scripts/setup_llamacpp.sh"
+        )
+
+
+def server_command(launch: Launch, port: int) -> list[str]:
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    if launch.kind == "pd":
+        return [sys.executable, "-m", "pd.cli", "serve", *where, *launch.args]
+    from pd.model.loader import DEFAULT_MODEL_NAME, default_gguf_path
+
+    # llama.cpp's server defaults: 2048-token context, and a new request interrupts the one
+    # streaming (one runs at a time): queue them instead, and fit the model's long prompts.
+    # Later flags win in its argparse, so launch.args override these.
+    defaults = [
+        "--model", str(default_gguf_path()), "--model_alias", DEFAULT_MODEL_NAME,
+        "--n_threads", "2", "--n_ctx", "8192", "--interrupt_requests", "False",
+    ]  # fmt: skip
+    return [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", *defaults, *where, *launch.args]
 
 
 def free_port() -> int:
@@ -54,15 +90,28 @@ def _log_tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-def _wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
+def _is_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+            return r.status == 200
+    except OSError:  # refused while it loads; URLError and timeouts are OSErrors
+        return False
+
+
+def _wait_serving(
+    launch: Launch, proc: subprocess.Popen[bytes], log: Path, port: int, timeout_s: float
+) -> str:
+    """The base URL once the server answers: pd prints its URL; llama.cpp lists its model."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if m := _SERVING.search(log.read_text(errors="replace")):
+        if launch.kind == "pd" and (m := _SERVING.search(log.read_text(errors="replace"))):
             return m.group(1)
+        if launch.kind == "llamacpp" and _is_up(url := f"http://127.0.0.1:{port}"):
+            return url
         if proc.poll() is not None:
-            raise RuntimeError(f"pd serve exited with code {proc.returncode} before serving")
+            raise RuntimeError(f"the server exited with code {proc.returncode} before serving")
         time.sleep(0.5)
-    raise TimeoutError(f"pd serve did not print 'pd is serving' within {timeout_s:.0f} s")
+    raise TimeoutError(f"the server did not serve within {timeout_s:.0f} s")
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -107,11 +156,10 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 @contextmanager
 def launched(launch: Launch, start_timeout_s: float = 300.0) -> Iterator[str]:
-    """Run ``python -m pd.cli serve --host 127.0.0.1 --port P ARGS``; yield its base URL."""
+    """Start ``launch``'s server on a free loopback port; yield its base URL; stop it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pd.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += launch.args
-    fd, name = tempfile.mkstemp(prefix=f"pd-serve-{launch.label}-", suffix=".log")
+    cmd = server_command(launch, port)
+    fd, name = tempfile.mkstemp(prefix=f"bench-{launch.kind}-{launch.label}-", suffix=".log")
     log = Path(name)
     print(f"[{launch.label}] {shlex.join(cmd)}  (log: {log})", file=sys.stderr, flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -122,7 +170,7 @@ def launched(launch: Launch, start_timeout_s: float = 300.0) -> Iterator[str]:
     try:
         t0 = time.monotonic()
         try:
-            url = _wait_serving(proc, log, start_timeout_s)
+            url = _wait_serving(launch, proc, log, port, start_timeout_s)
         except (RuntimeError, TimeoutError) as e:
             raise RuntimeError(f"[{launch.label}] {e}; log tail:\n{_log_tail(log)}") from e
         print(
