@@ -31,6 +31,10 @@ class ClusterStats(NamedTuple):
 
     nodes: list[NodeStatsMsg]
     num_queued: int = 0
+    num_dropped_msgs: int = 0  # node messages the server dropped (malformed, or a handler raised)
+    num_reader_restarts: int = 0  # times the server's reader of node messages died
+    num_rerouted: int = 0  # requests moved off a dead node before they streamed anything
+    num_failed_nodes: int = 0  # nodes found dead
 
 
 class EngineClient(Protocol):

@@ -6,13 +6,16 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    run is answered with an error at once).
 2. Admission matches the prompt in the RadixCache and locks the match; the unmatched suffix
    is prefilled in chunks under the token budget.
-3. The first token is sampled and streamed to the server, after the cache events of the step
-   (when the coordinator hears a prefill is done, it already knows what it left in this cache).
-   A request that ends there is released, and its decode node told to forget it.
+3. The first token is sampled. A request that ends there is answered to the server (after the
+   cache events of the step: when the coordinator hears a prefill is done, it already knows
+   what it left in this cache), released, and its decode node told to forget it.
 4. ``transferring``: a ``KVSender`` moves the prompt's KV to the decode node chosen by the
-   coordinator. On success the decode node gets ``PrefilledMsg`` (the first token); on
-   failure the server gets an error. Either way the scheduler releases the request
-   (``finish_sending``): the prompt stays cached, unlocked.
+   coordinator. On success the decode node gets ``PrefilledMsg`` and streams the first token
+   itself, so a request has streamed nothing until it decodes (the server may re-route it if
+   a node dies before); on failure the server gets an error. Either way the scheduler releases
+   the request (``finish_sending``): the prompt stays cached, unlocked.
+5. The decode node dies or leaves (``PeerGoneMsg``): every request routed to it is aborted
+   here and failed to the server.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, NamedTuple
 from pd.config import EngineConfig
 from pd.engine.request import Req
 from pd.engine.scheduler import StepResult
-from pd.messages import AbortMsg, PrefilledMsg, PrefillReqMsg
+from pd.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender
@@ -75,14 +78,21 @@ class PrefillNode(BaseNode):
         self.scheduler.abort(request_id)
         self._routes.pop(request_id, None)
 
+    def _forget_peer(self, msg: PeerGoneMsg) -> None:
+        for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
+            self._abort(rid)
+            self.report_error(rid, f"decode node {msg.node_id} is gone")
+
     def _on_step(self, result: StepResult) -> None:
         for req in self.prefill_scheduler.take_prefilled():
             with self._guard(req.request_id):
                 self._start_transfer(req)
         self.publish_cache_events()
-        self.report_step(result)
-        for req in result.produced + result.failed:
-            route = self._routes.pop(req.request_id, None) if req.is_finished else None
+        # the others' first token goes with their KV: the decode node streams it
+        finished = [r for r in result.produced if r.is_finished]
+        self.report_step(result._replace(produced=finished))
+        for req in finished + result.failed:
+            route = self._routes.pop(req.request_id, None)
             if route is not None:  # done at its first token: the decode node can forget it
                 self.send_peer(route.decode_addr, AbortMsg(req.request_id, "finished at prefill"))
 
@@ -103,16 +113,23 @@ class PrefillNode(BaseNode):
             if not state.is_final:
                 continue
             del self._transfers[rid]
-            route = self._routes.pop(rid)
-            if state == KVPoll.SUCCESS:
-                num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
-                pool = self.core.runner.pool
-                self.add_transfer(num_sent * pool.num_bytes_per_token, time.monotonic() - t.started)
-                first = PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached_tokens)
-                self.send_peer(route.decode_addr, first)
-            else:
-                self.report_error(rid, f"KV transfer to the decode node failed: {t.sender.failure}")
-            self.prefill_scheduler.finish_sending(rid)
+            try:
+                with self._guard(rid):
+                    self._finish_transfer(t, state == KVPoll.SUCCESS)
+            finally:  # whatever happened, the slots go back
+                self.prefill_scheduler.finish_sending(rid)
+
+    def _finish_transfer(self, t: _Transfer, ok: bool) -> None:
+        rid = t.req.request_id
+        route = self._routes.pop(rid)
+        if not ok:
+            self.report_error(rid, f"KV transfer to the decode node failed: {t.sender.failure}")
+            return
+        num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
+        pool = self.core.runner.pool
+        self.add_transfer(num_sent * pool.num_bytes_per_token, time.monotonic() - t.started)
+        first = PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached_tokens)
+        self.send_peer(route.decode_addr, first)
 
     def _num_transferring(self) -> int:
         return len(self._transfers)

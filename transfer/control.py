@@ -53,6 +53,10 @@ class ControlPlane:
         """To a peer that dialled our ROUTER."""
         return self._try_send(self._router, [identity, encode_msg(msg)], identity.hex())
 
+    @property
+    def num_sockets(self) -> int:
+        return 1 + len(self._dealers)
+
     def forget(self, peer: str) -> None:
         if (sock := self._dealers.pop(peer, None)) is not None:
             sock.close(linger=0)

@@ -18,6 +18,8 @@ _LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _NODE_FIELDS = ("queue_depth", "running", "slots_used", "slots_total")
+# what a node holds open (leak checks: each returns to its idle level)
+_RESOURCE_FIELDS = ("pair_groups", "sockets", "threads", "pending_transfers")
 _CACHE_FIELDS = ("cache_hit_tokens", "prompt_tokens")
 
 
@@ -80,6 +82,25 @@ class ServerMetrics:
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
+        self.node_resources = {
+            f: Gauge(f"pd_node_{f}", f"Per node: open {f}.", ["node"], registry=r)
+            for f in _RESOURCE_FIELDS
+        }
+        self.server_dropped_msgs = Gauge(
+            "pd_server_dropped_messages",
+            "Node messages the server dropped (malformed, or their handler raised), cumulative.",
+            registry=r,
+        )
+        self.reader_restarts = Gauge(
+            "pd_server_reader_restarts", "Times the server's reader of node messages died.",
+            registry=r,
+        )  # fmt: skip
+        self.rerouted = Gauge(
+            "pd_rerouted_requests",
+            "Requests moved off a dead node before they streamed a token, cumulative.",
+            registry=r,
+        )
+        self.failed_nodes = Gauge("pd_failed_nodes", "Nodes found dead, cumulative.", registry=r)
 
     def record_first_token(self, arrival: float, first_token: float) -> None:
         self.ttft.observe(first_token - arrival)
@@ -114,12 +135,18 @@ class ServerMetrics:
             g.clear()
         for g in (*self.cache_gauges.values(), self.cache_hit_rate, self.dropped_msgs):
             g.clear()
+        for g in self.node_resources.values():
+            g.clear()
         for s in stats.nodes:
             self._set_node(s)
         self.transfer_bytes.set(sum(s.transfer_bytes for s in stats.nodes))
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats.nodes))
         self.transfer_count.set(sum(s.num_transfers for s in stats.nodes))
         self.coordinator_queue.set(stats.num_queued)
+        self.server_dropped_msgs.set(stats.num_dropped_msgs)
+        self.reader_restarts.set(stats.num_reader_restarts)
+        self.rerouted.set(stats.num_rerouted)
+        self.failed_nodes.set(stats.num_failed_nodes)
 
     def _set_node(self, s: NodeStatsMsg) -> None:
         labels = {"node": s.node_id, "role": s.role}
@@ -138,6 +165,13 @@ class ServerMetrics:
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
         self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
+        for name, value in (
+            ("pair_groups", s.num_pairs),
+            ("sockets", s.num_sockets),
+            ("threads", s.num_threads),
+            ("pending_transfers", s.num_transferring),
+        ):
+            self.node_resources[name].labels(node=s.node_id).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
