@@ -62,7 +62,7 @@ def test_the_first_token_streams_from_the_decode_node(server, make_pair) -> None
     assert set(server.senders["via-decode"]) == {d.node_id}
     assert len(server.tokens["via-decode"]) == 6
     assert server.senders["at-prefill"] == [p.node_id]  # done at its first token: answered there
-    run_until(server, (p, d), lambda: d._num_unfinished() == 0, max_iters=100)
+    run_until(server, (p, d), lambda: d._num_unfinished() == 0)
     assert_idle(p, d)
 
 
