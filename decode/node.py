@@ -87,7 +87,7 @@ class DecodeNode(BaseNode, BaseSlotOwner):
                     continue  # failed by close_peer: release() frees it and tells the server
                 if self.decode_scheduler.release_incoming(rid) is None:
                     continue
-            self.report_error(rid, f"prefill node {msg.node_id} is gone")
+            self.report_error(rid, f"prefill node {msg.node_id} is gone", can_retry=True)
 
     def _abort(self, request_id: str) -> None:
         self._prefill_of.pop(request_id, None)
@@ -126,7 +126,7 @@ class DecodeNode(BaseNode, BaseSlotOwner):
         self.decode_scheduler.release_incoming(transfer_id)
         self._prefill_of.pop(transfer_id, None)
         if transfer_id not in self._aborted:
-            self.report_error(transfer_id, "KV transfer from the prefill node failed")
+            self.report_error(transfer_id, "KV transfer from the prefill node failed", True)
         self._aborted.discard(transfer_id)
 
     # -- accounting -------------------------------------------------------------------------

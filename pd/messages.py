@@ -88,6 +88,7 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True):
     num_cached_tokens: int
     error: str | None = None
     node_id: str = ""
+    can_retry: bool = False  # the error is its KV transfer's, not the request's own
 
 
 class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):

@@ -45,6 +45,7 @@ from pd.model.llama import DecoderLayer
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
 
 logger = logging.getLogger(__name__)
+_PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
 
 
 @dataclass(frozen=True)
@@ -296,8 +297,10 @@ class BaseNode:
             )
         )
 
-    def report_error(self, request_id: str, error: str) -> None:
-        self.send_server(TokenMsg(request_id, [], True, "abort", 0, 0, error, self.node_id))
+    def report_error(self, request_id: str, error: str, can_retry: bool = False) -> None:
+        """``can_retry``: the request itself is fine (its KV transfer or a peer failed)."""
+        msg = TokenMsg(request_id, [], True, "abort", 0, 0, error, self.node_id, can_retry)
+        self.send_server(msg)
 
     def report_step(self, result: StepResult) -> None:
         """Tokens of the requests that produced one, errors of those that failed."""
@@ -328,6 +331,7 @@ class BaseNode:
             "pairs": res.num_pairs,
             "sockets": res.num_sockets,
             "threads": res.num_threads,
+            "pair_threads": sum(t.name.startswith(_PAIR_THREADS) for t in threading.enumerate()),
             "transfers": res.num_transfers,
         }
 

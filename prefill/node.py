@@ -81,7 +81,7 @@ class PrefillNode(BaseNode):
     def _forget_peer(self, msg: PeerGoneMsg) -> None:
         for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
             self._abort(rid)
-            self.report_error(rid, f"decode node {msg.node_id} is gone")
+            self.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
 
     def _on_step(self, result: StepResult) -> None:
         for req in self.prefill_scheduler.take_prefilled():
@@ -123,7 +123,8 @@ class PrefillNode(BaseNode):
         rid = t.req.request_id
         route = self._routes.pop(rid)
         if not ok:
-            self.report_error(rid, f"KV transfer to the decode node failed: {t.sender.failure}")
+            why = f"KV transfer to the decode node failed: {t.sender.failure}"
+            self.report_error(rid, why, can_retry=True)
             return
         num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
         pool = self.core.runner.pool

@@ -139,6 +139,7 @@ class TransferAgent:
         self._sender.close()
         self._receiver.close()
         self._ctrl.close()
+        self._store = None  # the rendezvous store's server stops once its pairs let go
 
     # -- pair groups
 

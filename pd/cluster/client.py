@@ -14,7 +14,9 @@ The life of a request (a *flight*) here:
    A request it held that has streamed nothing is re-routed once (2.), waiting for room or for
    a replacement node as in 1.; one that streamed tokens from the dead decode node ends with an
    error; one already decoding elsewhere is not touched. Every surviving node hears
-   ``PeerGoneMsg`` and frees what it kept for the dead node.
+   ``PeerGoneMsg`` and frees what it kept for the dead node. A request that streamed nothing
+   and whose KV transfer failed is re-routed the same way, after ``retry_delay_s`` (a node
+   death that caused the failure is usually found first: then it moves off that node at once).
 5. Finish, error, abort or deadline: both nodes are told to forget the attempt, its booking
    is released, and the next waiting request is woken.
 
@@ -76,13 +78,19 @@ class ClientConfig:
     watch_interval_s: float = 0.25  # how often heartbeats are checked and actors pinged
     ping_timeout_s: float = 10.0  # an unanswered ping is left to the heartbeat to judge
     max_reroutes: int = 1  # times a request that streamed nothing moves off a dead node
+    # a request that streamed nothing and whose KV transfer failed is re-routed after this
+    # long, unless a node death explains the failure first (then at once, off that node)
+    retry_delay_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "heartbeat_timeout_s", "watch_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_reroutes < 0:
-            raise ValueError(f"max_reroutes must be >= 0, got {self.max_reroutes}")
+        if self.max_reroutes < 0 or self.retry_delay_s < 0:
+            raise ValueError(
+                f"max_reroutes ({self.max_reroutes}) and retry_delay_s ({self.retry_delay_s}) "
+                "must be >= 0"
+            )
 
 
 class _Reroute(NamedTuple):
@@ -103,6 +111,7 @@ class _Flight:
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     is_aborted: bool = False
+    is_retry_pending: bool = False
     turn: asyncio.Future[None] | None = None  # its place in the queue for room, if waiting
 
 
@@ -191,6 +200,10 @@ class ClusterClient:
         await self.start()
         if request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already running")
+        try:  # before anything is booked: a value msgpack cannot carry fails here alone
+            self._encoder.encode(params)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"sampling parameters cannot be sent to the nodes: {e}") from e
         deadline = time.monotonic() + self.cfg.request_timeout_s
         flight = _Flight(request_id, list(prompt_ids), params, namespace, deadline)
         self._flights[request_id] = flight
@@ -268,6 +281,7 @@ class ClusterClient:
         if flight.is_aborted:
             return
         flight.num_attempts += 1
+        flight.is_retry_pending = False
         n = flight.num_attempts - 1
         flight.wire_id = flight.request_id if n == 0 else f"{flight.request_id}~{n}"
         route = await self._route(flight)
@@ -404,11 +418,22 @@ class ClusterClient:
         if is_dead and self._on_node_failed is not None:
             self._on_node_failed(node_id)
 
+    def _can_reroute(self, flight: _Flight) -> bool:
+        return flight.num_received == 0 and flight.num_attempts <= self.cfg.max_reroutes
+
+    def _reroute(self, flight: _Flight, why: str) -> None:
+        self._end_attempt(flight, abort=True)  # its nodes (the live ones) forget it
+        self.num_rerouted += 1
+        flight.queue.put_nowait(_Reroute(why))
+
+    async def _retry_later(self, flight: _Flight, wire_id: str, error: str) -> None:
+        await asyncio.sleep(self.cfg.retry_delay_s)
+        if flight.wire_id == wire_id:  # no node death moved it meanwhile, and it is not over
+            self._reroute(flight, error)
+
     def _on_node_lost(self, flight: _Flight, node_id: str, why: str) -> None:
-        if flight.num_received == 0 and flight.num_attempts <= self.cfg.max_reroutes:
-            self._end_attempt(flight, abort=True)  # the surviving partner forgets it
-            self.num_rerouted += 1
-            flight.queue.put_nowait(_Reroute(f"node {node_id}: {why}"))
+        if self._can_reroute(flight):
+            self._reroute(flight, f"node {node_id}: {why}")
         elif flight.num_received == 0 or node_id == flight.decode:
             error = f"node {node_id} failed: {why}"
             flight.queue.put_nowait(TokenMsg(flight.wire_id, [], True, "abort", 0, 0, error))
@@ -444,6 +469,11 @@ class ClusterClient:
             flight = self._by_wire.get(msg.request_id)
             if flight is None or msg.node_id not in (flight.prefill, flight.decode):
                 return  # an attempt that was abandoned, or a node that was dropped
+            if msg.can_retry and self._can_reroute(flight):
+                if not flight.is_retry_pending:  # each side may report the same failure
+                    flight.is_retry_pending = True
+                    self._spawn(self._retry_later(flight, msg.request_id, msg.error or ""))
+                return
             flight.num_received += len(msg.token_ids)
             self.coordinator.on_prefilled(msg.request_id)
             flight.queue.put_nowait(msg)

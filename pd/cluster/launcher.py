@@ -154,8 +154,9 @@ class Cluster:
         self._kill(node_id)
 
     def check_integrity(self) -> dict[str, dict[str, int]]:
-        """Every node's slot accounting (asserts inside each node)."""
-        ids = list(self.actors)
+        """Every registered node's slot and resource accounting (asserts inside each node);
+        nodes still starting are not waited for."""
+        ids = [n for n in self.actors if n in self.client.nodes]
         return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
 
     async def _ping(self, node_id: str) -> None:

@@ -350,3 +350,29 @@ async def test_abort_while_waiting_for_room_ends_the_request() -> None:
         assert h.client.stats().num_queued == 0
         d.tokens("r1", [1], finished=True)
         await h.wait_done("r1")
+
+
+async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once() -> None:
+    async with _harness(retry_delay_s=0.1) as h:
+        p, d = h.add("prefill-0"), h.add("decode-0")
+        h.request("r")
+        await p.recv_until(PrefillReqMsg)
+
+        def transfer_failed(node: FakeNode, rid: str) -> None:
+            why = f"KV transfer failed on {node.node_id}"
+            node.send(TokenMsg(rid, [], True, "abort", 0, 0, why, node.node_id, True))
+
+        transfer_failed(p, "r")  # both sides report it: one retry
+        transfer_failed(d, "r")
+        assert await p.recv_until(AbortMsg) == AbortMsg("r")
+        assert (await p.recv_until(PrefillReqMsg)).request_id == "r~1"
+        assert h.client.num_rerouted == 1
+        transfer_failed(p, "r~1")  # no re-route is left
+        await h.wait_done("r")
+        assert "KV transfer failed on prefill-0" in str(h.errors["r"])
+        h.request("own-error")  # an error of the request itself is not retried
+        await p.recv_until(PrefillReqMsg)
+        p.send(TokenMsg("own-error", [], True, "abort", 0, 0, "sampling failed", "prefill-0"))
+        await h.wait_done("own-error")
+        assert "sampling failed" in str(h.errors["own-error"])
+        assert h.client.num_rerouted == 1
