@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -40,8 +39,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pd.cluster.liveness import Liveness
+from pd.cluster.room import RoomQueue, Ticket
 from pd.config import _opt
-from pd.coordinator import Coordinator, NoCapacityError, Route
+from pd.coordinator import Coordinator
 from pd.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -112,7 +113,7 @@ class _Flight:
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     is_aborted: bool = False
     is_retry_pending: bool = False
-    turn: asyncio.Future[None] | None = None  # its place in the queue for room, if waiting
+    ticket: Ticket = field(default_factory=Ticket)  # its place in the queue for room
 
 
 class ClusterClient:
@@ -136,14 +137,12 @@ class ClusterClient:
         self.num_rerouted = 0
         self._flights: dict[str, _Flight] = {}  # by request id
         self._by_wire: dict[str, _Flight] = {}  # by the wire id of its current attempt
-        self._turns: deque[asyncio.Future[None]] = deque()  # requests waiting for room, FIFO
-        self._num_waiting = 0
+        self._room = RoomQueue()
         self._num_starting = dict.fromkeys(ROLES, 0)  # nodes being started, per role
-        self._last_heard: dict[str, float] = {}
-        self._pinging: set[str] = set()
-        # liveness: the Ray actor (the lifecycle plane) answers pings even while the loop is
-        # stuck, so the loop's own heartbeat (its stats) is checked too
-        self._ping = ping
+        c = self.cfg
+        self.liveness = Liveness(
+            c.heartbeat_timeout_s, c.watch_interval_s, c.ping_timeout_s, ping, self.fail_node
+        )
         self._on_node_failed = on_node_failed  # e.g. the launcher starting a replacement
         self._reader_ok = False
         self._ctx: zmq.asyncio.Context | None = None
@@ -192,7 +191,7 @@ class ClusterClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.pull_addr)
         self._spawn(self._read_forever())
-        self._spawn(self._watch_nodes())
+        self._spawn(self.liveness.run())
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
@@ -241,8 +240,7 @@ class ClusterClient:
         flight.is_aborted = True
         self._end_attempt(flight, abort=True)
         flight.queue.put_nowait(TokenMsg(request_id, [], True, "abort", 0, 0))
-        if flight.turn is not None and not flight.turn.done():
-            flight.turn.set_result(None)  # stop waiting for room
+        flight.ticket.cancel()  # stop waiting for room
 
     async def is_ready(self) -> bool:
         """The reader works (it has read since it last failed: nodes send stats a few times a
@@ -267,7 +265,7 @@ class ClusterClient:
         """What GET /metrics shows: every node's latest stats and the requests waiting."""
         return ClusterStats(
             list(self.node_stats.values()),
-            self._num_waiting,
+            self._room.num_waiting,
             num_dropped_msgs=self.num_bad_msgs,
             num_reader_restarts=self.num_reader_restarts,
             num_rerouted=self.num_rerouted,
@@ -277,86 +275,36 @@ class ClusterClient:
     # -- a request's attempts ---------------------------------------------------------------
 
     async def _dispatch(self, flight: _Flight) -> None:
-        """Book nodes for the next attempt (waiting for room) and send the request to them."""
+        """Book nodes for the next attempt, waiting in FIFO order while none has room (until
+        the deadline), and send the request to them."""
         if flight.is_aborted:
             return
         flight.num_attempts += 1
         flight.is_retry_pending = False
         n = flight.num_attempts - 1
-        flight.wire_id = flight.request_id if n == 0 else f"{flight.request_id}~{n}"
-        route = await self._route(flight)
+        wire = flight.wire_id = flight.request_id if n == 0 else f"{flight.request_id}~{n}"
+        prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
+        try:
+            route = await self._room.wait(
+                lambda: self.coordinator.route(wire, prompt, p.max_tokens, ns),
+                flight.deadline,
+                flight.ticket,
+                first=n > 0,  # a re-routed request came before those waiting
+            )
+        except TimeoutError as e:
+            limit = self.cfg.request_timeout_s
+            raise TimeoutError(f"request {flight.request_id}: {e} ({limit} s)") from None
         if route is None:  # aborted while waiting: the abort message is queued
             return
         flight.prefill, flight.decode = route.prefill, route.decode
-        self._by_wire[flight.wire_id] = flight
-        d_info = self.nodes[route.decode]
-        wire, p = flight.wire_id, flight.params
+        self._by_wire[wire] = flight
+        d = self.nodes[route.decode]
         try:
-            self._send(
-                route.decode,
-                DecodeReqMsg(wire, flight.prompt_ids, p, flight.namespace, route.prefill),
-            )
-            self._send(
-                route.prefill,
-                PrefillReqMsg(
-                    wire,
-                    flight.prompt_ids,
-                    p,
-                    flight.namespace,
-                    route.decode,
-                    d_info.addr,
-                    d_info.transfer_addr,
-                ),  # fmt: skip
-            )
+            self._send(route.decode, DecodeReqMsg(wire, prompt, p, ns, route.prefill))
+            msg = PrefillReqMsg(wire, prompt, p, ns, route.decode, d.addr, d.transfer_addr)
+            self._send(route.prefill, msg)
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
-
-    async def _route(self, flight: _Flight) -> Route | None:
-        """Book a route, waiting in FIFO order while no node has room (until the deadline)."""
-        self._num_waiting += 1
-        try:
-            if not self._turns:  # nobody waits: no queue to jump
-                with contextlib.suppress(NoCapacityError):
-                    return self._book(flight)
-            first = flight.num_attempts > 1  # a re-routed request came before the others
-            while True:
-                flight.turn = asyncio.get_running_loop().create_future()
-                (self._turns.appendleft if first else self._turns.append)(flight.turn)
-                left = flight.deadline - time.monotonic()
-                try:
-                    await asyncio.wait_for(asyncio.shield(flight.turn), max(left, 0.0))
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"no node had room for request {flight.request_id} within its deadline "
-                        f"({self.cfg.request_timeout_s} s)"
-                    ) from None
-                if flight.is_aborted:
-                    return None
-                try:
-                    return self._book(flight)
-                except NoCapacityError:
-                    first = True  # stay at the head
-        finally:
-            self._num_waiting -= 1
-            turn, flight.turn = flight.turn, None
-            if turn is not None and turn in self._turns:
-                self._turns.remove(turn)
-            elif turn is not None and turn.done():
-                self._wake()  # the turn came to us: pass it on
-
-    def _book(self, flight: _Flight) -> Route:
-        p = flight.params
-        return self.coordinator.route(
-            flight.wire_id, flight.prompt_ids, p.max_tokens, flight.namespace
-        )
-
-    def _wake(self) -> None:
-        """Room may have appeared: let the first waiting request try."""
-        while self._turns:
-            turn = self._turns.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
 
     async def _next(self, flight: _Flight) -> TokenMsg | _Reroute:
         if not flight.queue.empty():
@@ -383,18 +331,18 @@ class ClusterClient:
                         self._send(node_id, AbortMsg(wire))
         self.coordinator.on_finished(wire)
         flight.wire_id, flight.prefill, flight.decode = "", "", ""
-        self._wake()
+        self._room.wake()
 
     # -- membership, on the loop ------------------------------------------------------------
 
     def _add_node(self, info: NodeInfo) -> None:
         self.nodes[info.node_id] = info
-        self._last_heard[info.node_id] = time.monotonic()  # its first beat is due soon
+        self.liveness.watch(info.node_id)
         if info.role == "prefill":
             self.coordinator.add_prefill(info.node_id)
         else:
             self.coordinator.add_decode(info.node_id, info.num_slots)
-        self._wake()
+        self._room.wake()
 
     def _drop_node(self, node_id: str, why: str, is_dead: bool) -> None:
         info = self.nodes.pop(node_id, None)
@@ -402,7 +350,7 @@ class ClusterClient:
             return
         self.coordinator.remove(node_id)
         self.node_stats.pop(node_id, None)
-        self._last_heard.pop(node_id, None)
+        self.liveness.forget(node_id)
         if (sock := self._push.pop(node_id, None)) is not None:
             sock.close(linger=0)
         if is_dead:
@@ -483,33 +431,7 @@ class ClusterClient:
             self.coordinator.apply_event(msg)
         elif isinstance(msg, NodeStatsMsg):
             self.node_stats[msg.node_id] = msg
-            self._last_heard[msg.node_id] = time.monotonic()
-
-    async def _watch_nodes(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.watch_interval_s)
-            now = time.monotonic()
-            for node_id, heard in list(self._last_heard.items()):
-                if now - heard > self.cfg.heartbeat_timeout_s:
-                    why = f"no heartbeat for {now - heard:.1f} s"
-                    self._drop_node(
-                        node_id, f"{why} (limit {self.cfg.heartbeat_timeout_s} s)", True
-                    )
-            for node_id in list(self.nodes):
-                if self._ping is not None and node_id not in self._pinging:
-                    self._spawn(self._ping_once(node_id))
-
-    async def _ping_once(self, node_id: str) -> None:
-        assert self._ping is not None
-        self._pinging.add(node_id)
-        try:
-            await asyncio.wait_for(self._ping(node_id), self.cfg.ping_timeout_s)
-        except TimeoutError:
-            pass  # a slow answer is the heartbeat's to judge
-        except Exception as e:  # the actor is gone
-            self._drop_node(node_id, f"{type(e).__name__}: {e}", is_dead=True)
-        finally:
-            self._pinging.discard(node_id)
+            self.liveness.heard(msg.node_id)
 
     # -- helpers ----------------------------------------------------------------------------
 

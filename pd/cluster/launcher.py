@@ -82,6 +82,22 @@ def reachable_address(address: str, timeout_s: float) -> str:
     return address if "://" in address else target
 
 
+def init_ray(cfg: ClusterConfig) -> None:
+    """Without an address, a private local Ray instance: never RAY_ADDRESS, nor the record a
+    ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
+    to be reachable first."""
+    if cfg.address is None:
+        ray.init(
+            address="local",
+            num_cpus=max(2, cfg.num_prefill + cfg.num_decode),
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=True,
+        )
+    else:
+        ray.init(address=reachable_address(cfg.address, cfg.connect_timeout_s))
+
+
 class Cluster:
     def __init__(
         self, engine_cfg: EngineConfig, cfg: ClusterConfig, coordinator: CoordinatorConfig
@@ -107,17 +123,7 @@ class Cluster:
 
     def start(self) -> None:
         if not ray.is_initialized():
-            if self.cfg.address is None:
-                total = self.cfg.num_prefill + self.cfg.num_decode
-                ray.init(
-                    address="local",  # never RAY_ADDRESS or a `ray start` cluster's record
-                    num_cpus=max(2, total),
-                    include_dashboard=False,
-                    object_store_memory=80 * 2**20,
-                    log_to_driver=True,
-                )
-            else:
-                ray.init(address=reachable_address(self.cfg.address, self.cfg.connect_timeout_s))
+            init_ray(self.cfg)
         self._on_gpu = self.cfg.address is not None and ray.cluster_resources().get("GPU", 0) > 0
         if self.cfg.address is not None and self.cfg.host in ("127.0.0.1", "localhost"):
             # nodes on other machines must reach the server: bind on this machine's cluster IP

@@ -7,6 +7,7 @@ every request either gets the reference output or, if it had started on a killed
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import os
@@ -130,7 +131,12 @@ class LocalCluster:
 
 
 @pytest.fixture
-def local(tiny_llama_dir) -> Iterator[LocalCluster]:
+def local(tiny_llama_dir, monkeypatch) -> Iterator[LocalCluster]:
+    import pd.engine.core
+
+    # every node of this process would load the same tokenizer again (0.6 s each)
+    load = functools.lru_cache(pd.engine.core.load_tokenizer)
+    monkeypatch.setattr(pd.engine.core, "load_tokenizer", load)
     cfg = EngineConfig(model=str(tiny_llama_dir), max_total_tokens=1024, num_threads=1)
     cluster = LocalCluster(cfg)
     yield cluster
