@@ -17,9 +17,11 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-_NODE_FIELDS = ("queue_depth", "running", "slots_used", "slots_total")
-# what a node holds open (leak checks: each returns to its idle level)
-_RESOURCE_FIELDS = ("pair_groups", "sockets", "threads", "pending_transfers")
+# the last four: what a node holds open (leak checks: each returns to its idle level)
+_NODE_FIELDS = (
+    "queue_depth", "running", "slots_used", "slots_total",
+    "pair_groups", "sockets", "threads", "pending_transfers",
+)  # fmt: skip
 _CACHE_FIELDS = ("cache_hit_tokens", "prompt_tokens")
 
 
@@ -82,10 +84,6 @@ class ServerMetrics:
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
-        self.node_resources = {
-            f: Gauge(f"pd_node_{f}", f"Per node: open {f}.", ["node"], registry=r)
-            for f in _RESOURCE_FIELDS
-        }
         self.server_dropped_msgs = Gauge(
             "pd_server_dropped_messages",
             "Node messages the server dropped (malformed, or their handler raised), cumulative.",
@@ -135,8 +133,6 @@ class ServerMetrics:
             g.clear()
         for g in (*self.cache_gauges.values(), self.cache_hit_rate, self.dropped_msgs):
             g.clear()
-        for g in self.node_resources.values():
-            g.clear()
         for s in stats.nodes:
             self._set_node(s)
         self.transfer_bytes.set(sum(s.transfer_bytes for s in stats.nodes))
@@ -156,6 +152,10 @@ class ServerMetrics:
             ("running", s.num_running),
             ("slots_used", used),
             ("slots_total", s.num_slots),
+            ("pair_groups", s.num_pairs),
+            ("sockets", s.num_sockets),
+            ("threads", s.num_threads),
+            ("pending_transfers", s.num_transferring),
         ):
             self.node_gauges[name].labels(**labels).set(value)
         if s.num_slots:
@@ -165,13 +165,6 @@ class ServerMetrics:
         self.cache_gauges["prompt_tokens"].labels(node=s.node_id).set(prompt)
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
         self.dropped_msgs.labels(node=s.node_id).set(s.num_dropped_msgs)
-        for name, value in (
-            ("pair_groups", s.num_pairs),
-            ("sockets", s.num_sockets),
-            ("threads", s.num_threads),
-            ("pending_transfers", s.num_transferring),
-        ):
-            self.node_resources[name].labels(node=s.node_id).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

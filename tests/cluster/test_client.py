@@ -30,6 +30,7 @@ from pd.messages import (
 )
 from pd.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
+from pd.server.metrics import ServerMetrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
@@ -170,7 +171,9 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         await h.wait_done("r1")
         assert "r1" not in h.errors and h.tokens_of("r1") == [5, 6, 7]
         assert h.client.num_bad_msgs == 3  # malformed, unknown tag, the raising handler
-        assert h.client.stats().num_dropped_msgs == 3
+        metrics = ServerMetrics()
+        metrics.update_stats(h.client.stats())
+        assert "pd_server_dropped_messages 3.0" in metrics.render().decode()
         assert h.client.num_reader_restarts == 0 and await h.client.is_ready()
 
 
