@@ -214,7 +214,7 @@ def test_prefill_node_killed_mid_transfer(live, reference) -> None:
 def test_decode_node_killed_mid_stream(live, reference) -> None:
     client = live.cluster.client
     load = Load(live.url)
-    long = [lambda i=i: _generate(live.url, i, max_tokens=LONG) for i in range(4)]
+    long = [lambda i=i: _generate(live.url, i, max_tokens=LONG) for i in range(6)]
     out, join = _concurrently(long)
 
     def streaming() -> str | None:
@@ -224,10 +224,11 @@ def test_decode_node_killed_mid_stream(live, reference) -> None:
                 return n
         return None
 
-    _wait(streaming, "a decode node with two streams running")
+    _wait(streaming, "a decode node with two streams running", timeout=30)
     victim = streaming()
     assert victim is not None
-    os.kill(_pid(live, victim), signal.SIGKILL)
+    os.kill(_pid(live, victim), signal.SIGSTOP)  # its streams stop where they are ...
+    os.kill(_pid(live, victim), signal.SIGKILL)  # ... and end there
     join()
     errors = [o for o in out if o.error is not None]
     assert errors, out  # its streams end with an error event, after their first tokens
