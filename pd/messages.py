@@ -83,9 +83,19 @@ class AbortMsg(msgspec.Struct, tag="abort", frozen=True):
     reason: str = "abort"
 
 
+class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True):
+    """Server -> every surviving node: ``node_id`` died or was removed. Its pair groups and
+    sockets are closed, and what was kept for its requests is freed."""
+
+    node_id: str
+    addr: str  # its request socket
+    transfer_addr: str  # its transfer control endpoint
+
+
 class TokenMsg(msgspec.Struct, tag="token", frozen=True):
-    """Node -> server: new tokens of a request (the first from the prefill node, the rest from
-    the decode node). ``error`` is set when the request failed inside the cluster."""
+    """Node -> server: new tokens of a request, all from its decode node once the KV is there
+    (a request that ends at its first token is answered by its prefill node). ``error`` is set
+    when the request failed inside the cluster; ``node_id`` says who sent it."""
 
     request_id: str
     token_ids: list[int]
@@ -94,11 +104,14 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    node_id: str = ""
+    can_retry: bool = False  # the error is its KV transfer's, not the request's own
 
 
 class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
-    """Node -> server, a few times a second: what /metrics and the router need. The colocated
-    engine reports the same shape (role "colocated", no transfers)."""
+    """Node -> server, a few times a second: what /metrics and the router need, and the node's
+    heartbeat (sent by its loop thread, also between the layers of a long forward). The
+    colocated engine reports the same shape (role "colocated", no transfers)."""
 
     node_id: str
     role: str  # "prefill" | "decode" | "colocated"
@@ -117,6 +130,9 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
     num_rejected_msgs: int = 0  # frames that failed authentication (forged, replayed, stale)
     num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
+    num_pairs: int = 0  # open pair groups (as sender and as receiver)
+    num_sockets: int = 0  # open zmq sockets
+    num_threads: int = 0  # Python threads of the node's process
 
 
 class NodeInfo(msgspec.Struct, frozen=True):
@@ -128,11 +144,12 @@ class NodeInfo(msgspec.Struct, frozen=True):
     transfer_addr: str  # its transfer control endpoint (ROUTER)
     num_slots: int
     max_model_len: int
+    pid: int = 0  # the node's process
 
     def __post_init__(self) -> None:
         parse_endpoint(self.addr)
         parse_endpoint(self.transfer_addr)
 
 
-NodeMsg = PrefillReqMsg | DecodeReqMsg | LocalReqMsg | PrefilledMsg | AbortMsg
+NodeMsg = PrefillReqMsg | DecodeReqMsg | LocalReqMsg | PrefilledMsg | AbortMsg | PeerGoneMsg
 ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg

@@ -12,19 +12,26 @@ and the Ray actor methods only talk to that loop through a command queue, so no 
 touched from two threads. Nothing in one iteration can leave state that makes the next raise
 again: a failed forward fails its batch (``EngineCore.step``), and an error while handling one
 request fails that request alone (``_guard``).
+
+The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
+for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers, so a busy
+loop is told from a stuck one. When a peer dies or leaves (``PeerGoneMsg``), the node closes its
+pair groups and sockets to that peer and frees what it kept for the peer's requests
+(``_forget_peer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -35,11 +42,13 @@ from pd.config import EngineConfig
 from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.request import Req
 from pd.engine.scheduler import Scheduler, StepResult
-from pd.messages import NodeInfo, NodeMsg, ServerMsg, TokenMsg
+from pd.messages import NodeInfo, NodeMsg, PeerGoneMsg, ServerMsg, TokenMsg
+from pd.model.llama import DecoderLayer
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
 from transfer.auth import Opener, Sealer
 
 logger = logging.getLogger(__name__)
+_PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,15 @@ class NodeConfig:
     idle_poll_ms: int = 5
     debug_checks: bool = False  # check_integrity() whenever the node goes idle
     transfer: TransferConfig = field(default_factory=TransferConfig)  # holds the cluster secret
+
+
+class NodeResources(NamedTuple):
+    """What a node holds open; leak checks compare these with their idle level."""
+
+    num_pairs: int  # pair groups (as sender and as receiver)
+    num_sockets: int  # zmq sockets: request PULL, server PUSH, peer PUSHes, transfer control
+    num_threads: int  # Python threads of the process (pair workers and copiers among them)
+    num_transfers: int  # transfers not yet final
 
 
 class BaseNode:
@@ -94,6 +112,9 @@ class BaseNode:
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        for module in self.core.runner.model.modules():
+            if isinstance(module, DecoderLayer):
+                module.register_forward_hook(self._on_layer)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -123,6 +144,7 @@ class BaseNode:
             transfer_addr=self.transfer.endpoint,
             num_slots=self.core.allocator.num_slots,
             max_model_len=self.core.max_model_len,
+            pid=os.getpid(),
         )
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -194,7 +216,10 @@ class BaseNode:
                 logger.warning("%s: dropped a malformed message: %s", self.node_id, e)
                 continue
             with self._guard(getattr(msg, "request_id", "")):
-                self._on_msg(msg)
+                if isinstance(msg, PeerGoneMsg):
+                    self._on_peer_gone(msg)
+                else:
+                    self._on_msg(msg)
 
     def _run_commands(self) -> None:
         while True:
@@ -209,16 +234,37 @@ class BaseNode:
 
     def _publish(self) -> None:
         self.publish_cache_events()
-        now = time.monotonic()
-        if now < self._next_stats:
-            return
-        self._next_stats = now + self.node_cfg.stats_interval_s
+        if time.monotonic() >= self._next_stats:
+            self._publish_stats()
+
+    def _on_layer(self, *_: Any) -> None:
+        """A decoder layer finished (forward hook, on the loop thread): beat if it is time."""
+        if time.monotonic() >= self._next_stats:
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self._next_stats = time.monotonic() + self.node_cfg.stats_interval_s
         counters = self.transfer_counters._replace(
             num_transferring=self._num_transferring(),
             num_dropped_msgs=self.num_bad_msgs + self.transfer.num_dropped_msgs,
         )
+        res = self._resources()
         stats = self.core.stats(self.role, counters)
-        self.send_server(msgspec.structs.replace(stats, num_rejected_msgs=self.num_rejected_msgs))
+        self.send_server(
+            msgspec.structs.replace(
+                stats,
+                num_rejected_msgs=self.num_rejected_msgs,
+                num_pairs=res.num_pairs,
+                num_sockets=res.num_sockets,
+                num_threads=res.num_threads,
+            )
+        )
+
+    def _on_peer_gone(self, msg: PeerGoneMsg) -> None:
+        if (peer := self._peers.pop(msg.addr, None)) is not None:
+            peer[0].close(linger=0)
+        self.transfer.close_peer(msg.transfer_addr)  # fails its transfers before the role looks
+        self._forget_peer(msg)
 
     # -- helpers for the roles --------------------------------------------------------------
 
@@ -259,11 +305,14 @@ class BaseNode:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 error=req.error,
+                node_id=self.node_id,
             )
         )
 
-    def report_error(self, request_id: str, error: str) -> None:
-        self.send_server(TokenMsg(request_id, [], True, "abort", 0, 0, error))
+    def report_error(self, request_id: str, error: str, can_retry: bool = False) -> None:
+        """``can_retry``: the request itself is fine (its KV transfer or a peer failed)."""
+        msg = TokenMsg(request_id, [], True, "abort", 0, 0, error, self.node_id, can_retry)
+        self.send_server(msg)
 
     def report_step(self, result: StepResult) -> None:
         """Tokens of the requests that produced one, errors of those that failed."""
@@ -284,13 +333,27 @@ class BaseNode:
         core = self.core
         core.scheduler.check_integrity()
         in_use = core.allocator.num_used_slots - core.cache.num_cached_tokens
+        res = self._resources()
         return {
             "total": core.allocator.num_slots,
             "free": core.allocator.num_free_slots,
             "cached": core.cache.num_cached_tokens,
             "in_use": in_use,
             "unfinished": self._num_unfinished(),
+            "pairs": res.num_pairs,
+            "sockets": res.num_sockets,
+            "threads": res.num_threads,
+            "pair_threads": sum(t.name.startswith(_PAIR_THREADS) for t in threading.enumerate()),
+            "transfers": res.num_transfers,
         }
+
+    def _resources(self) -> NodeResources:
+        return NodeResources(
+            num_pairs=self.transfer.num_pairs,
+            num_sockets=2 + len(self._peers) + self.transfer.num_sockets,
+            num_threads=threading.active_count(),
+            num_transfers=self.transfer.num_open_transfers,
+        )
 
     # -- what each role fills in ------------------------------------------------------------
 
@@ -302,6 +365,10 @@ class BaseNode:
 
     def _abort(self, request_id: str) -> None:
         raise NotImplementedError
+
+    def _forget_peer(self, msg: PeerGoneMsg) -> None:
+        """Free what this node keeps for requests that depended on the node that is gone
+        (its transfers are failed already), telling the server of each."""
 
     def _progress(self) -> None:
         self.transfer.progress()

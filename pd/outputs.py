@@ -33,6 +33,9 @@ class ClusterStats(NamedTuple):
     num_queued: int = 0
     num_rejected_msgs: int = 0  # frames the server refused: failed authentication
     num_dropped_msgs: int = 0  # authentic frames the server dropped: malformed or failed
+    num_reader_restarts: int = 0  # times the server's reader of node messages died
+    num_rerouted: int = 0  # requests moved off a dead node before they streamed anything
+    num_failed_nodes: int = 0  # nodes found dead
 
 
 class EngineClient(Protocol):

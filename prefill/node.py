@@ -10,12 +10,15 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    ``KVSender`` asks the decode node chosen by the coordinator for slots (that handshake
    overlaps the forward), and sends each layer's KV as soon as the forward has written it, so
    by the time the first token is sampled most of the KV is already across.
-4. The first token is streamed to the server. A request that ends there is released, its
-   transfer aborted and its decode node told to forget it.
-5. ``transferring``: on success the decode node gets ``PrefilledMsg`` (the first token); on
-   failure the server gets an error. Either way the scheduler releases the request
-   (``finish_sending``): the prompt goes into the cache, unlocked, and its cache events go to
-   the server.
+4. The first token is sampled. A request that ends there is answered to the server, released,
+   its transfer aborted and its decode node told to forget it.
+5. ``transferring``: on success the decode node gets ``PrefilledMsg`` and streams the first
+   token itself, so a request has streamed nothing until it decodes (the server may re-route it
+   if a node dies before); on failure the server gets an error it may retry. Either way the
+   scheduler releases the request (``finish_sending``): the prompt goes into the cache,
+   unlocked, and its cache events go to the server.
+6. The decode node dies or leaves (``PeerGoneMsg``): every request routed to it is aborted
+   here and failed to the server (which may re-route it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, NamedTuple
 from pd.config import EngineConfig
 from pd.engine.request import Req
 from pd.engine.scheduler import ScheduledBatch, StepResult
-from pd.messages import AbortMsg, PrefilledMsg, PrefillReqMsg
+from pd.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender
@@ -79,11 +82,20 @@ class PrefillNode(BaseNode):
         self.scheduler.abort(request_id)
         self._routes.pop(request_id, None)
 
+    def _forget_peer(self, msg: PeerGoneMsg) -> None:
+        for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
+            self._abort(rid)
+            self.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
+
     def _start_transfers(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Before a forward: start the transfer of each request whose last chunk it computes."""
         senders = []
         for req, seq in zip(batch.reqs[batch.num_decode :], batch.seqs[batch.num_decode :]):
-            if seq.num_prefix + len(seq.new_token_ids) == req.fill_len:
+            # max_tokens=1 ends at prefill: nothing to send (an EOS there aborts the transfer)
+            if (
+                seq.num_prefix + len(seq.new_token_ids) == req.fill_len
+                and req.params.max_tokens > 1
+            ):
                 with self._guard(req.request_id):
                     senders.append(self._start_transfer(req))
         if not senders:
@@ -110,10 +122,12 @@ class PrefillNode(BaseNode):
             t = self._transfers.get(req.request_id)
             if t is not None:
                 t.sender.set_ready_layers(num_layers)
-        self.report_step(result)
-        for req in result.produced + result.failed:
-            if req.is_finished:  # done at its first token: the decode node can forget it
-                self._forget(req.request_id, "finished at prefill")
+        self.publish_cache_events()  # what a finished request left here, before its answer
+        # the others' first token goes with their KV: the decode node streams it
+        finished = [r for r in result.produced if r.is_finished]
+        self.report_step(result._replace(produced=finished))
+        for req in finished + result.failed:  # done at its first token: D can forget it
+            self._forget(req.request_id, "finished at prefill")
 
     def _forget(self, request_id: str, why: str) -> None:
         t = self._transfers.pop(request_id, None)
@@ -132,16 +146,24 @@ class PrefillNode(BaseNode):
             if not state.is_final:
                 continue
             del self._transfers[rid]
-            route = self._routes.pop(rid)
-            if state == KVPoll.SUCCESS:
-                num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
-                pool = self.core.runner.pool
-                self.add_transfer(num_sent * pool.num_bytes_per_token, time.monotonic() - t.started)
-                first = PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached_tokens)
-                self.send_peer(route.decode_addr, first)
-            else:
-                self.report_error(rid, f"KV transfer to the decode node failed: {t.sender.failure}")
-            self.prefill_scheduler.finish_sending(rid)
+            try:
+                with self._guard(rid):
+                    self._finish_transfer(t, state == KVPoll.SUCCESS)
+            finally:  # whatever happened, the slots go back
+                self.prefill_scheduler.finish_sending(rid)
+
+    def _finish_transfer(self, t: _Transfer, ok: bool) -> None:
+        rid = t.req.request_id
+        route = self._routes.pop(rid)
+        if not ok:
+            why = f"KV transfer to the decode node failed: {t.sender.failure}"
+            self.report_error(rid, why, can_retry=True)
+            return
+        num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
+        pool = self.core.runner.pool
+        self.add_transfer(num_sent * pool.num_bytes_per_token, time.monotonic() - t.started)
+        first = PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached_tokens)
+        self.send_peer(route.decode_addr, first)
 
     def _num_transferring(self) -> int:
         return len(self._transfers)

@@ -18,7 +18,7 @@ from transfer.datapath import JobResult, KVLayout, PairWorker
 from transfer.endpoint import parse_endpoint
 from transfer.group import TorchPairGroup, host_store
 from transfer.messages import TransferRequestMsg
-from transfer.receiver import KVReceiver, ReceiverSide
+from transfer.receiver import KVReceiver, ReceiverSide, sender_root
 from transfer.sender import KVSender, SenderSide
 from transfer.state import BaseSlotOwner, KVPoll, TransferConfig
 
@@ -83,6 +83,16 @@ class TransferAgent:
         """Live pair groups (as sender plus as receiver)."""
         return self._sender.num_pairs + self._receiver.num_pairs
 
+    @property
+    def num_open_transfers(self) -> int:
+        """Transfers in flight (as sender plus as receiver)."""
+        return self._sender.num_open + self._receiver.num_open
+
+    @property
+    def num_sockets(self) -> int:
+        """Open control sockets (the ROUTER and one DEALER per peer sent to)."""
+        return self._ctrl.num_sockets
+
     def sender(
         self, transfer_id: str, peer: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> KVSender:
@@ -124,8 +134,11 @@ class TransferAgent:
         self._receiver.tick(now)
 
     def close_peer(self, peer: str) -> None:
-        """A receiver left: fail what is in flight to it and drop its pair group."""
+        """The agent at endpoint ``peer`` is gone (dead or removed): fail what is in flight to
+        or from it, drop the pair groups and the socket shared with it, and refuse it for
+        ``linger_s``."""
         self._sender.close_peer(peer)
+        self._receiver.close_peer(peer)
 
     def close(self) -> None:
         if self._closed:
@@ -134,6 +147,7 @@ class TransferAgent:
         self._sender.close()
         self._receiver.close()
         self._ctrl.close()
+        self._store = None  # the rendezvous store's server stops once its pairs let go
 
     # -- pair groups
 
@@ -145,7 +159,7 @@ class TransferAgent:
         return self.cfg.host, self._store.port
 
     def _new_send_worker(self, peer: str) -> tuple[PairWorker, str]:
-        prefix = f"kvx/{self._uid}/{next(self._incarnations)}"
+        prefix = f"{sender_root(self.endpoint)}{self._uid}/{next(self._incarnations)}"
         host, port = self._store_addr()
         worker = PairWorker(
             prefix, lambda: self._open_pair(prefix, 0, host, port), self.layout, self._results

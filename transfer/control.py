@@ -86,6 +86,10 @@ class ControlPlane:
         frame = self._reply_sealer.seal(encode_msg(msg))
         return self._try_send(self._router, [identity, frame], identity.hex())
 
+    @property
+    def num_sockets(self) -> int:
+        return 1 + len(self._dealers)
+
     def forget(self, peer: str) -> None:
         if (dealer := self._dealers.pop(peer, None)) is not None:
             self._num_rejected_gone += dealer.opener.drops.total

@@ -34,6 +34,12 @@ from transfer.state import BaseSlotOwner, KVPoll, SlotReservation, TransferConfi
 log = logging.getLogger(__name__)
 
 
+def sender_root(endpoint: str) -> str:
+    """Every pair group a sender whose control endpoint is ``endpoint`` builds is named under
+    this prefix, so a receiver can close them all when that sender is gone."""
+    return f"kvx/{endpoint}/"
+
+
 @dataclass(eq=False)
 class RecvRecord:
     transfer_id: str
@@ -100,6 +106,7 @@ class ReceiverSide:
         self._new_worker = new_worker  # a request naming a new group -> worker as rank 1
         self._workers: dict[str, PairWorker] = {}  # group prefix -> pair
         self._prefix_of_store: dict[tuple[str, int], str] = {}  # a sender's newest group
+        self._closed: dict[str, float] = {}  # sender_root -> until when its requests are refused
         self.records: dict[str, RecvRecord] = {}
 
     def get(self, transfer_id: str) -> RecvRecord:
@@ -155,6 +162,8 @@ class ReceiverSide:
         self._drop_broken()
 
     def tick(self, now: float) -> None:
+        for root in [r for r, until in self._closed.items() if until < now]:
+            del self._closed[root]
         for rec in list(self.records.values()):
             if rec.state.is_final:
                 if now - rec.finished_at > self._cfg.linger_s and not rec.is_job_running:
@@ -169,6 +178,26 @@ class ReceiverSide:
     @property
     def num_pairs(self) -> int:
         return len(self._workers)
+
+    @property
+    def num_open(self) -> int:
+        """Transfers not yet final, and final ones whose slots still wait for a worker."""
+        return sum(not r.state.is_final or r.is_job_running for r in self.records.values())
+
+    def close_peer(self, endpoint: str) -> None:
+        """The sender at ``endpoint`` is gone: fail its transfers (their slots are released once
+        no worker writes into them), close its pair groups, and refuse its requests for
+        ``linger_s`` (a sender that was only frozen must not open new ones)."""
+        root = sender_root(endpoint)
+        self._closed[root] = time.monotonic() + self._cfg.linger_s
+        for prefix in [p for p in self._workers if p.startswith(root)]:
+            self._retire(prefix, f"sender {endpoint} closed")
+        for rec in list(self.records.values()):
+            if rec.prefix.startswith(root):
+                self.fail(rec, f"sender {endpoint} closed", notify=False)
+        for store, prefix in list(self._prefix_of_store.items()):
+            if prefix.startswith(root):
+                del self._prefix_of_store[store]
 
     def close(self) -> None:
         for worker in self._workers.values():
@@ -186,20 +215,29 @@ class ReceiverSide:
                 assert rec.reservation is not None  # a repeated request: answer the same
                 self._ctrl.reply(identity, TransferReadyMsg(msg.transfer_id, *rec.reservation))
             return
-        if (why := self._incompatible(msg)) is not None:
+        if (why := self._refused(msg)) is not None:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
             self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
             return
         self._worker_for(msg)  # start the rendezvous now, off the critical path
-        res = (
-            self._owner.reserve(msg.transfer_id, msg.num_tokens, msg.token_ids)
-            if self._owner
-            else None
-        )
+        try:
+            res = (
+                self._owner.reserve(msg.transfer_id, msg.num_tokens, msg.token_ids)
+                if self._owner
+                else None
+            )
+        except Exception as e:  # the owner failed this transfer alone: say so, keep going
+            log.exception("slot owner failed to reserve for %s", msg.transfer_id)
+            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, f"reserve failed: {e}"))
+            return
         if res is None:
             self._ctrl.reply(identity, NoRoomMsg(msg.transfer_id))
             return
-        self._check_reservation(msg, res)
+        if (why := self._bad_reservation(msg, res)) is not None:
+            assert self._owner is not None  # nothing writes into these slots yet: give them back
+            self._owner.release(msg.transfer_id, res)
+            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            return
         rec = self.get(msg.transfer_id)
         rec.state, rec.identity, rec.prefix, rec.reservation = (
             KVPoll.WAITING,
@@ -243,7 +281,10 @@ class ReceiverSide:
         rec.state, rec.is_job_running = KVPoll.TRANSFERRING, True
         worker.submit(job)
 
-    def _incompatible(self, msg: TransferRequestMsg) -> str | None:
+    def _refused(self, msg: TransferRequestMsg) -> str | None:
+        """Why a request cannot be served here: a closed sender, or a layout that differs."""
+        if any(msg.group_prefix.startswith(root) for root in self._closed):
+            return "the sender was closed here"
         lo = self._layout
         mine = (self._kind, lo.num_layers, lo.elems_per_token, lo.dtype_name)
         theirs = (msg.backend, msg.num_layers, msg.elems_per_token, msg.dtype)
@@ -255,15 +296,16 @@ class ReceiverSide:
             return f"bad num_tokens {msg.num_tokens}"
         return None
 
-    def _check_reservation(self, msg: TransferRequestMsg, res: SlotReservation) -> None:
+    def _bad_reservation(self, msg: TransferRequestMsg, res: SlotReservation) -> str | None:
         n_new = msg.num_tokens - res.num_cached_tokens
         if not 0 <= res.num_cached_tokens <= msg.num_tokens or len(res.slots) != n_new:
-            raise ValueError(
+            return (
                 f"slot owner reserved {len(res.slots)} slots with {res.num_cached_tokens} cached "
                 f"for {msg.num_tokens} tokens (need {n_new} slots)"
             )
         if res.slots and not 0 <= min(res.slots) <= max(res.slots) < self._layout.num_slots:
-            raise ValueError(f"slot owner gave slots outside [0, {self._layout.num_slots})")
+            return f"slot owner gave slots outside [0, {self._layout.num_slots})"
+        return None
 
     def _worker_for(self, msg: TransferRequestMsg) -> PairWorker:
         worker = self._workers.get(msg.group_prefix)

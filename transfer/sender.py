@@ -107,6 +107,7 @@ class SenderSide:
         self._new_worker = new_worker  # peer -> (worker as rank 0, its group prefix)
         self._store_addr = store_addr
         self._workers: dict[str, tuple[PairWorker, str]] = {}  # peer -> current pair
+        self._closed: dict[str, float] = {}  # peer -> until when new transfers to it fail
         self.records: dict[str, SendRecord] = {}
 
     # -- owner calls
@@ -125,6 +126,9 @@ class SenderSide:
         )
         rec.num_ready_layers = self._layout.num_layers
         self.records[transfer_id] = rec
+        if self._closed.get(peer, 0.0) > time.monotonic():
+            self.fail(rec, f"peer {peer} is closed", notify=False)
+            return rec
         self._request(rec)
         return rec
 
@@ -170,6 +174,9 @@ class SenderSide:
             rec.job.cancel()  # the worker still sends what it started, so the stream stays whole
 
     def close_peer(self, peer: str) -> None:
+        """``peer`` is gone: fail what is in flight to it, drop its pair and socket, and fail
+        new transfers to it for ``linger_s`` (a late request must not reopen them)."""
+        self._closed[peer] = time.monotonic() + self._cfg.linger_s
         for rec in self.records.values():
             if rec.peer == peer:
                 self.fail(rec, f"peer {peer} closed")
@@ -217,6 +224,8 @@ class SenderSide:
         self._drop_broken()
 
     def tick(self, now: float) -> None:
+        for peer in [p for p, until in self._closed.items() if until < now]:
+            del self._closed[peer]
         for rec in list(self.records.values()):
             if rec.state.is_final:
                 if now - rec.finished_at > self._cfg.linger_s:
@@ -238,6 +247,11 @@ class SenderSide:
     @property
     def num_pairs(self) -> int:
         return len(self._workers)
+
+    @property
+    def num_open(self) -> int:
+        """Transfers not yet final."""
+        return sum(not r.state.is_final for r in self.records.values())
 
     def close(self) -> None:
         for worker, _ in self._workers.values():

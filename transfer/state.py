@@ -33,10 +33,16 @@ class TransferConfig:
     host: str = "127.0.0.1"
     port: int = 0  # control (ROUTER) port; 0 = a free one
     backend: str = "auto"  # auto (nccl for CUDA buffers, else gloo) | gloo | nccl | fake
-    handshake_timeout_s: float = 10.0  # request -> ready, no-room retries included
+    handshake_timeout_s: float = field(
+        default=10.0, metadata={"help": "KV transfer: request -> slots reserved, retries included"}
+    )
     retry_interval_s: float = 0.02  # between requests after a "no room" answer
-    timeout_s: float = 30.0  # sender: start -> ack; receiver: ready -> data scattered
-    connect_timeout_s: float = 10.0  # pair group rendezvous
+    timeout_s: float = field(
+        default=30.0, metadata={"help": "KV transfer: slots reserved -> KV in place (each side)"}
+    )
+    connect_timeout_s: float = field(
+        default=10.0, metadata={"help": "KV transfer: rendezvous of a new pair group"}
+    )
     linger_s: float = 60.0  # finished transfers stay pollable (by id) this long
     # The cluster secret every control frame and pair rendezvous is authenticated with
     # (``auth.py``): every member must get the same one, through Ray, never on a command line.

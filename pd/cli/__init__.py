@@ -7,16 +7,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import TypeVar
 
+from pd.cluster.client import ClientConfig
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
+from transfer import TransferConfig
+
+T = TypeVar("T")
+
+# the transfer deadlines every node uses, as --transfer-* flags
+TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag`` per field; default, type and help read from the dataclass."""
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """One ``--flag`` per field (``--{prefix}{field}``; only the fields in ``only`` if given);
+    default, type and help read from the dataclass."""
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        if only is not None and f.name not in only:
+            continue
+        flag = "--" + (prefix + f.name).replace("_", "-")
         default, help_ = f.default, f.metadata.get("help")
         if isinstance(default, bool):
             parser.add_argument(
@@ -28,8 +44,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return dataclass_from_args(EngineConfig, args)
+
+
+def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
+    """``cls`` built from the flags ``add_dataclass_args`` added (other fields: defaults)."""
+    given = vars(args)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return cls(**{n: given[prefix + n] for n in names if prefix + n in given})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_args(srv)
     add_dataclass_args(srv, EngineConfig)
+    add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
+    add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -93,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModelLoadError) as e:
+    except (ValueError, FileNotFoundError, ModelLoadError, ConnectionError) as e:
         print(f"pd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C on `pd serve`: it has shut down already

@@ -10,11 +10,13 @@ import urllib.request
 
 import uvicorn
 
+from pd.cluster.client import ClientConfig
 from pd.cluster.launcher import Cluster, ClusterConfig
 from pd.config import EngineConfig
 from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
+from transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,15 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.colocated:
         return _serve_colocated(args, engine_cfg)
+    from pd.cli import dataclass_from_args
+
     cluster_cfg = ClusterConfig(
-        num_prefill=args.prefill, num_decode=args.decode, address=args.address, host=args.host
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        address=args.address,
+        host=args.host,
+        client=dataclass_from_args(ClientConfig, args),
+        transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
     cluster = Cluster(engine_cfg, cluster_cfg, CoordinatorConfig(policy=args.policy))
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)

@@ -1,11 +1,13 @@
 """``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
 
 Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling); requests, tokens, cache
-events and transfer handshakes never go through Ray. Locally (``address=None``) a Ray instance
-is started with the nodes as CPU actors; with ``address="auto"`` (or a Ray address) the nodes
-join an existing cluster, one GPU each. The launcher makes the cluster's secret, which every
-zmq frame and pair rendezvous is authenticated with, and hands it to the client and (through
-Ray, inside ``TransferConfig``) to every node; it never goes on a command line or into a log.
+events and transfer handshakes never go through Ray. Locally (``address=None``) a private Ray
+instance is always started, with the nodes as CPU actors, whatever other Ray cluster (live, or
+dead with its record left behind) the machine has; with ``address="auto"`` (or a Ray address)
+the nodes join that cluster, one GPU each, and an unreachable one is an error within seconds.
+The launcher makes the cluster's secret, which every zmq frame and pair rendezvous is
+authenticated with, and hands it to the client and (through Ray, inside ``TransferConfig``) to
+every node; it never goes on a command line or into a log.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from pd import envs
 from pd.cluster.addresses import choose_addrs, cluster_node_ip, node_bind_host
-from pd.cluster.client import ClusterClient
+from pd.cluster.client import ClientConfig, ClusterClient
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, CoordinatorConfig
 from pd.messages import NodeInfo
@@ -46,6 +48,9 @@ class ClusterConfig:
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
     ready_timeout_s: float = 300.0
     replace_dead_nodes: bool = True  # start a new node of the same role when one dies
+    connect_timeout_s: float = 5.0  # with an address: the cluster must answer within this
+    client: ClientConfig = field(default_factory=ClientConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -60,6 +65,46 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def reachable_address(address: str, timeout_s: float) -> str:
+    """The GCS address that ``address`` names ("auto": RAY_ADDRESS, else the machine's latest
+    ``ray start``, as Ray resolves it), checked to accept a connection within ``timeout_s``.
+    ConnectionError with the address otherwise: ``ray.init`` itself would retry for minutes."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if "://" in address:  # a Ray client address: check its host:port, hand it over as it is
+        target: str | None = address.split("://", 1)[1]
+    else:
+        target = canonicalize_bootstrap_address(address)  # ConnectionError if none is found
+    if not target:
+        raise ConnectionError(f"no Ray cluster found for --address {address}")
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConnectionError(
+            f"cannot reach the Ray cluster at {target} (--address {address}) within "
+            f"{timeout_s} s: {e}"
+        ) from e
+    return address if "://" in address else target
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    """Without an address, a private local Ray instance: never RAY_ADDRESS, nor the record a
+    ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
+    to be reachable first."""
+    if cfg.address is None:
+        ray.init(
+            address="local",
+            num_cpus=max(2, cfg.num_prefill + cfg.num_decode),
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=True,
+        )
+    else:
+        ray.init(address=reachable_address(cfg.address, cfg.connect_timeout_s))
+
+
 class Cluster:
     def __init__(
         self, engine_cfg: EngineConfig, cfg: ClusterConfig, coordinator: CoordinatorConfig
@@ -71,6 +116,7 @@ class Cluster:
         self.client = ClusterClient(
             Coordinator(self.coordinator_cfg),
             "tcp://127.0.0.1:0",  # replaced in start(), once Ray tells this machine's IP
+            cfg.client,
             secret=self._secret,
             ping=self._ping,
             on_node_failed=self._on_node_failed,
@@ -86,16 +132,7 @@ class Cluster:
 
     def start(self) -> None:
         if not ray.is_initialized():
-            if self.cfg.address is None:
-                total = self.cfg.num_prefill + self.cfg.num_decode
-                ray.init(
-                    num_cpus=max(2, total),
-                    include_dashboard=False,
-                    object_store_memory=80 * 2**20,
-                    log_to_driver=True,
-                )
-            else:
-                ray.init(address=self.cfg.address)
+            init_ray(self.cfg)
         self._on_gpu = self.cfg.address is not None and ray.cluster_resources().get("GPU", 0) > 0
         node_ip = cluster_node_ip(self.cfg.address is None, ray.util.get_node_ip_address())
         addrs = choose_addrs(self.cfg.host, node_ip)
@@ -128,12 +165,13 @@ class Cluster:
             self.client.num_routed_to(node_id) or ray.get(actor.num_unfinished.remote())
         ):
             time.sleep(0.05)
-        self.client.remove_node(node_id)
+        self.client.remove_node(node_id)  # the others close their pair groups to it
         self._kill(node_id)
 
     def check_integrity(self) -> dict[str, dict[str, int]]:
-        """Every node's slot accounting (asserts inside each node)."""
-        ids = list(self.actors)
+        """Every registered node's slot and resource accounting (asserts inside each node);
+        nodes still starting are not waited for."""
+        ids = [n for n in self.actors if n in self.client.nodes]
         return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
 
     async def _ping(self, node_id: str) -> None:
@@ -150,14 +188,17 @@ class Cluster:
         if not self.cfg.replace_dead_nodes or self._stopping:
             return
         role = node_id.rsplit("-", 1)[0]
+        self.client.begin_start(role)  # requests wait for it rather than fail
 
         async def replace() -> None:
             try:
                 info = await asyncio.wait_for(self._spawn(role), self.cfg.ready_timeout_s)
+                self.client.add_node(info)
             except Exception:
                 logger.exception("could not start a %s node in place of %s", role, node_id)
                 return
-            self.client.add_node(info)
+            finally:
+                self.client.end_start(role)
             self.replacements.append(info.node_id)
             logger.warning("started %s in place of %s", info.node_id, node_id)
 
@@ -189,7 +230,7 @@ class Cluster:
             server_addr=self.client.addr,
             host=node_bind_host(self.cfg.address is None),
             debug_checks=envs.PD_DEBUG,
-            transfer=TransferConfig(secret=self._secret),
+            transfer=dataclasses.replace(self.cfg.transfer, secret=self._secret),
         )
         actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
         handle = actor.remote(engine_cfg, node_cfg)

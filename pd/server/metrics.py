@@ -17,7 +17,11 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-_NODE_FIELDS = ("queue_depth", "running", "slots_used", "slots_total")
+# the last four: what a node holds open (leak checks: each returns to its idle level)
+_NODE_FIELDS = (
+    "queue_depth", "running", "slots_used", "slots_total",
+    "pair_groups", "sockets", "threads", "pending_transfers",
+)  # fmt: skip
 _CACHE_FIELDS = ("cache_hit_tokens", "prompt_tokens")
 # NodeStatsMsg field -> (metric name after pd_node_, help)
 _NODE_COUNTERS = {
@@ -27,6 +31,26 @@ _NODE_COUNTERS = {
         "frames its sockets refused (failed authentication)",
     ),
     "num_retracted": ("retractions", "running requests retracted for want of KV slots"),
+}
+# ClusterStats field -> (metric name, help) of the server side
+_SERVER_COUNTERS = {
+    "num_rejected_msgs": (
+        "pd_server_rejected_messages",
+        "Frames the server's socket refused (failed authentication)",
+    ),
+    "num_dropped_msgs": (
+        "pd_server_dropped_messages",
+        "Authentic node messages the server dropped (malformed, or their handler raised)",
+    ),
+    "num_reader_restarts": (
+        "pd_server_reader_restarts",
+        "Times the server's reader of node messages died and was restarted",
+    ),
+    "num_rerouted": (
+        "pd_rerouted_requests",
+        "Requests moved off a dead node before they streamed a token",
+    ),
+    "num_failed_nodes": ("pd_failed_nodes", "Nodes found dead"),
 }
 
 
@@ -85,19 +109,13 @@ class ServerMetrics:
             attr: Gauge(f"pd_node_{name}", f"Per node, cumulative: {help_}.", ["node"], registry=r)
             for attr, (name, help_) in _NODE_COUNTERS.items()
         }
-        self.server_rejected_msgs = Gauge(
-            "pd_server_rejected_messages",
-            "Frames the server's socket refused (failed authentication), cumulative.",
-            registry=r,
-        )
-        self.server_dropped_msgs = Gauge(
-            "pd_server_dropped_messages",
-            "Authentic node messages the server dropped (malformed or failed), cumulative.",
-            registry=r,
-        )
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
+        self.server_counters = {
+            attr: Gauge(name, f"{help_}, cumulative.", registry=r)
+            for attr, (name, help_) in _SERVER_COUNTERS.items()
+        }
 
     def record_first_token(self, arrival: float, first_token: float) -> None:
         self.ttft.observe(first_token - arrival)
@@ -138,8 +156,8 @@ class ServerMetrics:
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats.nodes))
         self.transfer_count.set(sum(s.num_transfers for s in stats.nodes))
         self.coordinator_queue.set(stats.num_queued)
-        self.server_rejected_msgs.set(stats.num_rejected_msgs)
-        self.server_dropped_msgs.set(stats.num_dropped_msgs)
+        for attr, gauge in self.server_counters.items():
+            gauge.set(getattr(stats, attr))
 
     def _set_node(self, s: NodeStatsMsg) -> None:
         labels = {"node": s.node_id, "role": s.role}
@@ -149,6 +167,10 @@ class ServerMetrics:
             ("running", s.num_running),
             ("slots_used", used),
             ("slots_total", s.num_slots),
+            ("pair_groups", s.num_pairs),
+            ("sockets", s.num_sockets),
+            ("threads", s.num_threads),
+            ("pending_transfers", s.num_transferring),
         ):
             self.node_gauges[name].labels(**labels).set(value)
         if s.num_slots:

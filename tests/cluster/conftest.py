@@ -26,7 +26,11 @@ def ray_session() -> Iterator[None]:
 
     if not ray.is_initialized():
         ray.init(
-            num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False
+            address="local",  # a private instance, whatever else runs on the machine
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=False,
         )
     yield
     ray.shutdown()
@@ -43,8 +47,10 @@ def start_live_cluster(
     num_decode: int,
     policy: str = "cache_aware",
     page_size: int = 1,
-    host: str = "127.0.0.1",
+    model: str | None = None,
+    **cluster_kwargs: object,
 ) -> tuple[LiveCluster, object]:
+    """``model``: a model dir (default SmolLM2); ``cluster_kwargs`` go to ClusterConfig."""
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
@@ -52,11 +58,16 @@ def start_live_cluster(
     from pd.config import EngineConfig
     from pd.coordinator import CoordinatorConfig
 
-    engine_cfg = EngineConfig(max_total_tokens=8192, max_running_requests=48, page_size=page_size)
+    engine_cfg = EngineConfig(
+        model=model, max_total_tokens=8192, max_running_requests=48, page_size=page_size
+    )
     cluster = Cluster(
         engine_cfg,
         ClusterConfig(
-            num_prefill=num_prefill, num_decode=num_decode, host=host, threads_per_node=1
+            num_prefill=num_prefill,
+            num_decode=num_decode,
+            threads_per_node=1,
+            **cluster_kwargs,  # type: ignore[arg-type]
         ),
         CoordinatorConfig(policy=policy),
     )

@@ -1,0 +1,392 @@
+"""``ClusterClient`` against fake nodes (their sockets, driven by the test): routing waits,
+re-routes after a node death, heartbeats, and a reader that survives any message. No model,
+no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
+from pd.coordinator import Coordinator, CoordinatorConfig
+from pd.messages import (
+    AbortMsg,
+    CacheEventMsg,
+    DecodeReqMsg,
+    NodeInfo,
+    NodeMsg,
+    NodeStatsMsg,
+    PeerGoneMsg,
+    PrefillReqMsg,
+    TokenMsg,
+)
+from pd.outputs import RequestOutput
+from pd.sampling_params import SamplingParams
+from pd.server.metrics import ServerMetrics
+from transfer.auth import Opener, Sealer, new_secret
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+SECRET = new_secret()
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
+PROMPT = list(range(1, 11))  # 10 tokens: prompt + max_tokens = 50 slots on a decode node
+
+
+class FakeNode:
+    """A node's two sockets: what the client sends it, and what the test makes it send."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, node_id: str, server_addr: str, slots: int):
+        self.node_id = node_id
+        self.pull = ctx.socket(zmq.PULL)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(server_addr)
+        role = node_id.split("-")[0]
+        addr = f"tcp://127.0.0.1:{port}"
+        self.info = NodeInfo(node_id, role, addr, "tcp://127.0.0.1:9", slots, 4096)
+        self._opener = Opener(SECRET, addr)
+        self._sealer = Sealer(SECRET, server_addr)
+        self._decoder = msgspec.msgpack.Decoder(NodeMsg)
+
+    async def recv(self, timeout: float = 5.0) -> Any:
+        raw = self._opener.open(await asyncio.wait_for(self.pull.recv(), timeout))
+        assert raw is not None, self._opener.drops
+        return self._decoder.decode(raw)
+
+    async def recv_until(self, kind: type, timeout: float = 5.0) -> Any:
+        """The next message of ``kind`` (others before it are skipped)."""
+        while not isinstance(msg := await self.recv(timeout), kind):
+            pass
+        return msg
+
+    def send(self, msg: Any) -> None:
+        self.send_raw(msgspec.msgpack.encode(msg))
+
+    def send_raw(self, payload: bytes) -> None:
+        """An authentic frame around ``payload``, whatever it holds."""
+        self.push.send(self._sealer.seal(payload))
+
+    def tokens(self, rid: str, ids: list[int], finished: bool = False) -> None:
+        reason = "length" if finished else None
+        self.send(TokenMsg(rid, ids, finished, reason, len(PROMPT), 0, None, self.node_id))
+
+    def beat(self) -> None:
+        role = self.info.role
+        self.send(NodeStatsMsg(self.node_id, role, 0, 0, 0, 100, 100, 0, 0, 0, 0, 0.0, 0, 0))
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+
+
+class Harness:
+    def __init__(self, client: ClusterClient, ctx: zmq.asyncio.Context) -> None:
+        self.client, self.ctx = client, ctx
+        self.nodes: dict[str, FakeNode] = {}
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def add(self, node_id: str, slots: int = 1000) -> FakeNode:
+        node = self.nodes[node_id] = FakeNode(self.ctx, node_id, self.client.pull_addr, slots)
+        self.client.add_node(node.info)
+        node.beat()
+        return node
+
+    def request(self, rid: str) -> None:
+        async def run() -> None:
+            outs = self.outputs.setdefault(rid, [])
+            try:
+                stream: AsyncIterator[RequestOutput] = self.client.generate(rid, PROMPT, PARAMS)
+                async for out in stream:
+                    outs.append(out)
+            except Exception as e:  # the test looks at it
+                self.errors[rid] = e
+
+        self.tasks[rid] = asyncio.ensure_future(run())
+
+    async def wait_done(self, rid: str, timeout: float = 5.0) -> None:
+        await asyncio.wait_for(asyncio.shield(self.tasks[rid]), timeout)
+
+    def tokens_of(self, rid: str) -> list[int]:
+        return [t for out in self.outputs.get(rid, []) for t in out.new_token_ids]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@contextlib.asynccontextmanager
+async def _harness(**cfg: Any) -> AsyncIterator[Harness]:
+    cfg.setdefault("heartbeat_timeout_s", 60.0)
+    cfg.setdefault("watch_interval_s", 0.05)
+    coordinator = Coordinator(CoordinatorConfig(policy="round_robin"))
+    ctx = zmq.asyncio.Context()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    client = ClusterClient(coordinator, addr, ClientConfig(**cfg), secret=SECRET)
+    await client.start()
+    h = Harness(client, ctx)
+    try:
+        yield h
+    finally:
+        for task in h.tasks.values():
+            task.cancel()
+        await asyncio.gather(*h.tasks.values(), return_exceptions=True)
+        await client.close()
+        for node in h.nodes.values():
+            node.close()
+        ctx.term()
+
+
+async def _until(cond: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> None:
+    async with _harness() as h:
+        p, d = h.add("prefill-0"), h.add("decode-0")
+        h.request("r1")
+        assert (await d.recv_until(DecodeReqMsg)).request_id == "r1"
+        assert (await p.recv_until(PrefillReqMsg)).request_id == "r1"
+        real_apply = h.client.coordinator.apply_event
+
+        def apply(event: CacheEventMsg) -> None:
+            if event.seq == 7:
+                raise RuntimeError("injected handler failure")
+            real_apply(event)
+
+        monkeypatch.setattr(h.client.coordinator, "apply_event", apply)
+        p.send(b"\x00not msgpack")  # malformed
+        p.send(msgspec.msgpack.encode({"type": "no_such_tag", "x": 1}))  # unknown
+        p.send(CacheEventMsg("prefill-0", 7, "inserted", "", [1, 2]))  # its handler raises
+        p.send(CacheEventMsg("prefill-0", 9, "inserted", "", [1, 2, 3]))  # out of order
+        p.send(CacheEventMsg("prefill-9", 0, "inserted", "", [1]))  # unknown node
+        p.send(TokenMsg("nobody", [1], True, "stop", 1, 0, None, "decode-0"))  # unknown id
+        d.send(TokenMsg("r1", [98], False, None, 10, 0, None, "decode-7"))  # not its node
+        d.tokens("r1", [5])
+        d.tokens("r1", [6, 7], finished=True)
+        await h.wait_done("r1")
+        assert "r1" not in h.errors and h.tokens_of("r1") == [5, 6, 7]
+        assert h.client.num_bad_msgs == 3  # malformed, unknown tag, the raising handler
+        metrics = ServerMetrics()
+        metrics.update_stats(h.client.stats())
+        assert "pd_server_dropped_messages 3.0" in metrics.render().decode()
+        assert h.client.num_reader_restarts == 0 and await h.client.is_ready()
+
+
+async def test_reader_restarts_and_health_is_unready_until_it_reads_again(monkeypatch) -> None:
+    async with _harness() as h:
+        p, _ = h.add("prefill-0"), h.add("decode-0")
+        await _until(lambda: h.client._reader_ok)
+        assert await h.client.is_ready()
+        pull = h.client._pull
+        assert pull is not None
+        real_recv = pull.recv
+        calls = {"n": 0}
+
+        async def recv(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected reader failure")
+            return await real_recv(*args, **kwargs)
+
+        monkeypatch.setattr(pull, "recv", recv)
+        p.beat()  # wakes the reader: its first recv() now raises
+        await _until(lambda: h.client.num_reader_restarts == 1)
+        assert not await h.client.is_ready()
+        p.beat()
+        await _until(lambda: h.client._reader_ok)
+        assert await h.client.is_ready()
+        assert h.client.stats().num_reader_restarts == 1
+
+
+async def test_requests_wait_in_fifo_order_for_room_until_their_deadline() -> None:
+    async with _harness(request_timeout_s=1.5) as h:
+        p, d = h.add("prefill-0"), h.add("decode-0", slots=100)  # room for two requests
+        for rid in ("r1", "r2"):
+            h.request(rid)
+            assert (await p.recv_until(PrefillReqMsg)).request_id == rid
+        h.request("r3")
+        await _until(lambda: h.client.stats().num_queued == 1)
+        h.request("r4")
+        await _until(lambda: h.client.stats().num_queued == 2)
+        d.tokens("r1", [1], finished=True)  # room for one: the first in line gets it
+        assert (await p.recv_until(PrefillReqMsg)).request_id == "r3"
+        for rid in ("r2", "r3", "r4"):  # no node answers them: each ends at its deadline
+            await h.wait_done(rid, timeout=5.0)
+            assert isinstance(h.errors[rid], TimeoutError), h.errors
+            assert "deadline (1.5 s)" in str(h.errors[rid])
+        assert h.client.stats().num_queued == 0
+        assert not h.client.coordinator._requests  # nothing stays booked
+        aborts = [m.request_id for m in await _drain(p) if isinstance(m, AbortMsg)]
+        assert {"r2", "r3"} <= set(aborts)  # the nodes were told to forget them
+
+
+async def _drain(node: FakeNode) -> list[Any]:
+    msgs = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            msgs.append(await node.recv(timeout=0.2))
+    return msgs
+
+
+async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed_ones() -> None:
+    async with _harness() as h:
+        p = h.add("prefill-0")
+        survivor, victim = h.add("decode-0", slots=100), h.add("decode-1", slots=1000)
+        for rid in ("streamed", "waiting"):  # both go to the node with the most room
+            h.request(rid)
+            assert (await p.recv_until(PrefillReqMsg)).decode_node == victim.node_id
+        victim.tokens("streamed", [4])
+        await _until(lambda: h.tokens_of("streamed") == [4])
+        h.client.fail_node(victim.node_id, "killed by the test")
+        await h.wait_done("streamed")
+        assert isinstance(h.errors["streamed"], ClusterError)
+        assert "node decode-1 failed: killed by the test" in str(h.errors["streamed"])
+        # the prefill node forgets both attempts, hears the node is gone, and gets the
+        # request that streamed nothing again, under a new wire id, bound for the survivor
+        msgs = await _drain(p)
+        assert AbortMsg("waiting") in msgs and AbortMsg("streamed") in msgs
+        assert PeerGoneMsg("decode-1", victim.info.addr, victim.info.transfer_addr) in msgs
+        again = [m for m in msgs if isinstance(m, PrefillReqMsg)]
+        assert [(m.request_id, m.decode_node) for m in again] == [("waiting~1", "decode-0")]
+        assert (await survivor.recv_until(PeerGoneMsg)).node_id == "decode-1"
+        survivor.tokens("waiting~1", [8, 9], finished=True)
+        await h.wait_done("waiting")
+        assert h.tokens_of("waiting") == [8, 9] and "waiting" not in h.errors
+        assert h.client.num_rerouted == 1 and h.client.stats().num_failed_nodes == 1
+
+
+async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_alone() -> None:
+    async with _harness() as h:
+        p0, p1, d = h.add("prefill-0"), h.add("prefill-1"), h.add("decode-0")
+        h.request("a")  # round robin: a on prefill-0, b on prefill-1
+        assert (await p0.recv_until(PrefillReqMsg)).request_id == "a"
+        h.request("b")
+        assert (await p1.recv_until(PrefillReqMsg)).request_id == "b"
+        d.tokens("a", [1])  # a decodes on the decode node: its prefill node no longer matters
+        await _until(lambda: h.tokens_of("a") == [1])
+        h.client.fail_node("prefill-0", "gone")
+        h.client.fail_node("prefill-1", "gone")  # b streamed nothing: re-routed, it waits
+        h.request("c")  # arrives while the prefill pool is empty: waits behind b
+        await _until(lambda: h.client.stats().num_queued == 2)
+        p2 = h.add("prefill-2")  # the replacement joins: the waiting requests go there, FIFO
+        first = await p2.recv_until(PrefillReqMsg)
+        second = await p2.recv_until(PrefillReqMsg)
+        assert [first.request_id, second.request_id] == ["b~1", "c"]
+        msgs = await _drain(d)
+        assert AbortMsg("b") in msgs and AbortMsg("a") not in msgs
+        assert [m.node_id for m in msgs if isinstance(m, PeerGoneMsg)] == ["prefill-0", "prefill-1"]
+        d.tokens("a", [2], finished=True)
+        d.tokens("b~1", [3], finished=True)
+        d.tokens("c", [4], finished=True)
+        for rid in ("a", "b", "c"):
+            await h.wait_done(rid)
+        assert not h.errors, h.errors
+        assert [h.tokens_of(r) for r in ("a", "b", "c")] == [[1, 2], [3], [4]]
+
+
+async def test_a_request_is_rerouted_only_once() -> None:
+    async with _harness() as h:
+        p0, d = h.add("prefill-0"), h.add("decode-0")
+        h.request("r")
+        await p0.recv_until(PrefillReqMsg)
+        h.client.fail_node("prefill-0", "first death")
+        p1 = h.add("prefill-1")
+        assert (await p1.recv_until(PrefillReqMsg)).request_id == "r~1"
+        h.client.fail_node("prefill-1", "second death")
+        await h.wait_done("r")
+        assert "node prefill-1 failed: second death" in str(h.errors["r"])
+        assert d.node_id in h.client.nodes
+
+
+async def test_a_silent_node_is_dead_after_the_heartbeat_timeout() -> None:
+    failed: list[str] = []
+    async with _harness(heartbeat_timeout_s=0.5) as h:
+        h.client._on_node_failed = failed.append
+        p, d = h.add("prefill-0"), h.add("decode-0")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 1.5:  # the prefill node beats, the decode node is silent
+            p.beat()
+            await asyncio.sleep(0.05)
+        assert failed == ["decode-0"]
+        assert "no heartbeat for" in h.client.dead_nodes["decode-0"]
+        assert list(h.client.nodes) == ["prefill-0"]
+        assert (await p.recv_until(PeerGoneMsg)).node_id == "decode-0"
+        d.beat()  # a late beat of the dead node changes nothing
+        await asyncio.sleep(0.1)
+        assert list(h.client.nodes) == ["prefill-0"]
+
+
+async def test_while_a_replacement_starts_the_cluster_is_ready_and_requests_wait() -> None:
+    async with _harness() as h:
+        h.add("prefill-0"), h.add("decode-0")
+        await _until(lambda: h.client._reader_ok)
+        h.client.fail_node("decode-0", "gone")
+        assert not await h.client.is_ready()
+        h.client.begin_start("decode")
+        assert await h.client.is_ready()
+        h.request("r")
+        await _until(lambda: h.client.stats().num_queued == 1)
+        d1 = h.add("decode-1")
+        h.client.end_start("decode")
+        assert (await d1.recv_until(DecodeReqMsg)).request_id == "r"
+        d1.tokens("r", [1], finished=True)
+        await h.wait_done("r")
+        assert h.tokens_of("r") == [1] and await h.client.is_ready()
+
+
+async def test_abort_while_waiting_for_room_ends_the_request() -> None:
+    async with _harness() as h:
+        p, d = h.add("prefill-0"), h.add("decode-0", slots=60)  # room for one
+        h.request("r1")
+        await p.recv_until(PrefillReqMsg)
+        h.request("r2")
+        await _until(lambda: h.client.stats().num_queued == 1)
+        await h.client.abort("r2")
+        await h.wait_done("r2")
+        assert [o.finish_reason for o in h.outputs["r2"]] == ["abort"]
+        assert h.client.stats().num_queued == 0
+        d.tokens("r1", [1], finished=True)
+        await h.wait_done("r1")
+
+
+async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once() -> None:
+    async with _harness(retry_delay_s=0.1) as h:
+        p, d = h.add("prefill-0"), h.add("decode-0")
+        h.request("r")
+        await p.recv_until(PrefillReqMsg)
+
+        def transfer_failed(node: FakeNode, rid: str) -> None:
+            why = f"KV transfer failed on {node.node_id}"
+            node.send(TokenMsg(rid, [], True, "abort", 0, 0, why, node.node_id, True))
+
+        transfer_failed(p, "r")  # both sides report it: one retry
+        transfer_failed(d, "r")
+        assert await p.recv_until(AbortMsg) == AbortMsg("r")
+        assert (await p.recv_until(PrefillReqMsg)).request_id == "r~1"
+        assert h.client.num_rerouted == 1
+        transfer_failed(p, "r~1")  # no re-route is left
+        await h.wait_done("r")
+        assert "KV transfer failed on prefill-0" in str(h.errors["r"])
+        h.request("own-error")  # an error of the request itself is not retried
+        await p.recv_until(PrefillReqMsg)
+        p.send(TokenMsg("own-error", [], True, "abort", 0, 0, "sampling failed", "prefill-0"))
+        await h.wait_done("own-error")
+        assert "sampling failed" in str(h.errors["own-error"])
+        assert h.client.num_rerouted == 1

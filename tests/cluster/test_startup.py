@@ -1,0 +1,132 @@
+"""Start-up that cannot be derailed: without ``--address``, ``pd serve`` starts a private Ray
+instance whatever other Ray cluster the machine has (live, or killed with its record left
+behind); with ``--address``, an unreachable cluster is a clear error within seconds.
+
+The other cluster is started the way users do (``ray start --head``), in a temp dir of its own
+(RAY_TMPDIR), so the record it leaves cannot disturb anyone else's Ray on this machine; every
+process started here is ended through its own process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _end(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    # short: Ray's unix socket paths live under it
+    with tempfile.TemporaryDirectory(prefix="pdr-", dir="/tmp") as d:
+        yield Path(d)
+
+
+def _env(ray_tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    root = str(Path(__file__).resolve().parents[2])
+    return {**env, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": root, **extra}
+
+
+def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
+    tiny_llama_dir, ray_tmp, tmp_path
+) -> None:
+    env = _env(ray_tmp)
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--port", str(_free_port()), "--num-cpus", "1"]
+        + ["--include-dashboard=false"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    record = ray_tmp / "ray" / "ray_current_cluster"
+    try:
+        deadline = time.monotonic() + 120
+        while not record.exists():
+            assert head.poll() is None and time.monotonic() < deadline, "ray start failed"
+            time.sleep(0.3)
+        other = record.read_text().strip()
+        # 1. it runs, and ray.init() would join it (and refuse pd's resources): pd's own
+        # start-up gets a private instance, even with RAY_ADDRESS naming the other one
+        code = (
+            "import ray; from pd.cluster.launcher import ClusterConfig, init_ray; "
+            "init_ray(ClusterConfig()); print('GCS', ray.get_runtime_context().gcs_address)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, "RAY_ADDRESS": other},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        gcs = next(line for line in out.stdout.splitlines() if line.startswith("GCS")).split()[1]
+        assert gcs != other
+    finally:
+        _end(head)  # killed: its record stays behind, naming a dead cluster
+    assert record.read_text().strip() == other
+
+    # 2. `pd serve` starts and serves all the same
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(port), "--model"]
+    cmd += [str(tiny_llama_dir), "--max-total-tokens", "2048"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while f"pd is serving {url}/v1" not in log.read_text():
+            assert proc.poll() is None, f"pd serve exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not serving in 180 s: {log.read_text()[-3000:]}"
+            time.sleep(0.3)
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+    finally:
+        _end(proc, signal.SIGINT)
+
+    # 3. naming the dead cluster is a clear error, within seconds (ray.init would retry for
+    # minutes)
+    start = time.monotonic()
+    out = subprocess.run(
+        cmd[:3] + ["serve", "--address", other, "--model", str(tiny_llama_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - start
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert f"pd: error: cannot reach the Ray cluster at {other}" in out.stderr, out.stderr[-3000:]
+    assert took < 30, took  # imports included; the connection check itself takes 5 s at most
