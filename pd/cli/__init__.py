@@ -8,9 +8,11 @@ import argparse
 import dataclasses
 import sys
 
+from pd import envs
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
+from pd.server.config import ServerConfig
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -22,6 +24,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_
             )
+        elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
+            parser.add_argument(flag, action="append", default=None, help=help_)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             parser.add_argument(flag, type=kind, default=default, help=help_)
@@ -30,6 +34,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags."""
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    kwargs["api_key"] = (*(args.api_key or ()), *envs.PD_API_KEY)
+    return ServerConfig(**kwargs)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -41,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd.cli.serve import serve
 
-    return serve(args, engine_config(args))
+    return serve(args, engine_config(args), server_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_args(srv)
     add_dataclass_args(srv, EngineConfig)
+    add_dataclass_args(srv, ServerConfig)
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pd.server import ServerMetrics, build_app
+from pd.server import ServerConfig, ServerMetrics, build_app
 from tests.server.fake_engine import FakeEngineClient
 
 MODEL_NAME = "smollm2-test"
@@ -44,10 +44,13 @@ def script_ids(tokenizer: Any) -> list[int]:
 @pytest.fixture
 def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, FakeEngineClient]]:
     """``make_app(**fake_kwargs) -> (app, fake)``; fake_kwargs go to FakeEngineClient, plus
-    ``stats_fn`` / ``extra_health`` for build_app."""
+    ``stats_fn`` / ``extra_health`` / ``config`` (a ServerConfig) for build_app."""
 
     def make(
-        stats_fn: Any = None, extra_health: Any = None, **fake_kwargs: Any
+        stats_fn: Any = None,
+        extra_health: Any = None,
+        config: ServerConfig | None = None,
+        **fake_kwargs: Any,
     ) -> tuple[Any, FakeEngineClient]:
         fake_kwargs.setdefault("output_ids", script_ids)
         fake_kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
@@ -57,6 +60,7 @@ def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, 
             tokenizer=tokenizer,
             model_name=MODEL_NAME,
             max_model_len=MAX_MODEL_LEN,
+            config=config,
             metrics=ServerMetrics(),
             stats_fn=stats_fn,
             extra_health=extra_health,
