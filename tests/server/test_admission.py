@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,19 +14,12 @@ import pytest
 from pd.server import ServerConfig, ServerMetrics
 from pd.server.admission import Admission
 from pd.server.errors import APIError
-from tests.server.conftest import serve
+from tests.server.conftest import serve, wait_for
 from tests.server.fake_engine import FakeEngineClient
 
 pytestmark = pytest.mark.timeout(30)
 
 MakeApp = Callable[..., tuple[Any, FakeEngineClient]]
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
-        time.sleep(0.01)
 
 
 # -- the Admission class ----------------------------------------------------------------------
@@ -130,7 +122,7 @@ def test_overload_is_429_with_retry_after_and_queued_requests_run_in_order(
         for i in range(3):  # one runs, two queue, in this order
             threads.append(threading.Thread(target=send, args=(i,)))
             threads[-1].start()
-            _wait_for(lambda i=i: len(fake.requests) + state.admission.num_queued > i)
+            wait_for(lambda i=i: len(fake.requests) + state.admission.num_queued > i)
         refused = _completions(url, {"prompt": "one too many"})
         metrics = httpx.get(f"{url}/metrics").text
         for t in threads:
@@ -164,10 +156,10 @@ def test_a_client_leaving_the_queue_frees_its_place_in_line(
     with serve(app) as url:
         first = threading.Thread(target=_completions, args=(url, {"prompt": "a", "max_tokens": 60}))
         first.start()
-        _wait_for(lambda: adm.num_inflight == 1)
+        wait_for(lambda: adm.num_inflight == 1)
         with pytest.raises(httpx.ReadTimeout):
             _completions(url, {"prompt": "queued then gone"}, timeout_s=0.2)
-        _wait_for(lambda: adm.num_queued == 0)
+        wait_for(lambda: adm.num_queued == 0)
         third = _completions(url, {"prompt": "c", "max_tokens": 2})  # queues, then runs
         first.join(10)
     assert third.status_code == 200 and len(fake.requests) == 2  # the leaver never ran
@@ -209,7 +201,7 @@ def test_streams_give_their_place_back_however_they_end(
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert next(r.iter_lines()).startswith("data: {")
             assert adm.num_inflight == 1
-        _wait_for(lambda: adm.num_inflight == 0 and len(fake.aborted) == 1)
+        wait_for(lambda: adm.num_inflight == 0 and len(fake.aborted) == 1)
         r = client.post("/v1/completions", json={**body, "max_tokens": 3})
         assert r.text.endswith("data: [DONE]\n\n")
     assert adm.num_inflight == 0

@@ -15,6 +15,7 @@ from pd.config import EngineConfig
 from pd.engine.async_engine import AsyncEngine
 from pd.engine.engine import Engine
 from pd.server import ServerConfig, build_app
+from tests.server.conftest import check_idle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,16 +61,6 @@ def _post_all(
     return asyncio.run(run())
 
 
-def _check_idle(client: AsyncEngine) -> None:
-    def check(engine: Engine) -> None:
-        assert not engine.has_unfinished
-        engine.check_integrity()
-        s = engine.stats()
-        assert s.num_free_slots + s.num_cached_tokens == s.num_slots, s
-
-    client.call(check)
-
-
 def _cached(answers: list[Any]) -> list[int]:
     return [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
 
@@ -82,7 +73,7 @@ def test_keys_do_not_share_cached_prefixes_when_isolated(client: AsyncEngine) ->
     cached = _cached(_post_all(app, [(a, body), (b, body), (a, body), (b, body)]))
     assert cached[:2] == [0, 0], "a key reused another key's cached prefix"
     assert cached[2] >= len(prompt) - 1 and cached[3] >= len(prompt) - 1, cached
-    _check_idle(client)
+    check_idle(client, app)
 
 
 def test_cache_salt_scopes_sharing(client: AsyncEngine) -> None:
@@ -93,7 +84,7 @@ def test_cache_salt_scopes_sharing(client: AsyncEngine) -> None:
     other = {**plain, "cache_salt": "tenant-y"}
     cached = _cached(_post_all(app, [(None, plain), (None, salted), (None, other), (None, salted)]))
     assert cached[:3] == [0, 0, 0] and cached[3] >= len(prompt) - 1, cached
-    _check_idle(client)
+    check_idle(client, app)
 
 
 def test_logit_bias_and_tiny_temperature_end_to_end(client: AsyncEngine) -> None:
@@ -109,4 +100,4 @@ def test_logit_bias_and_tiny_temperature_end_to_end(client: AsyncEngine) -> None
     banned = {"input_ids": PROMPT, "sampling_params": {**sp, "logit_bias": {str(ids[0]): -100}}}
     (answer,) = _post_all(app, [(None, banned)], "/generate")
     assert answer["output_ids"][0] != ids[0]
-    _check_idle(client)
+    check_idle(client, app)

@@ -20,11 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pd.config import EngineConfig
-from pd.engine.async_engine import AsyncEngine
-from pd.engine.engine import Engine
-from pd.server import ServerConfig, build_app
-from tests.server.conftest import serve
+from pd.server import ServerConfig
+from tests.server.conftest import check_idle, colocated_app, serve
 
 MAX_MODEL_LEN = 32
 VOCAB = 49152
@@ -135,17 +132,10 @@ requests = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[tuple[str, AsyncEngine, Any]]:
-    engine = Engine(
-        EngineConfig(model=str(tiny_llama_dir), max_total_tokens=1024, max_model_len=MAX_MODEL_LEN)
-    )
-    client = AsyncEngine(engine)
-    app = build_app(
-        client,
-        tokenizer=engine.tokenizer,
-        model_name="tiny",
-        max_model_len=engine.max_model_len,
-        config=ServerConfig(api_key=(KEY,), max_body_bytes=64 * 1024),
+def server(tiny_llama_dir: Path) -> Iterator[tuple[str, Any, Any]]:
+    config = ServerConfig(api_key=(KEY,), max_body_bytes=64 * 1024)
+    client, app = colocated_app(
+        tiny_llama_dir, config, max_total_tokens=1024, max_model_len=MAX_MODEL_LEN
     )
     try:
         with serve(app) as url:
@@ -173,7 +163,7 @@ def _check_answer(r: httpx.Response) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_fuzz_every_endpoint(server: tuple[str, AsyncEngine, Any]) -> None:
+def test_fuzz_every_endpoint(server: tuple[str, Any, Any]) -> None:
     url, client, app = server
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=url, timeout=30, headers=headers) as http:
@@ -201,12 +191,4 @@ def test_fuzz_every_endpoint(server: tuple[str, AsyncEngine, Any]) -> None:
         ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
-    def idle(engine: Engine) -> None:
-        assert not engine.has_unfinished
-        engine.check_integrity()
-        s = engine.stats()
-        assert s.num_free_slots + s.num_cached_tokens == s.num_slots, s
-
-    client.call(idle)
-    admission = app.state.server.admission
-    assert (admission.num_inflight, admission.num_queued) == (0, 0)
+    check_idle(client, app)

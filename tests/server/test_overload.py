@@ -21,11 +21,8 @@ from typing import Any
 import psutil
 import pytest
 
-from pd.config import EngineConfig
-from pd.engine.async_engine import AsyncEngine
-from pd.engine.engine import Engine
-from pd.server import ServerConfig, build_app
-from tests.server.conftest import serve
+from pd.server import ServerConfig
+from tests.server.conftest import check_idle, colocated_app, serve
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,18 +32,10 @@ LIMIT = 4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[tuple[str, AsyncEngine, Any]]:
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
-    client = AsyncEngine(engine)
+def server(tiny_llama_dir: Path) -> Iterator[tuple[str, Any, Any]]:
     # No queue: a 200's latency is then all service time, comparable with the unloaded run.
-    cfg = ServerConfig(max_inflight_requests=LIMIT, max_queued_requests=0)
-    app = build_app(
-        client,
-        tokenizer=engine.tokenizer,
-        model_name="tiny",
-        max_model_len=engine.max_model_len,
-        config=cfg,
-    )
+    config = ServerConfig(max_inflight_requests=LIMIT, max_queued_requests=0)
+    client, app = colocated_app(tiny_llama_dir, config, max_total_tokens=2048)
     try:
         with serve(app) as url:
             yield url, client, app
@@ -85,20 +74,8 @@ def _rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _check_idle(client: AsyncEngine, app: Any) -> None:
-    def check(engine: Engine) -> None:
-        assert not engine.has_unfinished
-        engine.check_integrity()
-        s = engine.stats()
-        assert s.num_free_slots + s.num_cached_tokens == s.num_slots, s
-
-    client.call(check)
-    admission = app.state.server.admission
-    assert (admission.num_inflight, admission.num_queued) == (0, 0)
-
-
 def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
-    server: tuple[str, AsyncEngine, Any],
+    server: tuple[str, Any, Any],
 ) -> None:
     """Rounds of an unloaded phase (LIMIT clients) then a flood (10 x LIMIT clients that honour
     Retry-After). Admitted requests' latency is the server's own (its e2e histogram, per
@@ -133,10 +110,10 @@ def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
     refused = sum(r["flood"]["statuses"]["429"] for r in rounds)
     metrics = app.state.server.metrics.render().decode()
     assert f'pd_server_rejected_requests_total{{reason="queue_full"}} {refused}.0' in metrics
-    _check_idle(client, app)
+    check_idle(client, app)
 
 
-def test_40mb_bodies_get_413_and_slow_nobody(server: tuple[str, AsyncEngine, Any]) -> None:
+def test_40mb_bodies_get_413_and_slow_nobody(server: tuple[str, Any, Any]) -> None:
     url, client, app = server
     alone = _run(url, "--concurrency", "1", "--duration", "2.5")
     big = subprocess.Popen(
@@ -158,4 +135,4 @@ def test_40mb_bodies_get_413_and_slow_nobody(server: tuple[str, AsyncEngine, Any
     sent = {k: len(v) for k, v in bodies.items()}
     print(f"alone p50 {base * 1e3:.1f} ms; beside {sent} big bodies p50 {during * 1e3:.1f} ms")
     assert set(beside["statuses"]) == {"200"} and during <= 2.0 * base, (during, base)
-    _check_idle(client, app)
+    check_idle(client, app)

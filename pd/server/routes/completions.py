@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -55,50 +57,53 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
     return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage)
 
 
-class CompletionRenderer:
+class _StreamRenderer:
+    """Chunks and the usage chunk of an OpenAI stream; subclasses give the choice shape."""
+
+    chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
+
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+
+    def _choice(self, text: str, finish_reason: str | None) -> Any:
+        raise NotImplementedError
 
     def chunk(
         self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
     ) -> BaseModel | None:
         if not text and finish_reason is None:
             return None
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(id=gen.request_id, model=self.model_name, choices=[choice])
+        choice = self._choice(text, finish_reason)
+        return self.chunk_model(id=gen.request_id, model=self.model_name, choices=[choice])
 
     def usage(self, gen: Generation) -> BaseModel:
-        return CompletionResponse(
+        return self.chunk_model(
             id=gen.request_id, model=self.model_name, choices=[], usage=usage_of(gen)
         )
+
+
+class CompletionRenderer(_StreamRenderer):
+    chunk_model = CompletionResponse
+
+    def _choice(self, text: str, finish_reason: str | None) -> CompletionChoice:
+        return CompletionChoice(text=text, finish_reason=finish_reason)
 
     def first(self, gen: Generation) -> BaseModel | None:
         return None
 
     def final(self, gen: Generation) -> BaseModel:
-        choice = CompletionChoice(text=gen.text, finish_reason=gen.finish_reason)
+        choice = self._choice(gen.text, gen.finish_reason)
         return CompletionResponse(
             id=gen.request_id, model=self.model_name, choices=[choice], usage=usage_of(gen)
         )
 
 
-class ChatRenderer:
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
+class ChatRenderer(_StreamRenderer):
+    chunk_model = ChatCompletionChunk
 
-    def chunk(
-        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
-    ) -> BaseModel | None:
-        if not text and finish_reason is None:
-            return None
+    def _choice(self, text: str, finish_reason: str | None) -> ChatChunkChoice:
         delta = DeltaMessage(content=text) if text else DeltaMessage()
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(id=gen.request_id, model=self.model_name, choices=[choice])
-
-    def usage(self, gen: Generation) -> BaseModel:
-        return ChatCompletionChunk(
-            id=gen.request_id, model=self.model_name, choices=[], usage=usage_of(gen)
-        )
+        return ChatChunkChoice(delta=delta, finish_reason=finish_reason)
 
     def first(self, gen: Generation) -> BaseModel | None:
         role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
