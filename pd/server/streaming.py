@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -97,6 +98,13 @@ def sse_response(body: AsyncIterator[str], on_close: Callable[[], None]) -> Stre
     return _ReleasingStreamingResponse(body, on_close)
 
 
+async def anext_or_none(it: AsyncIterator[T]) -> T | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 async def sse_steps(
     gen: Generation,
     make_chunk: Callable[[str, list[int], str | None], BaseModel | None],
@@ -112,18 +120,20 @@ async def sse_steps(
             yield sse_event(first)
         async with aclosing(gen.steps()) as steps:
             while True:
-                try:
-                    step = await asyncio.wait_for(
-                        steps.__anext__(), timeout=max(deadline - time.monotonic(), 0.0)
-                    )
-                except StopAsyncIteration:
+                # Only the wait is in the scope (never a yield): past the deadline it cancels
+                # the step, which aborts the engine request.
+                with anyio.move_on_after(deadline - time.monotonic()) as scope:
+                    step = await anext_or_none(steps)
+                if scope.cancelled_caught:
+                    raise DeadlineExceeded()
+                if step is None:
                     break
                 chunk = make_chunk(*step)
                 if chunk is not None:
                     yield sse_event(chunk)
         if usage_chunk is not None:
             yield sse_event(usage_chunk())
-    except asyncio.TimeoutError:  # the engine request was cancelled, hence aborted
+    except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
     except Exception as e:
         logger.exception("stream %s failed", gen.request_id)
