@@ -48,15 +48,6 @@ class Prepared(NamedTuple):
     include_usage: bool = False
 
 
-def timeout_error(timeout_s: float) -> APIError:
-    return APIError(
-        f"request timed out after {timeout_s:g} s (the server's request_timeout)",
-        status_code=504,
-        type="timeout_error",
-        code="request_timeout",
-    )
-
-
 class ServerState:
     def __init__(
         self,
@@ -127,14 +118,24 @@ class ServerState:
         except ClientGone:
             return Response(status_code=499)
         except DeadlineExceeded:
-            self.metrics.rejected.labels(reason="timeout").inc()
-            raise timeout_error(self.config.request_timeout) from None
+            raise self.timed_out() from None
         except ValueError as e:  # the engine refused the request (e.g. larger than its KV pool)
             raise APIError(str(e), status_code=400) from e
         except Exception as e:
             logger.exception("request %s failed", gen.request_id)
             raise internal_error(e) from e
         return None
+
+    def timed_out(self) -> APIError:
+        """The answer to a request past its deadline (counted)."""
+        self.metrics.rejected.labels(reason="timeout").inc()
+        return APIError(
+            f"request timed out after {self.config.request_timeout:g} s (the server's "
+            f"request_timeout)",
+            status_code=504,
+            type="timeout_error",
+            code="request_timeout",
+        )
 
     # -- in a parse thread -------------------------------------------------------------------
 

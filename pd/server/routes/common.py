@@ -23,7 +23,7 @@ from pd.server.admission import Ticket
 from pd.server.auth import API_KEY_SCOPE
 from pd.server.errors import validation_error
 from pd.server.generation import Generation
-from pd.server.state import Prepared, ServerState, timeout_error
+from pd.server.state import Prepared, ServerState
 from pd.server.streaming import sse_response, sse_steps
 
 Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
@@ -73,18 +73,13 @@ async def serve_generation(
         prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))
         gen = state.new_generation(prefix, prep)
         if prep.stream:
-
-            def on_timeout() -> Any:
-                state.metrics.rejected.labels(reason="timeout").inc()
-                return timeout_error(timeout_s)
-
             steps = sse_steps(
                 gen,
                 lambda text, ids, finish: render.chunk(gen, text, ids, finish),
                 (lambda: render.usage(gen)) if prep.include_usage else None,
                 render.first(gen),
                 deadline,
-                on_timeout,
+                state.timed_out,
             )
             response = sse_response(steps, on_close=ticket.release)
             ticket = None  # the response releases it
