@@ -45,7 +45,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # rejects NaN
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, -1, MAX_INT32)
@@ -67,8 +67,10 @@ class SamplingParams:
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
 
 
 def _checked_logit_bias(pairs: Iterable[tuple[int, float]]) -> LogitBias:

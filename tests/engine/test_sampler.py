@@ -75,16 +75,16 @@ def test_sampling_params_travel_inside_messages_and_revalidate() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"seed": -1}, "seed must be in"),
-        ({"seed": 2**63}, "seed must be in"),
-        ({"top_k": 2**31}, "top_k must be in"),
-        ({"max_tokens": 2**31}, "max_tokens must be in"),
-        ({"temperature": float("inf")}, "temperature must be finite"),
-        ({"stop_token_ids": (-1,)}, "stop_token_ids must be in"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"seed": 2**63}, f"seed must be <= {MAX_SEED}"),
+        ({"top_k": 2**31}, "top_k must be <= 2147483647"),
+        ({"max_tokens": 2**31}, "max_tokens must be <= 2147483647"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids must be >= 0"),
         ({"logit_bias": ((1, 100.5),)}, r"must be in \[-100, 100\], got 100.5"),
         ({"logit_bias": ((1, float("nan")),)}, "must be in"),
         ({"logit_bias": ((1, 1.0), (1, 2.0))}, "unique and in increasing order"),
-        ({"logit_bias": ((-1, 1.0),)}, "logit_bias token must be in"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias token must be >= 0"),
     ],
 )
 def test_sampling_params_bounds(kwargs: dict, match: str) -> None:
