@@ -9,10 +9,12 @@ import dataclasses
 import sys
 from typing import TypeVar
 
+from pd import envs
 from pd.cluster.client import ClientConfig
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
+from pd.server.config import ServerConfig
 from transfer import TransferConfig
 
 T = TypeVar("T")
@@ -38,6 +40,8 @@ def add_dataclass_args(
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_
             )
+        elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
+            parser.add_argument(flag, action="append", default=None, help=help_)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             parser.add_argument(flag, type=kind, default=default, help=help_)
@@ -54,6 +58,14 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = ""
     return cls(**{n: given[prefix + n] for n in names if prefix + n in given})
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags."""
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    kwargs["api_key"] = (*(args.api_key or ()), *envs.PD_API_KEY)
+    return ServerConfig(**kwargs)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pd.cli.generate import generate
 
@@ -63,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd.cli.serve import serve
 
-    return serve(args, engine_config(args))
+    return serve(args, engine_config(args), server_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, EngineConfig)
     add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
     add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
+    add_dataclass_args(srv, ServerConfig)
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 import uvicorn
+from fastapi import FastAPI
 
 from pd.cluster.client import ClientConfig
 from pd.cluster.launcher import Cluster, ClusterConfig
@@ -16,12 +19,15 @@ from pd.config import EngineConfig
 from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
+from pd.server.config import ServerConfig
 from transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
 
 
-def build_cluster_app(cluster: Cluster, model_name: str):  # noqa: ANN201 - FastAPI
+def build_cluster_app(
+    cluster: Cluster, model_name: str, server_cfg: ServerConfig | None = None
+) -> FastAPI:
     """The HTTP app over a started cluster."""
     runner_dir = cluster.engine_cfg.model
     tokenizer = load_tokenizer(runner_dir)
@@ -32,6 +38,7 @@ def build_cluster_app(cluster: Cluster, model_name: str):  # noqa: ANN201 - Fast
         tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=info.max_model_len,
+        config=server_cfg,
         stats_fn=client.stats,
         extra_health=lambda: {"nodes": sorted(client.nodes)},
     )
@@ -50,29 +57,34 @@ def _announce_when_healthy(url: str, stop: threading.Event) -> None:
         time.sleep(0.2)
 
 
-def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.colocated:
-        return _serve_colocated(args, engine_cfg)
+        return _serve_colocated(args, engine_cfg, server_cfg)
     from pd.cli import dataclass_from_args
 
+    # the cluster waits (for room, for a replacement node) no longer than the server lets a
+    # request live
+    client_cfg = dataclasses.replace(
+        dataclass_from_args(ClientConfig, args), request_timeout_s=server_cfg.request_timeout
+    )
     cluster_cfg = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
         address=args.address,
         host=args.host,
-        client=dataclass_from_args(ClientConfig, args),
+        client=client_cfg,
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
     cluster = Cluster(engine_cfg, cluster_cfg, CoordinatorConfig(policy=args.policy))
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
     cluster.start()
     model_name = args.served_model_name or _default_name(engine_cfg)
-    app = build_cluster_app(cluster, model_name)
+    app = build_cluster_app(cluster, model_name, server_cfg)
     return _run_http(app, args, on_exit=cluster.shutdown)
 
 
-def _run_http(app, args: argparse.Namespace, on_exit) -> int:  # noqa: ANN001
+def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None]) -> int:
     url = f"http://{args.host}:{args.port}"
     stop = threading.Event()
     threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
@@ -91,7 +103,9 @@ def _default_name(engine_cfg: EngineConfig) -> str:
     return resolve_model(engine_cfg.model).name
 
 
-def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+def _serve_colocated(
+    args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig
+) -> int:
     """One process, no Ray: the colocated engine behind the same HTTP API (the baseline)."""
     from pd.engine.async_engine import AsyncEngine
     from pd.engine.engine import Engine
@@ -104,6 +118,7 @@ def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         tokenizer=engine.tokenizer,
         model_name=args.served_model_name or _default_name(engine_cfg),
         max_model_len=engine.max_model_len,
+        config=server_cfg,
         stats_fn=lambda: ClusterStats([client.stats()]),
     )
     return _run_http(app, args, on_exit=client.shutdown)
