@@ -29,7 +29,8 @@ class SamplingParams:
     """What to generate. Defaults follow vLLM/OpenAI (temperature 1.0, top_p 1.0, no top-k).
 
     ``logit_bias``: (token id, bias) pairs sorted by id, each bias added to that token's logit
-    before sampling (greedy included)."""
+    before sampling (greedy included). ``min_tokens``: until that many tokens are out, EOS (unless
+    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled (as vLLM)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -41,9 +42,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: LogitBias = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # rejects NaN
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -33,9 +33,17 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    banned: Sequence[frozenset[int]] = (),
 ) -> list[SampledRow]:
-    """logits: [R, vocab] float32 -> R sampled rows."""
+    """logits: [R, vocab] float32 -> R sampled rows; ``banned[r]``: ids row r must not sample
+    (e.g. EOS before ``min_tokens``)."""
     logits, bias_errors = _apply_logit_bias(logits, params)
+    if any(banned):
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for r, ids in enumerate(banned):
+            if ids:
+                logits[r, [t for t in ids if t < vocab]] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for r, p in enumerate(params):

@@ -110,7 +110,7 @@ class _OpenAIFields(_SamplerFields):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = 1
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -123,11 +123,18 @@ class _OpenAIFields(_SamplerFields):
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplerFields.neutral_values,
         "n": (1,),
-        "min_tokens": (0,),
     }
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens}
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise APIError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 "stream_options is only allowed with stream=true", param="stream_options"

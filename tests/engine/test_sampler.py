@@ -90,3 +90,36 @@ def test_sampling_params_travel_inside_messages_and_revalidate() -> None:
 def test_sampling_params_bounds(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    hot = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    rows = sample(
+        logits, [greedy, hot], [None, make_generator(hot, 0)], [frozenset({1}), frozenset({1})]
+    )
+    assert rows[0].token == 2  # the next best
+    assert rows[1].token == 2  # top-k 2 of what is left: 2 or 3, and 2 is far likelier
+    assert sample(logits, [greedy], [None], [frozenset()])[0].token == 1
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached(tiny_llama_dir) -> None:
+    from pd.config import EngineConfig
+    from pd.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=512))
+    prompt = [5, 17, 300, 42, 9]
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    stop = free.token_ids[2]  # a token the free run samples third: make it a stop id
+    stopped = engine.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    )[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
+    held = engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,), min_tokens=8),
+    )[0]
+    assert stop not in held.token_ids[:8] and len(held.token_ids) >= 8
+    with pytest.raises(ValueError, match="min_tokens must be <= 4"):
+        SamplingParams(max_tokens=4, min_tokens=5)

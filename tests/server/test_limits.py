@@ -62,7 +62,7 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("1025 logit_bias tokens", _C, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ("unknown field", _C, {"prompt": "a", "foo": 1}, 400, "foo"),
     ("unknown nested field", _GEN, {"text": "a", "sampling_params": {"mirostat": 1}}, 400, "sampling_params"),
-    ("min_tokens 3", _C, {"prompt": "a", "min_tokens": 3}, 400, "min_tokens"),
+    ("min_tokens over max_tokens", _C, {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("repetition_penalty 1.2", _C, {"prompt": "a", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ("presence_penalty 0.5", _CHAT, {"messages": _MSGS, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("frequency_penalty 1", _GEN, {"text": "a", "sampling_params": {"frequency_penalty": 1}}, 400, "frequency_penalty"),
@@ -107,8 +107,9 @@ async def test_hostile_input_is_4xx_and_never_queued(
 
 async def test_refusals_name_the_field(make_app: MakeApp) -> None:
     app, _ = make_app()
-    r = await _post(app, _C, {"prompt": "a", "logit_bias": {"5": 101}, "min_tokens": 3})
-    assert "min_tokens=3 is not supported (only min_tokens=0)" in r.json()["error"]["message"]
+    r = await _post(app, _C, {"prompt": "a", "logit_bias": {"5": 101}, "repetition_penalty": 3})
+    msg = r.json()["error"]["message"]
+    assert "repetition_penalty=3.0 is not supported (only repetition_penalty=1.0)" in msg
     r = await _post(app, _C, {"prompt": "a", "frobnicate": True})
     assert "frobnicate: unknown field" in r.json()["error"]["message"]
     r = await _post(app, _C, {"prompt": "a", "max_tokens": 2**64})
