@@ -94,6 +94,8 @@ class BaseNode:
             node_cfg.transfer, pool.k + pool.v, pool.num_layers, slot_owner=slot_owner
         )
         self._ctx = zmq.Context()
+        # a message for a peer that is gone must never hold up closing (nor a collected context)
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self.addr = addrs.endpoint(self._pull.bind_to_random_port(f"tcp://{addrs.bind_host}"))
         secret = node_cfg.transfer.secret

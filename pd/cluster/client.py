@@ -209,6 +209,8 @@ class ClusterClient:
             return
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
+        # a message for a node that is gone must never hold up closing (nor a collected context)
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.pull_addr)
         self._spawn(self._read_forever())
