@@ -12,7 +12,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +45,11 @@ from pd.server.protocol import (
     Usage,
     make_sampling_params,
 )
+from pd.server.routes import admin as admin_routes
 from pd.server.streaming import ClientGone, cancel_on_disconnect, sse_response, sse_steps
+
+if TYPE_CHECKING:
+    from pd.cluster.admin import ClusterAdmin
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,13 @@ class _Server:
             raise APIError(
                 f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=param
             )
+
+    def namespace(self, api_key: str | None, cache_salt: str | None) -> str:
+        """The prefix-cache namespace of a request: the shared one (no per-request namespaces
+        here yet)."""
+        if cache_salt is not None:
+            raise APIError("cache_salt is not supported by this server", param="cache_salt")
+        return ""
 
     def encode(self, text: str, param: str) -> list[int]:
         if not text:
@@ -182,13 +193,17 @@ def build_app(
     metrics: ServerMetrics | None = None,
     extra_health: HealthFn | None = None,
     stats_fn: StatsFn | None = None,
+    admin: ClusterAdmin | None = None,
 ) -> FastAPI:
     """The HTTP app. ``extra_health()`` adds keys to GET /health's body; ``stats_fn()`` fills
     the cluster gauges on each GET /metrics (a ``ClusterStats``). Either may be
-    sync or async."""
+    sync or async. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
     server = _Server(client, tokenizer, model_name, max_model_len, metrics or ServerMetrics())
     app = FastAPI(title="pd", version="0.1.0")
     app.state.server = server
+    if admin is not None:
+        app.state.admin = admin
+        app.include_router(admin_routes.router)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -1,0 +1,1 @@
+"""The endpoints, by family."""
