@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     PD_CACHE_DIR: Path
     PD_DEBUG: bool
     PD_NUM_THREADS: int | None
+    PD_API_KEY: tuple[str, ...]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -45,6 +46,10 @@ def _read_optional_int(name: str, min_value: int) -> int | None:
     return value
 
 
+def _read_csv(name: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in os.environ.get(name, "").split(",") if part.strip())
+
+
 def _read_cache_dir() -> Path:
     raw = os.environ.get("PD_CACHE_DIR", "").strip()
     return Path(raw or "~/.cache/pd").expanduser()
@@ -57,6 +62,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     "PD_DEBUG": lambda: _read_bool("PD_DEBUG"),
     # torch intra-op threads per process; None leaves torch's default.
     "PD_NUM_THREADS": lambda: _read_optional_int("PD_NUM_THREADS", min_value=1),
+    # API keys of `pd serve`, comma-separated (added to its --api-key flags); empty: open.
+    "PD_API_KEY": lambda: _read_csv("PD_API_KEY"),
 }
 
 

@@ -11,11 +11,13 @@ import json
 import sys
 from typing import TypeVar
 
+from pd import envs
 from pd.cluster.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
 from pd.model.loader import ModelLoadError
+from pd.server.config import ServerConfig
 from transfer import TransferConfig
 
 T = TypeVar("T")
@@ -43,6 +45,8 @@ def add_dataclass_args(
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest
             )
+        elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
+            parser.add_argument(flag, action="append", default=None, help=help_, dest=dest)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             parser.add_argument(flag, type=kind, default=default, help=help_, dest=dest)
@@ -59,6 +63,14 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = ""
     return cls(**{n: given[prefix + n] for n in names if prefix + n in given})
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags."""
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    kwargs["api_key"] = (*(args.api_key or ()), *envs.PD_API_KEY)
+    return ServerConfig(**kwargs)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pd.cli.generate import generate
 
@@ -68,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd.cli.serve import serve
 
-    return serve(args, engine_config(args))
+    return serve(args, engine_config(args), server_config(args))
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -105,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, EngineConfig)
     add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
     add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
+    add_dataclass_args(srv, ServerConfig)
     add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX)
     srv.set_defaults(func=cmd_serve)
 
@@ -130,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the pd server")
-    parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer <key>`")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as `Authorization: Bearer <key>`; default: the first of PD_API_KEY",
+    )
 
 
 def _json_object(text: str) -> dict[str, float]:

@@ -10,6 +10,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from pd import envs
+
 _COLUMNS = ("id", "role", "state", "ray_node", "load", "queued_tokens", "kv_usage", "cached_tokens")
 
 
@@ -21,8 +23,9 @@ def call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> 
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{args.url.rstrip('/')}{path}", data=data, method=method)
     req.add_header("content-type", "application/json")
-    if args.api_key:
-        req.add_header("authorization", f"Bearer {args.api_key}")
+    api_key = args.api_key or next(iter(envs.PD_API_KEY), None)
+    if api_key:
+        req.add_header("authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())

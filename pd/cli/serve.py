@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 import uvicorn
+from fastapi import FastAPI
 
 from pd.cluster.admin import ClusterAdmin
 from pd.cluster.autoscaler import Autoscaler, AutoscalerConfig
@@ -18,15 +21,19 @@ from pd.config import EngineConfig
 from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
+from pd.server.config import ServerConfig
 from pd.server.metrics import ServerMetrics
 from transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
 
 
-def build_cluster_app(  # noqa: ANN201 - FastAPI
-    cluster: Cluster, model_name: str, autoscaler: AutoscalerConfig | None = None
-):
+def build_cluster_app(
+    cluster: Cluster,
+    model_name: str,
+    server_cfg: ServerConfig | None = None,
+    autoscaler: AutoscalerConfig | None = None,
+) -> FastAPI:
     """The HTTP app over a started cluster, with the admin endpoints (and, when
     ``autoscaler.enabled``, the autoscaler running on the server's event loop)."""
     runner_dir = cluster.engine_cfg.model
@@ -40,6 +47,7 @@ def build_cluster_app(  # noqa: ANN201 - FastAPI
         tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=info.max_model_len,
+        config=server_cfg,
         metrics=metrics,
         stats_fn=client.stats,
         extra_health=lambda: {"nodes": sorted(client.nodes)},
@@ -67,12 +75,17 @@ def _announce_when_healthy(url: str, stop: threading.Event) -> None:
         time.sleep(0.2)
 
 
-def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.colocated:
-        return _serve_colocated(args, engine_cfg)
+        return _serve_colocated(args, engine_cfg, server_cfg)
     from pd.cli import AUTOSCALE_PREFIX, dataclass_from_args
 
+    # the cluster waits (for room, for a replacement node) no longer than the server lets a
+    # request live
+    client_cfg = dataclasses.replace(
+        dataclass_from_args(ClientConfig, args), request_timeout_s=server_cfg.request_timeout
+    )
     cluster_cfg = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -83,7 +96,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         keep_nodes=args.keep_nodes,
         prefill_resources=args.prefill_resources,
         decode_resources=args.decode_resources,
-        client=dataclass_from_args(ClientConfig, args),
+        client=client_cfg,
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
     autoscaler = dataclass_from_args(AutoscalerConfig, args, prefix=AUTOSCALE_PREFIX)
@@ -93,11 +106,11 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     if cluster.attached:
         print(f"attached to running nodes: {', '.join(cluster.attached)}", flush=True)
     model_name = args.served_model_name or _default_name(cluster.engine_cfg)
-    app = build_cluster_app(cluster, model_name, autoscaler)
+    app = build_cluster_app(cluster, model_name, server_cfg, autoscaler)
     return _run_http(app, args, on_exit=cluster.shutdown)
 
 
-def _run_http(app, args: argparse.Namespace, on_exit) -> int:  # noqa: ANN001
+def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None]) -> int:
     url = f"http://{args.host}:{args.port}"
     stop = threading.Event()
     threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
@@ -116,7 +129,9 @@ def _default_name(engine_cfg: EngineConfig) -> str:
     return resolve_model(engine_cfg.model).name
 
 
-def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+def _serve_colocated(
+    args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig
+) -> int:
     """One process, no Ray: the colocated engine behind the same HTTP API (the baseline)."""
     from pd.engine.async_engine import AsyncEngine
     from pd.engine.engine import Engine
@@ -129,6 +144,7 @@ def _serve_colocated(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         tokenizer=engine.tokenizer,
         model_name=args.served_model_name or _default_name(engine_cfg),
         max_model_len=engine.max_model_len,
+        config=server_cfg,
         stats_fn=lambda: ClusterStats([client.stats()]),
     )
     return _run_http(app, args, on_exit=client.shutdown)

@@ -102,12 +102,21 @@ class EngineCore:
             return StepResult([], [])
         try:
             on_layer_done = self.before_run(batch) if self.before_run is not None else None
-            rows = self.runner.run(batch.reqs, batch.seqs, on_layer_done)
+            banned = [self._banned(r) for r in batch.reqs]
+            rows = self.runner.run(batch.reqs, batch.seqs, on_layer_done, banned)
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
             return StepResult([], failed, len(failed))
         return self.scheduler.postprocess(batch, rows)
+
+    def _banned(self, req: Req) -> frozenset[int]:
+        """What ``req`` must not sample now: its stop ids (and EOS) before ``min_tokens``."""
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            return frozenset()
+        eos = frozenset() if p.ignore_eos else self.scheduler.eos_token_ids
+        return eos | frozenset(p.stop_token_ids)
 
     def stats(self, role: str, transfer: TransferCounters = _NO_TRANSFERS) -> NodeStatsMsg:
         """This engine's gauges and counters; a node adds its transfer counters."""

@@ -70,7 +70,9 @@ class ModelRunner:
         reqs: Sequence[Req],
         seqs: Sequence[SeqInput],
         on_layer_done: Callable[[int], None] | None = None,
+        banned: Sequence[frozenset[int]] = (),
     ) -> list[SampledRow]:
-        """Forward one scheduled batch and sample each request's next token."""
+        """Forward one scheduled batch and sample each request's next token (``banned``: per
+        request, ids it must not sample)."""
         logits = self.forward(seqs, on_layer_done=on_layer_done)
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)

@@ -1,7 +1,8 @@
 """Turn the last-token logits of a batch into next tokens, one SamplingParams per row.
 
-A row whose sampling fails (say, a distribution with no finite probability) fails alone: its
-request gets the error, the other rows of the batch their tokens.
+A row whose sampling fails (say, a distribution with no finite probability, or a logit_bias
+token outside the model's vocabulary) fails alone: its request gets the error, the other rows
+of the batch their tokens.
 """
 
 from __future__ import annotations
@@ -32,19 +33,53 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    banned: Sequence[frozenset[int]] = (),
 ) -> list[SampledRow]:
-    """logits: [R, vocab] float32 -> R sampled rows."""
+    """logits: [R, vocab] float32 -> R sampled rows; ``banned[r]``: ids row r must not sample
+    (e.g. EOS before ``min_tokens``)."""
+    logits, bias_errors = _apply_logit_bias(logits, params)
+    if any(banned):
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for r, ids in enumerate(banned):
+            if ids:
+                logits[r, [t for t in ids if t < vocab]] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for r, p in enumerate(params):
-        if p.is_greedy:
+        if r in bias_errors:
+            out.append(SampledRow(-1, bias_errors[r]))
+        elif p.is_greedy:
             out.append(SampledRow(greedy[r]))
-            continue
-        try:
-            out.append(SampledRow(_sample_row(logits[r], p, generators[r])))
-        except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
-            out.append(SampledRow(-1, f"sampling failed: {e}"))
+        else:
+            try:
+                out.append(SampledRow(_sample_row(logits[r], p, generators[r])))
+            except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
+                out.append(SampledRow(-1, f"sampling failed: {e}"))
     return out
+
+
+def _apply_logit_bias(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """Logits with each row's logit_bias added (a copy, only when some row has one), and the
+    rows whose bias names a token outside the vocabulary."""
+    rows = [r for r, p in enumerate(params) if p.logit_bias]
+    errors: dict[int, str] = {}
+    if not rows:
+        return logits, errors
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for r in rows:
+        bias = params[r].logit_bias
+        if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
+            errors[r] = f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})"
+            continue
+        # ids, values: [num_biased]
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+        logits[r].index_add_(0, ids, values)
+    return logits, errors
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

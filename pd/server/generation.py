@@ -38,6 +38,7 @@ class Generation:
     params: SamplingParams
     tokenizer: Any
     metrics: ServerMetrics
+    namespace: str = ""  # prefix-cache scope (pd.server.auth.cache_namespace)
     arrival: float = field(default_factory=time.perf_counter)
     num_cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -59,7 +60,9 @@ class Generation:
         outputs: Any = None
         self.metrics.running.inc()
         try:
-            outputs = self.client.generate(self.request_id, self.prompt_ids, self.params)
+            outputs = self.client.generate(
+                self.request_id, self.prompt_ids, self.params, namespace=self.namespace
+            )
             if inspect.isawaitable(outputs):  # an `async def` returning an iterator
                 outputs = await outputs
             async for out in outputs:

@@ -80,6 +80,23 @@ class ServerMetrics:
             "pd_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
         self.running = Gauge("pd_server_running_requests", "Requests in flight.", registry=r)
+        self.admitted = Gauge(
+            "pd_server_admitted_requests", "Requests holding an admission place.", registry=r
+        )
+        self.queued = Gauge(
+            "pd_server_queued_requests", "Requests waiting for admission (FIFO).", registry=r
+        )
+        self.queue_wait = Histogram(
+            "pd_server_queue_wait_seconds", "Time admitted requests waited in the queue.",
+            registry=r, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "pd_server_rejected_requests",
+            "Requests the server refused or cut off, by reason (queue_full, not_ready, "
+            "timeout, body_too_large, unauthorized).",
+            ["reason"],
+            registry=r,
+        )
 
         node = ["node", "role"]
         self.node_gauges = {

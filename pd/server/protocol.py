@@ -1,94 +1,84 @@
-"""Pydantic models of the HTTP API (OpenAI completions/chat, SGLang-like /generate).
+"""Pydantic models of the HTTP API's requests (OpenAI completions/chat, SGLang-like /generate).
 
-Requests are strict (no "16" for 16) so a wrong type is a 400, not a silent coercion. Fields
-the engine cannot honour are accepted only at their neutral value and rejected otherwise.
+Requests are strict (no "16" for 16, no NaN) so a wrong type is a 400, not a silent coercion.
+Every field is one of three kinds, and anything else is refused with a 400 that names it:
+
+- implemented (``temperature``, ``stop``, ``logit_bias``, ``cache_salt``, ...);
+- accepted only at its neutral value (``neutral_values``: ``n=1``, ``best_of=1``,
+  ``repetition_penalty=1``, ...), because common clients send it at that value;
+- harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from pd.sampling_params import SamplingParams
+from pd.sampling_params import MAX_INT32, MAX_SEED
+from pd.server.errors import APIError
 
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerateRequest",
+    "GenerateSamplingParams",
+]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    # field -> the values at which it changes nothing; any other value is refused with a 400
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def check_supported(self) -> None:
+        for name, allowed in self.neutral_values.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                only = " or ".join(f"{name}={json.dumps(a)}" for a in allowed)
+                raise APIError(
+                    f"{name}={json.dumps(value)} is not supported (only {only})", param=name
+                )
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; usage comes once, at the end, either way
 
 
-class _SamplingFields(_Strict):
-    """Sampling fields shared by completions and chat (vLLM's extensions included)."""
+class _SamplerFields(_Strict):
+    """Sampling fields of every endpoint (vLLM's and SGLang's extensions included)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
+    top_k: int = Field(default=-1, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(
+        default=None, ge=0, le=MAX_SEED, validation_alias=AliasChoices("seed", "sampling_seed")
+    )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(f"only n=1 is supported, got n={self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise APIError(f"{name} is not supported (must be 0)", param=name)
-        if self.stream_options is not None and not self.stream:
-            raise APIError(
-                "stream_options is only allowed with stream=true", param="stream_options"
-            )
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "presence_penalty": (0.0,),
+        "frequency_penalty": (0.0,),
+        "repetition_penalty": (1.0,),
+        "min_p": (0.0,),
+        "skip_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
+    }
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -99,13 +89,10 @@ class _SamplingFields(_Strict):
             raise APIError("stop strings must be non-empty", param="stop")
         return stops
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return make_sampling_params(
-            max_tokens=max_tokens,
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams' fields, less max_tokens and logit_bias (the server checks those
+        against the context and the vocabulary)."""
+        return dict(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -117,14 +104,48 @@ class _SamplingFields(_Strict):
         )
 
 
-def make_sampling_params(**kwargs: Any) -> SamplingParams:
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise APIError(str(e)) from e
+class _OpenAIFields(_SamplerFields):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = 1
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    # Harmless: they never change the output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_SamplerFields.neutral_values,
+        "n": (1,),
+    }
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise APIError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options is only allowed with stream=true", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_OpenAIFields):
     # One prompt: text or token ids. A one-element batch is unwrapped; larger batches -> 400.
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default; null = rest of context
@@ -133,16 +154,13 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise APIError("echo=true is not supported", param="echo")
-        if self.logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
-        if self.best_of not in (None, 1):
-            raise APIError(f"only best_of=1 is supported, got {self.best_of}", param="best_of")
-        if self.suffix is not None:
-            raise APIError("suffix is not supported", param="suffix")
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_OpenAIFields.neutral_values,
+        "echo": (False,),
+        "logprobs": (None,),
+        "best_of": (None, 1),
+        "suffix": (None, ""),
+    }
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -167,6 +185,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # handed to the chat template, which may use it
 
     @property
     def text(self) -> str:
@@ -176,23 +195,31 @@ class ChatMessage(_Strict):
             return self.content
         return "\n".join(part.text for part in self.content)
 
+    def template_dict(self) -> dict[str, str]:
+        out = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
-class ChatCompletionRequest(_SamplingFields):
+
+class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # harmless without tools
     response_format: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError("response_format is not supported", param="response_format")
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_OpenAIFields.neutral_values,
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none", "auto"),
+        "response_format": (None, {"type": "text"}),
+    }
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -203,18 +230,18 @@ class ChatCompletionRequest(_SamplingFields):
         )
 
 
-class GenerateSamplingParams(_Strict):
+class GenerateSamplingParams(_SamplerFields):
     max_new_tokens: int | None = Field(
         default=None, ge=1, validation_alias=AliasChoices("max_new_tokens", "max_tokens")
     )
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_SamplerFields.neutral_values,
+        "min_new_tokens": (0,),
+        "n": (1,),
+    }
 
 
 class GenerateRequest(_Strict):
@@ -222,119 +249,20 @@ class GenerateRequest(_Strict):
     text: str | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)
+    # SGLang's clients send these; accepted at their neutral values.
+    return_logprob: bool = False
+    logprob_start_len: int | None = None  # harmless without return_logprob
+    lora_path: str | None = None
+    return_routed_experts: bool = False
+    rid: str | None = None  # harmless: the server names requests itself
 
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "return_logprob": (False,),
+        "lora_path": (None,),
+        "return_routed_experts": (False,),
+    }
 
-# ---- responses ------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def make(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI sends only the fields a delta carries: {"content": "..."} or {} at the end.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class GenerateResponse(BaseModel):
-    """Non-streaming: all output ids and the text. Streaming chunks carry the new ids and text
-    of one step; the last chunk also has finish_reason and the token counts."""
-
-    id: str
-    output_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "pd"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.sampling_params.check_supported()

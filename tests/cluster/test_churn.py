@@ -65,6 +65,7 @@ class LocalCluster:
             Coordinator(CoordinatorConfig(policy="round_robin")),
             f"tcp://127.0.0.1:{port}",
             cfg,
+            secret=self.transfer.secret,  # every node's TransferConfig carries the same one
             ping=self._ping,
         )
         self.run(self.client.start())

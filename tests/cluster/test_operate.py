@@ -92,15 +92,18 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def generate(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    def generate(
+        self, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: Any
+    ) -> dict[str, Any]:
         params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-        body = {"input_ids": prompt, "sampling_params": params}
+        body = {"input_ids": prompt, "sampling_params": params, **extra}
         r = httpx.post(f"{self.url}/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
 
-    def warmup(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        r = httpx.post(f"{self.url}/admin/warmup", json={"prompts": prompts}, timeout=120)
+    def warmup(self, prompts: list[list[int]], **extra: Any) -> list[dict[str, Any]]:
+        body = {"prompts": prompts, **extra}
+        r = httpx.post(f"{self.url}/admin/warmup", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["prompts"]
 
@@ -339,6 +342,11 @@ def test_a_restarted_server_attaches_to_the_running_nodes_and_keeps_their_caches
     assert [w["node"] for w in again] == placed
     assert [w["cached_tokens"] for w in again] == [len(p) - 1 for p in CACHED]
     assert server.generate(CACHED[1] + [5, 6, 7])["cached_tokens"] >= len(CACHED[1]) - 1
+    # a salted warm-up serves requests with that salt only (a namespace of its own)
+    salted = PROMPTS[2] * 4
+    assert server.warmup([salted], cache_salt="team-a")[0]["cached_tokens"] == 0
+    assert server.generate(salted, cache_salt="team-a")["cached_tokens"] == len(salted) - 1
+    assert server.generate(salted, cache_salt="team-b")["cached_tokens"] == 0
 
 
 def test_the_autoscaler_grows_the_prefill_pool_under_load_and_shrinks_it_when_idle(

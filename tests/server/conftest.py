@@ -1,5 +1,5 @@
-"""Fixtures of the HTTP server tests: the SmolLM2 tokenizer, a scripted fake engine, and an
-app builder. No model runs here."""
+"""Fixtures of the HTTP server tests: the SmolLM2 tokenizer, a scripted fake engine, an app
+builder, and helpers for the tests that run the colocated engine on a tiny model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pd.server import ServerMetrics, build_app
+from pd.server import ServerConfig, ServerMetrics, build_app
 from tests.server.fake_engine import FakeEngineClient
 
 MODEL_NAME = "smollm2-test"
@@ -44,10 +44,13 @@ def script_ids(tokenizer: Any) -> list[int]:
 @pytest.fixture
 def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, FakeEngineClient]]:
     """``make_app(**fake_kwargs) -> (app, fake)``; fake_kwargs go to FakeEngineClient, plus
-    ``stats_fn`` / ``extra_health`` for build_app."""
+    ``stats_fn`` / ``extra_health`` / ``config`` (a ServerConfig) for build_app."""
 
     def make(
-        stats_fn: Any = None, extra_health: Any = None, **fake_kwargs: Any
+        stats_fn: Any = None,
+        extra_health: Any = None,
+        config: ServerConfig | None = None,
+        **fake_kwargs: Any,
     ) -> tuple[Any, FakeEngineClient]:
         fake_kwargs.setdefault("output_ids", script_ids)
         fake_kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
@@ -57,6 +60,7 @@ def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, 
             tokenizer=tokenizer,
             model_name=MODEL_NAME,
             max_model_len=MAX_MODEL_LEN,
+            config=config,
             metrics=ServerMetrics(),
             stats_fn=stats_fn,
             extra_health=extra_health,
@@ -64,6 +68,48 @@ def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, 
         return app, fake
 
     return make
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def colocated_app(
+    model_dir: Path, config: ServerConfig | None = None, **engine_kwargs: Any
+) -> tuple[Any, Any]:
+    """``(client, app)``: an AsyncEngine over ``model_dir`` and the server over it (the caller
+    shuts the client down)."""
+    from pd.config import EngineConfig
+    from pd.engine.async_engine import AsyncEngine
+    from pd.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(model_dir), **engine_kwargs))
+    client = AsyncEngine(engine)
+    app = build_app(
+        client,
+        tokenizer=engine.tokenizer,
+        model_name="tiny",
+        max_model_len=engine.max_model_len,
+        config=config,
+    )
+    return client, app
+
+
+def check_idle(client: Any, app: Any) -> None:
+    """Nothing running, no slot leaked (free + cached == total), no admission place held."""
+
+    def check(engine: Any) -> None:
+        assert not engine.has_unfinished
+        engine.check_integrity()
+        s = engine.stats()
+        assert s.num_free_slots + s.num_cached_tokens == s.num_slots, s
+
+    client.call(check)
+    admission = app.state.server.admission
+    assert (admission.num_inflight, admission.num_queued) == (0, 0)
 
 
 @contextmanager

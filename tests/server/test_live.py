@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, SCRIPT_TEXT, serve
+from tests.server.conftest import MODEL_NAME, SCRIPT_TEXT, serve, wait_for
 from tests.server.fake_engine import FakeEngineClient
 
 pytestmark = pytest.mark.timeout(30)
 
 MakeApp = Callable[..., tuple[Any, FakeEngineClient]]
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def test_openai_client_completions_and_chat(make_app: MakeApp) -> None:
@@ -72,7 +64,7 @@ def test_client_leaving_a_stream_aborts_the_request(
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
         # leaving the `with` closed the connection mid-stream
-        _wait_for(lambda: len(fake.aborted) == 1)
+        wait_for(lambda: len(fake.aborted) == 1)
         assert fake.aborted == [fake.requests[0][0]]
         assert fake.cancelled == [fake.requests[0][0]] and fake.finished == []
         text = client.get("/metrics").text
@@ -89,5 +81,5 @@ def test_client_leaving_a_non_streaming_request_aborts_it(
             httpx.post(
                 f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 200}, timeout=0.3
             )
-        _wait_for(lambda: len(fake.aborted) == 1)
+        wait_for(lambda: len(fake.aborted) == 1)
     assert fake.aborted == [fake.requests[0][0]] and fake.finished == []

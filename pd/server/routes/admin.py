@@ -23,6 +23,10 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd.server.auth import API_KEY_SCOPE
+from pd.server.routes.common import server_state
+from pd.server.state import ServerState
+
 if TYPE_CHECKING:  # the colocated server never imports the cluster (nor Ray)
     from pd.cluster.admin import ClusterAdmin
 
@@ -39,7 +43,7 @@ class ScaleRequest(BaseModel):
 class WarmupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompts: list[str | list[int]] = Field(min_length=1, max_length=MAX_WARMUP_PROMPTS)
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # as a request's
 
 
 def _admin(request: Request) -> ClusterAdmin:
@@ -83,22 +87,27 @@ async def drain(node_id: str, request: Request) -> JSONResponse:
     return JSONResponse(_pools(admin), status_code=202)
 
 
-@router.post("/warmup")
-async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
-    server = request.app.state.server
+def _warmup_prompts(state: ServerState, body: WarmupRequest) -> list[list[int]]:
+    """Token ids of each prompt, checked like a request's (4xx with the prompt's index)."""
     prompts: list[list[int]] = []
     for i, prompt in enumerate(body.prompts):
         param = f"prompts[{i}]"
         if isinstance(prompt, str):
-            ids = server.encode(prompt, param)
+            ids = state.encode(prompt, param)
         else:
-            server.check_ids(prompt, param)
-            ids = list(prompt)
+            ids = state.prompt_ids(prompt, param)
         if not ids:
             raise HTTPException(400, f"{param} is empty")
-        server.max_tokens_for(len(ids), 1, param)  # 400 unless it fits the context
+        state.max_tokens_for(len(ids), 1, param)  # it must leave room for its one token
         prompts.append(ids)
-    namespace = server.namespace(request.scope.get("pd.api_key"), body.cache_salt)
+    return prompts
+
+
+@router.post("/warmup")
+async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    namespace = state.namespace(request.scope.get(API_KEY_SCOPE), body.cache_salt)
+    prompts = await state.in_thread(_warmup_prompts, state, body)  # tokenizing takes a while
     results = await _admin(request).warmup(prompts, namespace)
     return {
         "prompts": [

@@ -1,0 +1,57 @@
+"""``ServerConfig``: the HTTP server's access control, admission and input limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd.config import _opt
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Defaults serve ordinary clients (the openai client, SGLang's and vLLM's benchmarks)."""
+
+    api_key: tuple[str, ...] = _opt(
+        (),
+        "a key clients must send as `Authorization: Bearer <key>` (repeatable; also "
+        "PD_API_KEY, comma-separated); none: the API is open",
+    )
+    metrics_no_auth: bool = _opt(False, "serve /metrics without a key (for scrapers)")
+    isolate_cache_per_key: bool = _opt(
+        False, "requests share cached prefixes only with requests of the same API key"
+    )
+    max_inflight_requests: int = _opt(512, "requests generating at once; more wait in a queue")
+    max_queued_requests: int = _opt(4096, "requests waiting for admission; more get 429")
+    request_timeout: float = _opt(600.0, "seconds from arrival until a request is aborted")
+    max_body_bytes: int = _opt(8 * _MIB, "largest request body; larger gets 413")
+    max_messages: int = _opt(1024, "messages in one chat request")
+    max_stop_strings: int = _opt(32, "stop strings in one request")
+    max_stop_string_chars: int = _opt(1024, "characters in one stop string")
+    max_stop_token_ids: int = _opt(1024, "stop_token_ids in one request")
+    max_logit_bias: int = _opt(1024, "tokens in one request's logit_bias")
+    max_cache_salt_chars: int = _opt(1024, "characters in a cache_salt")
+    num_parse_threads: int = _opt(4, "threads that parse, template and tokenize requests")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", tuple(self.api_key))
+        for key in self.api_key:
+            if not key or not key.isascii() or not key.isprintable() or " " in key or "," in key:
+                raise ValueError(
+                    f"an API key must be non-empty printable ASCII without spaces or commas; "
+                    f"got one of {len(key)} characters that is not"
+                )
+        if self.isolate_cache_per_key and not self.api_key:
+            raise ValueError("isolate_cache_per_key needs at least one api_key")
+        for name in (
+            "max_inflight_requests", "max_body_bytes", "max_messages", "max_stop_strings",
+            "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
+            "max_cache_salt_chars", "num_parse_threads",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")

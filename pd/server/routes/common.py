@@ -1,0 +1,92 @@
+"""The path every generation endpoint takes, whatever its request and response shapes.
+
+1. admission (503 while the engine is not ready, 429 when full, a queue in between);
+2. the body, read under the size cap (413, by the middleware);
+3. parsing, checking, templating and tokenizing in a parse thread (``prepare``; 4xx);
+4. the engine run, bounded by the request's deadline (504, or an error event on a stream).
+
+The admission place is released when the response is over: at once for an error or a plain
+answer, when the stream ends (however it ends) for a stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from pd.server.admission import Ticket
+from pd.server.auth import API_KEY_SCOPE
+from pd.server.errors import validation_error
+from pd.server.generation import Generation
+from pd.server.state import Prepared, ServerState
+from pd.server.streaming import sse_response, sse_steps
+
+Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
+
+
+class Renderer(Protocol):
+    """An endpoint's response shapes."""
+
+    def chunk(
+        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
+    ) -> BaseModel | None: ...
+
+    def usage(self, gen: Generation) -> BaseModel: ...
+
+    def first(self, gen: Generation) -> BaseModel | None: ...
+
+    def final(self, gen: Generation) -> BaseModel: ...
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def parse_body(model: type[Any], body: bytes) -> Any:
+    """A request model from a JSON body (in a parse thread: a big body takes a while)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a body the handler parses itself."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def serve_generation(
+    request: Request, prefix: str, prepare: Prepare, render: Renderer
+) -> Response:
+    state = server_state(request)
+    timeout_s = state.config.request_timeout
+    deadline = time.monotonic() + timeout_s
+    ticket: Ticket | None = await state.admit(timeout_s)
+    try:
+        body = await request.body()
+        prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))
+        gen = state.new_generation(prefix, prep)
+        if prep.stream:
+            steps = sse_steps(
+                gen,
+                lambda text, ids, finish: render.chunk(gen, text, ids, finish),
+                (lambda: render.usage(gen)) if prep.include_usage else None,
+                render.first(gen),
+                deadline,
+                state.timed_out,
+            )
+            response = sse_response(steps, on_close=ticket.release)
+            ticket = None  # the response releases it
+            return response
+        if (gone := await state.run(request, gen, deadline)) is not None:
+            return gone
+        return Response(render.final(gen).model_dump_json(), media_type="application/json")
+    finally:
+        if ticket is not None:
+            ticket.release()

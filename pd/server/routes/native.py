@@ -1,0 +1,61 @@
+"""The native ``/generate`` (SGLang-like): token ids in and out, sampling params nested."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pd.server.errors import APIError
+from pd.server.generation import Generation
+from pd.server.protocol import GenerateRequest
+from pd.server.responses import GenerateResponse
+from pd.server.routes.common import json_body, parse_body, serve_generation
+from pd.server.state import Prepared, ServerState
+
+router = APIRouter()
+
+
+def prepare_generate(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+    req: GenerateRequest = parse_body(GenerateRequest, body)
+    req.check_supported()
+    if (req.input_ids is None) == (req.text is None):
+        raise APIError("give exactly one of input_ids and text", param="input_ids")
+    if req.input_ids is not None:
+        if not req.input_ids:
+            raise APIError("input_ids must not be empty", param="input_ids")
+        prompt_ids = state.prompt_ids(req.input_ids, "input_ids")
+    else:
+        prompt_ids = state.encode(req.text or "", "text")
+    sp = req.sampling_params
+    max_tokens = state.max_tokens_for(len(prompt_ids), sp.max_new_tokens, "input_ids")
+    params = state.sampling_params(sp.sampling_kwargs(), max_tokens, sp.logit_bias)
+    return Prepared(prompt_ids, params, state.namespace(api_key, req.cache_salt), req.stream)
+
+
+class GenerateRenderer:
+    def chunk(
+        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
+    ) -> GenerateResponse:
+        return GenerateResponse(
+            id=gen.request_id,
+            output_ids=ids,
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=gen.num_prompt_tokens,
+            completion_tokens=len(gen.output_ids),
+            cached_tokens=gen.num_cached_tokens,
+        )
+
+    def usage(self, gen: Generation) -> GenerateResponse:
+        raise AssertionError("/generate streams carry their counts in every chunk")
+
+    def first(self, gen: Generation) -> None:
+        return None
+
+    def final(self, gen: Generation) -> GenerateResponse:
+        return self.chunk(gen, gen.text, gen.output_ids, gen.finish_reason)
+
+
+@router.post("/generate", response_model=GenerateResponse, openapi_extra=json_body(GenerateRequest))
+async def generate(request: Request) -> Response:
+    return await serve_generation(request, "gen", prepare_generate, GenerateRenderer())

@@ -1,0 +1,280 @@
+"""``ServerState``: what every endpoint shares (``request.app.state.server``), and the checks
+and steps common to them.
+
+The ``check_*``/``encode``/``sampling_params`` methods run in a parse thread (they tokenize and
+walk lists that a hostile body can make long); ``admit`` and ``run`` on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+
+from pd.model.tokenizer import encode_chat, encode_prompt
+from pd.outputs import EngineClient
+from pd.sampling_params import LogitBias, SamplingParams
+from pd.server.admission import Admission, Ticket
+from pd.server.auth import cache_namespace
+from pd.server.config import ServerConfig
+from pd.server.errors import APIError, internal_error
+from pd.server.generation import Generation
+from pd.server.metrics import ServerMetrics
+from pd.server.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+NOT_READY_RETRY_AFTER_S = 5
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+class Prepared(NamedTuple):
+    """A request parsed, checked and tokenized: ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    stream: bool
+    include_usage: bool = False
+
+
+class ServerState:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        metrics: ServerMetrics,
+        config: ServerConfig,
+    ) -> None:
+        assert max_model_len >= 2, f"max_model_len must be >= 2, got {max_model_len}"
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.config = config
+        self.vocab_size = len(tokenizer)
+        self.admission = Admission(
+            config.max_inflight_requests, config.max_queued_requests, metrics
+        )
+        self._parse_limiter = anyio.CapacityLimiter(config.num_parse_threads)
+        # No token covers more characters than the longest one in the vocabulary, so a longer
+        # text can never fit the context; refusing it spares its tokenization (seconds per MB).
+        # Twice the bound, for tokenizers whose normalizer shortens text.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * max_model_len * max(longest, 1)
+
+    # -- on the event loop -------------------------------------------------------------------
+
+    async def admit(self, timeout_s: float) -> Ticket:
+        """An admission place: 503 while the engine is not ready, 429 when the queue is full."""
+        try:
+            ready = bool(await self.client.is_ready())
+        except Exception:
+            logger.exception("is_ready() failed")
+            ready = False
+        if not ready:
+            self.metrics.rejected.labels(reason="not_ready").inc()
+            raise APIError(
+                "the engine is not ready; retry later",
+                status_code=503,
+                type="service_unavailable",
+                code="engine_not_ready",
+                headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
+            )
+        return await self.admission.admit(timeout_s)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in a parse thread (a bounded pool)."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._parse_limiter)
+
+    def new_generation(self, prefix: str, prep: Prepared) -> Generation:
+        return Generation(
+            client=self.client,
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_ids=prep.prompt_ids,
+            params=prep.params,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            namespace=prep.namespace,
+        )
+
+    async def run(self, request: Request, gen: Generation, deadline: float) -> Response | None:
+        """Run a non-streaming request; a Response only when there is nothing to answer with."""
+        try:
+            await cancel_on_disconnect(request, gen.run(), deadline - time.monotonic())
+        except ClientGone:
+            return Response(status_code=499)
+        except DeadlineExceeded:
+            raise self.timed_out() from None
+        except ValueError as e:  # the engine refused the request (e.g. larger than its KV pool)
+            raise APIError(str(e), status_code=400) from e
+        except Exception as e:
+            logger.exception("request %s failed", gen.request_id)
+            raise internal_error(e) from e
+        return None
+
+    def timed_out(self) -> APIError:
+        """The answer to a request past its deadline (counted)."""
+        self.metrics.rejected.labels(reason="timeout").inc()
+        return APIError(
+            f"request timed out after {self.config.request_timeout:g} s (the server's "
+            f"request_timeout)",
+            status_code=504,
+            type="timeout_error",
+            code="request_timeout",
+        )
+
+    # -- in a parse thread -------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise APIError(
+                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=param
+            )
+
+    def prompt_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        self._check_fits(len(ids), param)
+        self.check_ids(ids, param)
+        return list(ids)
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if not text:
+            raise APIError(f"{param} must not be empty", param=param)
+        self._check_chars(len(text), param)
+        return encode_prompt(self.tokenizer, text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        limit = self.config.max_messages
+        if len(messages) > limit:
+            raise APIError(f"{len(messages)} messages, at most {limit}", param="messages")
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            return encode_chat(self.tokenizer, messages)
+        except Exception as e:  # no template, or the template rejects the conversation
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+        """The completion budget; 400 when the prompt and the request do not fit the context."""
+        limit = self.max_model_len
+        self._check_fits(num_prompt_tokens, param)
+        if requested is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+                f"{requested} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(
+        self,
+        fields: Mapping[str, Any],
+        max_tokens: int,
+        logit_bias: Mapping[str, float] | None,
+    ) -> SamplingParams:
+        """``fields``: a request's ``sampling_kwargs()``; checked against the server's limits."""
+        cfg = self.config
+        stop, stop_ids = fields["stop"], fields["stop_token_ids"]
+        if len(stop) > cfg.max_stop_strings:
+            raise APIError(
+                f"{len(stop)} stop strings, at most {cfg.max_stop_strings}", param="stop"
+            )
+        longest = max((len(s) for s in stop), default=0)
+        if longest > cfg.max_stop_string_chars:
+            raise APIError(
+                f"a stop string of {longest} characters, at most {cfg.max_stop_string_chars}",
+                param="stop",
+            )
+        if len(stop_ids) > cfg.max_stop_token_ids:
+            raise APIError(
+                f"{len(stop_ids)} stop_token_ids, at most {cfg.max_stop_token_ids}",
+                param="stop_token_ids",
+            )
+        self.check_ids(stop_ids, "stop_token_ids")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, logit_bias=self._logit_bias(logit_bias), **fields
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    def namespace(self, api_key: str | None, cache_salt: str | None) -> str:
+        limit = self.config.max_cache_salt_chars
+        if cache_salt is not None and len(cache_salt) > limit:
+            raise APIError(
+                f"cache_salt has {len(cache_salt)} characters, at most {limit}", param="cache_salt"
+            )
+        tenant = api_key if self.config.isolate_cache_per_key else None
+        return cache_namespace(tenant, cache_salt)
+
+    def _logit_bias(self, bias: Mapping[str, float] | None) -> LogitBias:
+        if not bias:
+            return ()
+        limit = self.config.max_logit_bias
+        if len(bias) > limit:
+            raise APIError(
+                f"logit_bias has {len(bias)} tokens, at most {limit}", param="logit_bias"
+            )
+        pairs: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if _TOKEN_ID_KEY.fullmatch(key) else -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(
+                    f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                    param="logit_bias",
+                )
+            if token in pairs:
+                raise APIError(f"logit_bias names token {token} twice", param="logit_bias")
+            if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+                raise APIError(
+                    f"logit_bias values must be in [-100, 100], got {value} for token {token}",
+                    param="logit_bias",
+                )
+            pairs[token] = value
+        return tuple(sorted(pairs.items()))
+
+    def _check_fits(self, num_prompt_tokens: int, param: str) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise APIError(
+                f"The prompt has {num_prompt_tokens} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens and at least one must be left for the "
+                f"completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                f"The prompt has {num_chars} characters: more tokens than this model's maximum "
+                f"context length of {self.max_model_len} tokens (no token of this tokenizer is "
+                f"longer than {self.max_prompt_chars // (2 * self.max_model_len)} characters).",
+                param=param,
+                code="context_length_exceeded",
+            )
