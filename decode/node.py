@@ -141,3 +141,6 @@ class DecodeNode(BaseNode, BaseSlotOwner):
 
     def _num_expected(self) -> int:
         return len(self._expected)
+
+    def _request_ids(self) -> set[str]:
+        return super()._request_ids() | set(self._expected) | set(self._prefill_of)

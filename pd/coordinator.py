@@ -18,6 +18,8 @@ Decode node, among those with enough unreserved KV slots for prompt + max_tokens
 their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
 conversation's next turn returns to the node that has its history and less KV moves; else,
 and under the other policies, the one with the most unreserved slots.
+A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
+its last consistent view, until the reset event of its snapshot arrives in its event stream.
 All of this is plain Python: the cluster client feeds it events and request life-cycle calls.
 """
 
@@ -129,6 +131,12 @@ class Coordinator:
         node = self._prefill.get(event.node_id) or self._decode.get(event.node_id)
         if node is not None:
             node.index.apply(event)
+
+    def nodes_to_resync(self) -> list[str]:
+        """Nodes whose mirror missed cache events: ask each for a snapshot (its reset event
+        and the ``inserted`` events after it rebuild the mirror)."""
+        nodes = [*self._prefill.items(), *self._decode.items()]
+        return [node_id for node_id, node in nodes if node.index.needs_resync]
 
     def route(
         self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, namespace: str = ""

@@ -145,6 +145,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     num_slots: int
     max_model_len: int
     pid: int = 0  # the node's process
+    ray_node_id: str = ""  # the Ray node it was placed on
 
     def __post_init__(self) -> None:
         parse_endpoint(self.addr)

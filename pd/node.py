@@ -18,6 +18,13 @@ for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layer
 loop is told from a stuck one. When a peer dies or leaves (``PeerGoneMsg``), the node closes its
 pair groups and sockets to that peer and frees what it kept for the peer's requests
 (``_forget_peer``).
+
+The node outlives the server it was started by (a detached Ray actor): while no server reads,
+its messages are dropped after ``server_send_timeout_ms`` instead of blocking the loop, and a
+new server ``attach``es to it (the old server's requests are aborted, messages go to the new
+address) and rebuilds its mirror of the cache from ``resync_cache``: a ``reset`` and the whole
+cache as ``inserted`` events, in the event stream itself, so nothing published before or after
+the snapshot can overtake it. The same call repairs a mirror that lost events (a seq gap).
 """
 
 from __future__ import annotations
@@ -59,8 +66,16 @@ class NodeConfig:
     host: str = "127.0.0.1"
     stats_interval_s: float = 0.2
     idle_poll_ms: int = 5
+    # a message the server's socket cannot take for this long is dropped (no server reads:
+    # it exited and a new one will attach), and so is every later one until a send succeeds
+    server_send_timeout_ms: int = 2000
     debug_checks: bool = False  # check_integrity() whenever the node goes idle
     transfer: TransferConfig = field(default_factory=TransferConfig)  # holds the cluster secret
+
+
+class NodeSettings(NamedTuple):
+    engine: EngineConfig
+    node: NodeConfig
 
 
 class NodeResources(NamedTuple):
@@ -100,10 +115,11 @@ class BaseNode:
         self.addr = addrs.endpoint(self._pull.bind_to_random_port(f"tcp://{addrs.bind_host}"))
         secret = node_cfg.transfer.secret
         self._opener = Opener(secret, self.addr, node_cfg.transfer.max_msg_age_s)
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.connect(node_cfg.server_addr)
-        self._server_sealer = Sealer(secret, node_cfg.server_addr)
+        self._push, self._server_sealer = self._server_socket(node_cfg.server_addr)
+        self._is_server_gone = False
+        self.num_unsent_msgs = 0  # dropped while no server read them
         self._peers: dict[str, tuple[zmq.Socket[Any], Sealer]] = {}
+        self.engine_cfg = engine_cfg
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
         self._encoder = msgspec.msgpack.Encoder()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = (
@@ -147,6 +163,7 @@ class BaseNode:
             num_slots=self.core.allocator.num_slots,
             max_model_len=self.core.max_model_len,
             pid=os.getpid(),
+            ray_node_id=_ray_node_id(),
         )
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -164,6 +181,42 @@ class BaseNode:
 
     def num_unfinished(self) -> int:
         return self.call(self._num_unfinished)
+
+    # -- a new server (the old one exited) ---------------------------------------------------
+
+    def settings(self) -> NodeSettings:
+        """What this node was started with, the cluster secret included (Ray hands it over as
+        it handed it in), for a server that attaches: it starts new nodes the same way."""
+        return NodeSettings(self.engine_cfg, self.node_cfg)
+
+    def attach(self, server_addr: str) -> NodeInfo:
+        """Serve the server at ``server_addr`` from now on; every request of the old server is
+        aborted (no one waits for its tokens), and its messages not sent yet are dropped."""
+
+        def repoint() -> NodeInfo:
+            for request_id in self._request_ids():
+                self._abort(request_id)
+            self._push.close(linger=0)
+            self.node_cfg = dataclasses.replace(self.node_cfg, server_addr=server_addr)
+            self._push, self._server_sealer = self._server_socket(server_addr)
+            self._is_server_gone = False
+            return self.info()
+
+        return self.call(repoint)
+
+    def resync_cache(self) -> int:
+        """Send the whole cache as events (a ``reset``, then ``inserted`` paths) down the event
+        stream; the server's mirror of this node is exact again once it reads them. Returns
+        how many were sent (0: this node keeps no prefix cache, and no events)."""
+
+        def send_snapshot() -> int:
+            snapshot = getattr(self.core.cache, "take_snapshot", None)
+            events = snapshot() if snapshot is not None else []
+            for event in events:
+                self.send_server(event)
+            return len(events)
+
+        return self.call(send_snapshot)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -287,7 +340,19 @@ class BaseNode:
             self.send_server(event)
 
     def send_server(self, msg: ServerMsg) -> None:
-        self._push.send(self._server_sealer.seal(self._encoder.encode(msg)))
+        frame = self._server_sealer.seal(self._encoder.encode(msg))
+        try:  # once a send timed out, the server is gone: drop without waiting until one passes
+            self._push.send(frame, zmq.NOBLOCK if self._is_server_gone else 0)
+            self._is_server_gone = False
+        except zmq.Again:
+            self._is_server_gone = True
+            self.num_unsent_msgs += 1
+
+    def _server_socket(self, server_addr: str) -> tuple[zmq.Socket[Any], Sealer]:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDTIMEO, self.node_cfg.server_send_timeout_ms)
+        push.connect(server_addr)
+        return push, Sealer(self.node_cfg.transfer.secret, server_addr)
 
     def send_peer(self, addr: str, msg: Any) -> None:
         peer = self._peers.get(addr)
@@ -385,8 +450,19 @@ class BaseNode:
         """Requests the role knows of that its scheduler does not hold yet."""
         return 0
 
+    def _request_ids(self) -> set[str]:
+        """Every request this node holds anything for (the role adds what it keeps aside)."""
+        return {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)}
+
 
 def _ray_node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _ray_node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray: nodes built in a test's process)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""

@@ -167,3 +167,6 @@ class PrefillNode(BaseNode):
 
     def _num_transferring(self) -> int:
         return len(self._transfers)
+
+    def _request_ids(self) -> set[str]:
+        return super()._request_ids() | set(self._routes)

@@ -1,15 +1,18 @@
 """``pd``: the command line. ``pd generate`` runs the colocated engine (``pd.cli.generate``);
-``pd serve`` the cluster or the colocated engine behind the HTTP server (``pd.cli.serve``).
+``pd serve`` the cluster or the colocated engine behind the HTTP server (``pd.cli.serve``);
+``pd scale`` and ``pd status`` operate a running server's cluster (``pd.cli.admin``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import TypeVar
 
 from pd import envs
+from pd.cluster.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
 from pd.config import EngineConfig
 from pd.coordinator import POLICIES
@@ -21,6 +24,7 @@ T = TypeVar("T")
 
 # the transfer deadlines every node uses, as --transfer-* flags
 TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
+AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
 
 
 def add_dataclass_args(
@@ -29,22 +33,23 @@ def add_dataclass_args(
     prefix: str = "",
     only: tuple[str, ...] | None = None,
 ) -> None:
-    """One ``--flag`` per field (``--{prefix}{field}``; only the fields in ``only`` if given);
-    default, type and help read from the dataclass."""
+    """One ``--flag`` per field (``--{prefix}{field}``, or the field's ``flag`` metadata; only
+    the fields in ``only`` if given); default, type and help read from the dataclass. The
+    value lands in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        flag = "--" + (prefix + f.name).replace("_", "-")
-        default, help_ = f.default, f.metadata.get("help")
+        flag = "--" + f.metadata.get("flag", prefix + f.name).replace("_", "-")
+        dest, default, help_ = prefix + f.name, f.default, f.metadata.get("help")
         if isinstance(default, bool):
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest
             )
         elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
-            parser.add_argument(flag, action="append", default=None, help=help_)
+            parser.add_argument(flag, action="append", default=None, help=help_, dest=dest)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            parser.add_argument(flag, type=kind, default=default, help=help_)
+            parser.add_argument(flag, type=kind, default=default, help=help_, dest=dest)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -78,6 +83,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, engine_config(args), server_config(args))
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from pd.cli.admin import scale
+
+    return scale(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pd.cli.admin import status
+
+    return status(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,8 +118,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
     add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
     add_dataclass_args(srv, ServerConfig)
+    add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX)
     srv.set_defaults(func=cmd_serve)
+
+    scale = sub.add_parser("scale", help="resize a running server's prefill and decode pools")
+    scale.add_argument("--prefill", type=int, default=None, help="prefill nodes wanted")
+    scale.add_argument("--decode", type=int, default=None, help="decode nodes wanted")
+    scale.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wait until every pool has its size and no node starts or drains",
+    )
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait at most")
+    _add_server_args(scale)
+    scale.set_defaults(func=cmd_scale)
+
+    status = sub.add_parser("status", help="a running server's nodes and pools")
+    status.add_argument("--json", action="store_true", help="print GET /admin/nodes as it is")
+    _add_server_args(status)
+    status.set_defaults(func=cmd_status)
     return parser
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the pd server")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as `Authorization: Bearer <key>`; default: the first of PD_API_KEY",
+    )
+
+
+def _json_object(text: str) -> dict[str, float]:
+    """A --*-resources value: a JSON object of resource names to amounts."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise argparse.ArgumentTypeError(f'want an object like {{"prefill": 1}}, got {text}')
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +175,35 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode nodes")
     parser.add_argument(
         "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"
+    )
+    parser.add_argument(
+        "--prefill-resources",
+        type=_json_object,
+        default={},
+        help="Ray custom resources each prefill node asks for, e.g. '{\"prefill\": 1}'",
+    )
+    parser.add_argument(
+        "--decode-resources",
+        type=_json_object,
+        default={},
+        help="Ray custom resources each decode node asks for, e.g. '{\"decode\": 1}'",
+    )
+    parser.add_argument(
+        "--node-gpus",
+        type=float,
+        default=None,
+        help="GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
+        "where Ray's autoscaler adds GPU machines for nodes that wait",
+    )
+    parser.add_argument(
+        "--namespace", default="pd", help="with --address: the Ray namespace of the nodes"
+    )
+    parser.add_argument(
+        "--keep-nodes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --address: leave the nodes running when pd serve exits (the next one "
+        "attaches to them and their caches)",
     )
     parser.add_argument("--policy", default="cache_aware", choices=POLICIES)
     parser.add_argument(

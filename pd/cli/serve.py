@@ -13,6 +13,8 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
+from pd.cluster.admin import ClusterAdmin
+from pd.cluster.autoscaler import Autoscaler, AutoscalerConfig
 from pd.cluster.client import ClientConfig
 from pd.cluster.launcher import Cluster, ClusterConfig
 from pd.config import EngineConfig
@@ -20,28 +22,44 @@ from pd.coordinator import CoordinatorConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
+from pd.server.metrics import ServerMetrics
 from transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
 
 
 def build_cluster_app(
-    cluster: Cluster, model_name: str, server_cfg: ServerConfig | None = None
+    cluster: Cluster,
+    model_name: str,
+    server_cfg: ServerConfig | None = None,
+    autoscaler: AutoscalerConfig | None = None,
 ) -> FastAPI:
-    """The HTTP app over a started cluster."""
+    """The HTTP app over a started cluster, with the admin endpoints (and, when
+    ``autoscaler.enabled``, the autoscaler running on the server's event loop)."""
     runner_dir = cluster.engine_cfg.model
     tokenizer = load_tokenizer(runner_dir)
     info = next(iter(cluster.client.nodes.values()))
     client = cluster.client
+    metrics = ServerMetrics()
+    admin = ClusterAdmin(cluster)
     app = build_app(
         client,
         tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=info.max_model_len,
         config=server_cfg,
+        metrics=metrics,
         stats_fn=client.stats,
         extra_health=lambda: {"nodes": sorted(client.nodes)},
+        admin=admin,
     )
+
+    async def on_startup() -> None:
+        await client.start()  # read the nodes (attached ones send their snapshots) at once
+        if autoscaler is not None and autoscaler.enabled:
+            admin.start_autoscaler(Autoscaler(autoscaler, cluster, metrics.registry))
+
+    app.router.on_startup.append(on_startup)
     return app
 
 
@@ -61,7 +79,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.colocated:
         return _serve_colocated(args, engine_cfg, server_cfg)
-    from pd.cli import dataclass_from_args
+    from pd.cli import AUTOSCALE_PREFIX, dataclass_from_args
 
     # the cluster waits (for room, for a replacement node) no longer than the server lets a
     # request live
@@ -73,14 +91,22 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         num_decode=args.decode,
         address=args.address,
         host=args.host,
+        node_gpus=args.node_gpus,
+        namespace=args.namespace,
+        keep_nodes=args.keep_nodes,
+        prefill_resources=args.prefill_resources,
+        decode_resources=args.decode_resources,
         client=client_cfg,
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
+    autoscaler = dataclass_from_args(AutoscalerConfig, args, prefix=AUTOSCALE_PREFIX)
     cluster = Cluster(engine_cfg, cluster_cfg, CoordinatorConfig(policy=args.policy))
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
     cluster.start()
-    model_name = args.served_model_name or _default_name(engine_cfg)
-    app = build_cluster_app(cluster, model_name, server_cfg)
+    if cluster.attached:
+        print(f"attached to running nodes: {', '.join(cluster.attached)}", flush=True)
+    model_name = args.served_model_name or _default_name(cluster.engine_cfg)
+    app = build_cluster_app(cluster, model_name, server_cfg, autoscaler)
     return _run_http(app, args, on_exit=cluster.shutdown)
 
 

@@ -20,6 +20,11 @@ The life of a request (a *flight*) here:
 5. Finish, error, abort or deadline: both nodes are told to forget the attempt, its booking
    is released, and the next waiting request is woken.
 
+A server that attaches to running nodes (its predecessor exited) registers them with
+``add_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
+(``MirrorSync``, which also repairs a mirror that lost events). ``warm`` prefills a prompt into
+the cache of the prefill node it would be routed to, generating nothing beyond the first token.
+
 Every frame either way is sealed under the cluster secret (``transfer.auth``). The reader of
 node messages drops and counts what fails it, and survives any other message (unknown,
 malformed, out of order: counted and dropped); it is restarted if it dies, and ``is_ready`` is
@@ -42,7 +47,9 @@ import zmq
 import zmq.asyncio
 
 from pd.cluster.liveness import Liveness
+from pd.cluster.mirror import MirrorSync
 from pd.cluster.room import RoomQueue, Ticket
+from pd.cluster.slo import LatencyWindow
 from pd.config import _opt
 from pd.coordinator import Coordinator
 from pd.messages import (
@@ -64,6 +71,8 @@ from transfer.endpoint import parse_endpoint
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ROLES = ("prefill", "decode")
+# a warm-up ends at its first token, on the prefill node (nothing is sent to the decode node)
+_WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class ClusterError(RuntimeError):
@@ -102,6 +111,12 @@ class _Reroute(NamedTuple):
     why: str
 
 
+class WarmResult(NamedTuple):
+    node_id: str  # the prefill node whose cache holds the prompt now
+    num_tokens: int
+    num_cached_tokens: int  # of them, held there already
+
+
 @dataclass(eq=False)
 class _Flight:
     request_id: str
@@ -113,6 +128,7 @@ class _Flight:
     wire_id: str = ""  # the id the nodes know the current attempt by ("" between attempts)
     prefill: str = ""
     decode: str = ""
+    last_prefill: str = ""  # the prefill node of the latest attempt (kept after it ends)
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     is_aborted: bool = False
@@ -130,7 +146,9 @@ class ClusterClient:
         secret: bytes,
         ping: Callable[[str], Awaitable[Any]] | None = None,
         on_node_failed: Callable[[str], None] | None = None,
+        resync: Callable[[str], Awaitable[int]] | None = None,
     ) -> None:
+        """``resync(node_id)`` asks a node for its cache snapshot (``MirrorSync``)."""
         self.coordinator = coordinator
         self.pull_addr = pull_addr  # what the PULL socket binds
         self.addr = pull_addr  # what nodes push to (``listen_at``)
@@ -152,6 +170,9 @@ class ClusterClient:
             c.heartbeat_timeout_s, c.watch_interval_s, c.ping_timeout_s, ping, self.fail_node
         )
         self._on_node_failed = on_node_failed  # e.g. the launcher starting a replacement
+        self.mirror = MirrorSync(coordinator, resync, c.watch_interval_s)
+        self.ttft = LatencyWindow()  # generate() to first token, waits for room included
+        self.tpot = LatencyWindow()  # per finished request: (last - first token) / (n - 1)
         self._reader_ok = False
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -171,13 +192,26 @@ class ClusterClient:
         self.pull_addr, self.addr = pull_addr, addr
         self._opener = Opener(self._secret, addr)
 
+    def use_secret(self, secret: bytes) -> None:
+        """Seal and open frames under ``secret`` (that of running nodes this server attaches
+        to). Only before ``start()``."""
+        assert self._pull is None, "the PULL socket is already reading"
+        self._secret = secret
+        self._opener = Opener(secret, self.addr)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the client runs on (None before ``start()``)."""
+        return self._loop
+
     @property
     def num_rejected_msgs(self) -> int:
         """Frames from nodes (or anyone else) that failed authentication."""
         return self._opener.drops.total
 
-    def add_node(self, info: NodeInfo) -> None:
-        self._in_loop(lambda: self._add_node(info))
+    def add_node(self, info: NodeInfo, attached: bool = False) -> None:
+        """``attached``: the node ran before this server (its cache snapshot is awaited)."""
+        self._in_loop(lambda: self._add_node(info, attached))
 
     def drain_node(self, node_id: str) -> None:
         self._in_loop(lambda: self.coordinator.drain(node_id))
@@ -215,21 +249,36 @@ class ClusterClient:
         self._pull.bind(self.pull_addr)
         self._spawn(self._read_forever())
         self._spawn(self.liveness.run())
+        self._spawn(self.mirror.run())
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
+        return self._generate(_Flight(request_id, list(prompt_ids), params, namespace, 0.0))
+
+    async def warm(self, request_id: str, prompt_ids: list[int], namespace: str = "") -> WarmResult:
+        """Prefill ``prompt_ids`` into the cache of the prefill node the coordinator routes it
+        to (as it would a request with this prompt), generating nothing."""
+        flight = _Flight(request_id, list(prompt_ids), _WARM_PARAMS, namespace, 0.0)
+        num_cached = 0
+        async for out in self._generate(flight):
+            num_cached = out.num_cached_tokens
+        return WarmResult(flight.last_prefill, len(flight.prompt_ids), num_cached)
+
+    async def _generate(self, flight: _Flight) -> AsyncIterator[RequestOutput]:
         await self.start()
+        request_id, prompt_ids = flight.request_id, flight.prompt_ids
         if request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already running")
         try:  # before anything is booked: a value msgpack cannot carry fails here alone
-            self._encoder.encode(params)
+            self._encoder.encode(flight.params)
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(f"sampling parameters cannot be sent to the nodes: {e}") from e
-        deadline = time.monotonic() + self.cfg.request_timeout_s
-        flight = _Flight(request_id, list(prompt_ids), params, namespace, deadline)
+        arrival = time.monotonic()
+        flight.deadline = arrival + self.cfg.request_timeout_s
         self._flights[request_id] = flight
         finished = False
+        first_token = 0.0
         try:
             await self._dispatch(flight)
             num_cached: int | None = None  # the prefill node's hit (the first message's)
@@ -243,7 +292,12 @@ class ClusterClient:
                     raise ClusterError(msg.error)
                 if num_cached is None:
                     num_cached = msg.num_cached_tokens
+                    first_token = time.monotonic()
+                    self.ttft.add(first_token - arrival, first_token)
                 finished = msg.finished
+                if finished and flight.num_received > 1:
+                    now = time.monotonic()
+                    self.tpot.add((now - first_token) / (flight.num_received - 1), now)
                 yield RequestOutput(
                     request_id,
                     msg.token_ids,
@@ -271,7 +325,7 @@ class ClusterClient:
         await self.start()
         roles = {info.role for info in self.nodes.values()}
         roles |= {role for role, n in self._num_starting.items() if n}
-        return self._reader_ok and roles >= set(ROLES)
+        return self._reader_ok and roles >= set(ROLES) and self.mirror.is_settled
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -321,6 +375,7 @@ class ClusterClient:
         if route is None:  # aborted while waiting: the abort message is queued
             return
         flight.prefill, flight.decode = route.prefill, route.decode
+        flight.last_prefill = route.prefill
         self._by_wire[wire] = flight
         d = self.nodes[route.decode]
         try:
@@ -359,9 +414,11 @@ class ClusterClient:
 
     # -- membership, on the loop ------------------------------------------------------------
 
-    def _add_node(self, info: NodeInfo) -> None:
+    def _add_node(self, info: NodeInfo, attached: bool) -> None:
         self.nodes[info.node_id] = info
         self.liveness.watch(info.node_id)
+        if attached:
+            self.mirror.expect_snapshot(info.node_id)
         if info.role == "prefill":
             self.coordinator.add_prefill(info.node_id)
         else:
@@ -375,6 +432,7 @@ class ClusterClient:
         self.coordinator.remove(node_id)
         self.node_stats.pop(node_id, None)
         self.liveness.forget(node_id)
+        self.mirror.forget(node_id)
         if (push := self._push.pop(node_id, None)) is not None:
             push[0].close(linger=0)
         if is_dead:
@@ -455,6 +513,8 @@ class ClusterClient:
             return  # a dead or removed node's late event or stats
         elif isinstance(msg, CacheEventMsg):
             self.coordinator.apply_event(msg)
+            if msg.kind == "reset":
+                self.mirror.on_reset(msg.node_id)
         elif isinstance(msg, NodeStatsMsg):
             self.node_stats[msg.node_id] = msg
             self.liveness.heard(msg.node_id)

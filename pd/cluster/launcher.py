@@ -1,10 +1,23 @@
 """``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
 
-Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling); requests, tokens, cache
-events and transfer handshakes never go through Ray. Locally (``address=None``) a private Ray
-instance is always started, with the nodes as CPU actors, whatever other Ray cluster (live, or
-dead with its record left behind) the machine has; with ``address="auto"`` (or a Ray address)
-the nodes join that cluster, one GPU each, and an unreachable one is an error within seconds.
+Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling); requests,
+tokens, cache events and transfer handshakes never go through Ray. Locally (``address=None``) a
+private Ray instance is always started, with the nodes as CPU actors, whatever other Ray cluster
+(live, or dead with its record left behind) the machine has; with ``address="auto"`` (or a Ray
+address) the nodes join that cluster, one GPU each, and an unreachable one is an error within
+seconds. There the nodes are detached actors named by their node id in the Ray namespace
+``namespace``: they outlive the server, and a server that starts while some run attaches to
+them (``attach``: their secret and settings are adopted, their old requests aborted, their
+caches mirrored from snapshots) instead of starting new ones. ``prefill_resources`` and
+``decode_resources`` pin each role to Ray custom resources, so each pool lands (and, with Ray's
+autoscaler, scales) on its own machine type: pd decides how many nodes, Ray decides where.
+
+Each pool has a target size (``scale``, the admin API, the autoscaler); ``_reconcile`` starts
+nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
+or dies. A node is ``starting`` (spawned, not registered), ``ready``, or ``draining`` (no new
+requests; in-flight ones finish within ``drain_timeout_s``, then it leaves, its peers close
+their pair groups to it, and its actor exits). A start that fails lowers the target again.
+
 The launcher makes the cluster's secret, which every zmq frame and pair rendezvous is
 authenticated with, and hands it to the client and (through Ray, inside ``TransferConfig``) to
 every node; it never goes on a command line or into a log.
@@ -17,92 +30,27 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
+import re
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import ray
 
 from pd import envs
 from pd.cluster.addresses import choose_addrs, cluster_node_ip, node_bind_host
-from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.client import ROLES, ClusterClient
+from pd.cluster.config import ClusterConfig, free_port, init_ray
 from pd.config import EngineConfig
 from pd.coordinator import Coordinator, CoordinatorConfig
 from pd.messages import NodeInfo
-from pd.node import NodeConfig
-from transfer import TransferConfig
+from pd.node import NodeConfig, NodeSettings
 from transfer.auth import new_secret
 
+__all__ = ["Cluster", "ClusterConfig", "init_ray"]
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    num_prefill: int = 1
-    num_decode: int = 1
-    address: str | None = None  # None: start a local Ray instance; "auto": join a running one
-    # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
-    # (this machine's Ray IP); nodes are always told a routable one (pd.cluster.addresses)
-    host: str = "127.0.0.1"
-    threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
-    ready_timeout_s: float = 300.0
-    replace_dead_nodes: bool = True  # start a new node of the same role when one dies
-    connect_timeout_s: float = 5.0  # with an address: the cluster must answer within this
-    client: ClientConfig = field(default_factory=ClientConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(
-                f"need at least one prefill and one decode node, got {self.num_prefill} and {self.num_decode}"
-            )
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def reachable_address(address: str, timeout_s: float) -> str:
-    """The GCS address that ``address`` names ("auto": RAY_ADDRESS, else the machine's latest
-    ``ray start``, as Ray resolves it), checked to accept a connection within ``timeout_s``.
-    ConnectionError with the address otherwise: ``ray.init`` itself would retry for minutes."""
-    from ray._private.services import canonicalize_bootstrap_address
-
-    if "://" in address:  # a Ray client address: check its host:port, hand it over as it is
-        target: str | None = address.split("://", 1)[1]
-    else:
-        target = canonicalize_bootstrap_address(address)  # ConnectionError if none is found
-    if not target:
-        raise ConnectionError(f"no Ray cluster found for --address {address}")
-    host, _, port = target.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as e:
-        raise ConnectionError(
-            f"cannot reach the Ray cluster at {target} (--address {address}) within "
-            f"{timeout_s} s: {e}"
-        ) from e
-    return address if "://" in address else target
-
-
-def init_ray(cfg: ClusterConfig) -> None:
-    """Without an address, a private local Ray instance: never RAY_ADDRESS, nor the record a
-    ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
-    to be reachable first."""
-    if cfg.address is None:
-        ray.init(
-            address="local",
-            num_cpus=max(2, cfg.num_prefill + cfg.num_decode),
-            include_dashboard=False,
-            object_store_memory=80 * 2**20,
-            log_to_driver=True,
-        )
-    else:
-        ray.init(address=reachable_address(cfg.address, cfg.connect_timeout_s))
+T = TypeVar("T")
+_NODE_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
 
 
 class Cluster:
@@ -120,59 +68,202 @@ class Cluster:
             secret=self._secret,
             ping=self._ping,
             on_node_failed=self._on_node_failed,
+            resync=self._resync,
         )
         self.actors: dict[str, Any] = {}
-        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._on_gpu = False
-        self._stopping = False
+        self.target = {"prefill": cfg.num_prefill, "decode": cfg.num_decode}
+        self.starting: dict[str, str] = {}  # node id -> role: spawned, not registered yet
+        self.draining: dict[str, str] = {}  # node id -> role: leaving after its requests
+        self.attached: list[str] = []  # nodes that ran before this server started
         self.replacements: list[str] = []  # node ids started in place of dead ones
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._gpus = 0.0  # each node's (ClusterConfig.node_gpus, resolved in start())
+        self._stopping = False
+        self._num_replacing = dict.fromkeys(ROLES, 0)  # deaths not yet made up for
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def is_detached(self) -> bool:
+        """Nodes are detached, named actors in ``namespace`` (a shared Ray cluster)."""
+        return self.cfg.address is not None
 
     # -- start / stop -----------------------------------------------------------------------
 
     def start(self) -> None:
         if not ray.is_initialized():
             init_ray(self.cfg)
-        self._on_gpu = self.cfg.address is not None and ray.cluster_resources().get("GPU", 0) > 0
+        has_gpus = self.is_detached and ray.cluster_resources().get("GPU", 0) > 0
+        self._gpus = self.cfg.node_gpus if self.cfg.node_gpus is not None else float(has_gpus)
         node_ip = cluster_node_ip(self.cfg.address is None, ray.util.get_node_ip_address())
         addrs = choose_addrs(self.cfg.host, node_ip)
-        port = _free_port(addrs.bind_host)
+        port = free_port(addrs.bind_host)
         self.client.listen_at(addrs.bind(port), addrs.endpoint(port))
-        refs = [self._spawn("prefill") for _ in range(self.cfg.num_prefill)]
-        refs += [self._spawn("decode") for _ in range(self.cfg.num_decode)]
-        for info in ray.get(refs, timeout=self.cfg.ready_timeout_s):
+        running = self._find_running() if self.is_detached else {}
+        if running:
+            self._attach(running)
+        refs = []
+        for role in ROLES:
+            for _ in range(self.target[role] - len(self.nodes_of(role))):
+                refs.append(self._spawn(role)[1])
+        try:
+            infos = ray.get(refs, timeout=self.cfg.ready_timeout_s)
+        finally:
+            self.starting.clear()
+        for info in infos:
             self.client.add_node(info)
 
     def shutdown(self) -> None:
         self._stopping = True
+        if self.is_detached and self.cfg.keep_nodes:
+            logger.warning(
+                "leaving %d nodes running in Ray namespace %r: the next `pd serve --address` "
+                "attaches to them",
+                len(self.actors),
+                self.cfg.namespace,
+            )
+            return
         for node_id in list(self.actors):
             self._kill(node_id)
 
-    # -- scaling ----------------------------------------------------------------------------
+    # -- attaching to running nodes ---------------------------------------------------------
 
-    def add_node(self, role: str) -> str:
-        """Start one more node of ``role`` and register it with the coordinator."""
-        info = ray.get(self._spawn(role), timeout=self.cfg.ready_timeout_s)
+    def _find_running(self) -> dict[str, Any]:
+        """The live pd nodes in this cluster's namespace, by node id."""
+        found: dict[str, Any] = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name, namespace = entry["name"], entry["namespace"]
+            if namespace != self.cfg.namespace or not _NODE_NAME.match(name):
+                continue
+            actor = ray.get_actor(name, namespace=namespace)
+            try:
+                ray.get(actor.info.remote(), timeout=self.cfg.connect_timeout_s)
+            except Exception as e:  # dying, or stuck: not one to attach to
+                logger.warning("not attaching to %s: %s: %s", name, type(e).__name__, e)
+                continue
+            found[name] = actor
+        return found
+
+    def _attach(self, running: dict[str, Any]) -> None:
+        settings: NodeSettings = ray.get(next(iter(running.values())).settings.remote())
+        self._secret = settings.node.transfer.secret
+        self.client.use_secret(self._secret)
+        adopted = dataclasses.replace(settings.engine, num_threads=self.engine_cfg.num_threads)
+        if adopted.page_size != self.engine_cfg.page_size:  # the coordinator mirrors by pages
+            raise ValueError(
+                f"the running nodes use page size {adopted.page_size}, not "
+                f"{self.engine_cfg.page_size}: start with --page-size {adopted.page_size}"
+            )
+        if adopted != self.engine_cfg:
+            logger.warning("attached nodes run %s; new nodes will too", adopted)
+        self.engine_cfg = adopted
+        infos = ray.get([a.attach.remote(self.client.addr) for a in running.values()])
+        for node_id, info in zip(running, infos):
+            self.actors[node_id] = running[node_id]
+            self.client.add_node(info, attached=True)
+            self.attached.append(node_id)
+        for role in ROLES:
+            indexes = [int(m[2]) for n in running if (m := _NODE_NAME.match(n)) and m[1] == role]
+            self._ids[role] = itertools.count(max(indexes, default=-1) + 1)
+            self.target[role] = max(self.target[role], len(indexes))
+        logger.warning("attached to %d running nodes: %s", len(running), sorted(running))
+
+    # -- pools ------------------------------------------------------------------------------
+
+    def nodes_of(self, role: str) -> list[str]:
+        """Registered nodes of ``role`` that are not draining."""
+        nodes = self.client.nodes
+        return [n for n, i in nodes.items() if i.role == role and n not in self.draining]
+
+    def is_pending(self, role: str) -> bool:
+        """A node of ``role`` is starting or draining (a scale is under way)."""
+        return role in self.starting.values() or role in self.draining.values()
+
+    def scale(self, **targets: int) -> None:
+        """Set pool targets (``prefill=``, ``decode=``, each >= 1); nodes start or drain in the
+        background. Call on the client's event loop."""
+        for role, n in targets.items():
+            if role not in ROLES or n < 1:
+                raise ValueError(f"pool sizes must be >= 1 for {ROLES}, got {role}={n}")
+        self.target.update(targets)
+        self._reconcile()
+
+    def drain(self, node_id: str) -> None:
+        """Drain ``node_id`` and remove it; its pool's target drops by one. Call on the
+        client's event loop."""
+        info = self.client.nodes.get(node_id)
+        if info is None or node_id in self.draining:
+            raise KeyError(f"no ready node {node_id!r}")
+        if self.target[info.role] <= 1:
+            raise ValueError(f"{node_id} is the last {info.role} node: the pool keeps 1")
+        self.target[info.role] -= 1
+        self._run(self._drain(node_id))
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        if self._stopping:
+            return
+        for role in ROLES:
+            ready = self.nodes_of(role)
+            num_starting = sum(r == role for r in self.starting.values())
+            surplus = len(ready) + num_starting - self.target[role]
+            for _ in range(-surplus):
+                self._run(self._start(role))
+            for node_id in self._victims(ready, min(surplus, len(ready))):
+                self._run(self._drain(node_id))
+
+    def _victims(self, nodes: list[str], n: int) -> list[str]:
+        """The ``n`` nodes whose removal loses the least: fewest cached tokens, least busy."""
+        stats = self.client.node_stats
+
+        def cost(node_id: str) -> tuple[int, int, int]:
+            s = stats.get(node_id)
+            busy = s.num_running + s.num_waiting if s is not None else 0
+            return (s.num_cached_tokens if s is not None else 0), busy, -self._index(node_id)
+
+        return sorted(nodes, key=cost)[: max(n, 0)]
+
+    async def _start(self, role: str) -> str | None:
+        node_id, ref = self._spawn(role)
+        self.client.begin_start(role)  # requests wait for it rather than fail
+        try:
+            info = await asyncio.wait_for(ref, self.cfg.ready_timeout_s)
+        except Exception:
+            logger.exception("could not start %s: the %s pool's target drops back", node_id, role)
+            self.target[role] = max(1, self.target[role] - 1)
+            self._stop_later(node_id)
+            return None
+        finally:
+            self.starting.pop(node_id, None)
+            self.client.end_start(role)
         self.client.add_node(info)
-        return info.node_id
+        if self._num_replacing[role]:
+            self._num_replacing[role] -= 1
+            self.replacements.append(node_id)
+        logger.warning("%s joined (%s pool: %d)", node_id, role, len(self.nodes_of(role)))
+        self._reconcile()
+        return node_id
 
-    def remove_node(self, node_id: str, timeout_s: float = 120.0) -> None:
-        """Drain a node (no new requests, in-flight ones finish), then stop its actor."""
-        actor = self.actors[node_id]
+    async def _drain(self, node_id: str) -> None:
+        self.draining[node_id] = self.client.nodes[node_id].role
         self.client.drain_node(node_id)  # the coordinator routes nothing new to it
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and (
-            self.client.num_routed_to(node_id) or ray.get(actor.num_unfinished.remote())
-        ):
-            time.sleep(0.05)
-        self.client.remove_node(node_id)  # the others close their pair groups to it
-        self._kill(node_id)
+        deadline = time.monotonic() + self.cfg.drain_deadline_s
+        try:
+            while time.monotonic() < deadline and node_id in self.actors:
+                if not self.client.num_routed_to(node_id):
+                    try:
+                        if await self.actors[node_id].num_unfinished.remote() == 0:
+                            break
+                    except Exception:  # died meanwhile: the watchdog drops it
+                        break
+                await asyncio.sleep(0.05)
+            self.client.remove_node(node_id)  # the others close their pair groups to it
+            await self._stop(node_id)
+        finally:
+            self.draining.pop(node_id, None)
+        logger.warning("%s drained and stopped", node_id)
+        self._reconcile()
 
-    def check_integrity(self) -> dict[str, dict[str, int]]:
-        """Every registered node's slot and resource accounting (asserts inside each node);
-        nodes still starting are not waited for."""
-        ids = [n for n in self.actors if n in self.client.nodes]
-        return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
+    # -- node failures and snapshots --------------------------------------------------------
 
     async def _ping(self, node_id: str) -> None:
         actor = self.actors.get(node_id)
@@ -180,50 +271,91 @@ class Cluster:
             raise RuntimeError("no actor")
         await actor.info.remote()
 
+    async def _resync(self, node_id: str) -> int:
+        return await self.actors[node_id].resync_cache.remote()
+
     def _on_node_failed(self, node_id: str) -> None:
         """Called on the client's event loop when the watchdog finds a node dead."""
         actor = self.actors.pop(node_id, None)
         if actor is not None:
             ray.kill(actor, no_restart=True)
-        if not self.cfg.replace_dead_nodes or self._stopping:
+        if self._stopping:
             return
         role = node_id.rsplit("-", 1)[0]
-        self.client.begin_start(role)  # requests wait for it rather than fail
+        if self.cfg.replace_dead_nodes:
+            self._num_replacing[role] += 1
+            logger.warning("starting a %s node in place of %s", role, node_id)
+        else:
+            self.target[role] = max(1, self.target[role] - 1)
+        self._reconcile()
 
-        async def replace() -> None:
-            try:
-                info = await asyncio.wait_for(self._spawn(role), self.cfg.ready_timeout_s)
-                self.client.add_node(info)
-            except Exception:
-                logger.exception("could not start a %s node in place of %s", role, node_id)
-                return
-            finally:
-                self.client.end_start(role)
-            self.replacements.append(info.node_id)
-            logger.warning("started %s in place of %s", info.node_id, node_id)
+    # -- from other threads -----------------------------------------------------------------
 
-        task = asyncio.get_running_loop().create_task(replace())
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
+    def add_node(self, role: str) -> str:
+        """Start one more node of ``role`` and wait until it is registered."""
+        node_id = self._wait(self._grow(role))
+        if node_id is None:
+            raise RuntimeError(f"could not start a {role} node (see the log)")
+        return node_id
+
+    def remove_node(self, node_id: str, timeout_s: float = 120.0) -> None:
+        """Drain a node (no new requests, in-flight ones finish), then stop its actor."""
+        self._wait(self._drain_now(node_id), timeout_s + 30)
+
+    def check_integrity(self) -> dict[str, dict[str, int]]:
+        """Every registered node's slot and resource accounting (asserts inside each node);
+        nodes still starting are not waited for."""
+        ids = [n for n in self.actors if n in self.client.nodes]
+        return dict(zip(ids, ray.get([self.actors[n].check_integrity.remote() for n in ids])))
+
+    async def _grow(self, role: str) -> str | None:
+        self.target[role] += 1
+        return await self._start(role)
+
+    async def _drain_now(self, node_id: str) -> None:
+        info = self.client.nodes[node_id]
+        self.target[info.role] -= 1
+        await self._drain(node_id)
+
+    def _wait(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the client's event loop (from another thread) and wait for it."""
+        loop = self.client.loop
+        if loop is None or not loop.is_running():
+            return asyncio.run(coro)
+        timeout_s = timeout_s or self.cfg.ready_timeout_s + 30
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     # -- internals --------------------------------------------------------------------------
 
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
     def _threads(self) -> int | None:
-        if self._on_gpu:
+        if self._gpus:
             return self.engine_cfg.num_threads
         if self.cfg.threads_per_node is not None:
             return self.cfg.threads_per_node
         total = self.cfg.num_prefill + self.cfg.num_decode
         return max(1, (os.cpu_count() or 1) // total)
 
-    def _spawn(self, role: str) -> ray.ObjectRef[NodeInfo]:
+    @staticmethod
+    def _index(node_id: str) -> int:
+        return int(node_id.rsplit("-", 1)[1])
+
+    def _spawn(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
         from decode.node import DecodeNode
         from prefill.node import PrefillNode
 
         node_id = f"{role}-{next(self._ids[role])}"
         cls = PrefillNode if role == "prefill" else DecodeNode
-        options: dict[str, Any] = {"name": None, "max_concurrency": 4}
-        options.update({"num_gpus": 1, "num_cpus": 1} if self._on_gpu else {"num_cpus": 0})
+        options: dict[str, Any] = {"max_concurrency": 4}
+        options.update({"num_gpus": self._gpus, "num_cpus": 1} if self._gpus else {"num_cpus": 0})
+        if resources := self.cfg.resources(role):
+            options["resources"] = resources
+        if self.is_detached:  # outlives this server; the next one finds it by name
+            options.update(name=node_id, namespace=self.cfg.namespace, lifetime="detached")
         engine_cfg = dataclasses.replace(self.engine_cfg, num_threads=self._threads())
         node_cfg = NodeConfig(
             node_id=node_id,
@@ -232,10 +364,24 @@ class Cluster:
             debug_checks=envs.PD_DEBUG,
             transfer=dataclasses.replace(self.cfg.transfer, secret=self._secret),
         )
-        actor = ray.remote(cls).options(**{k: v for k, v in options.items() if v is not None})
-        handle = actor.remote(engine_cfg, node_cfg)
+        handle = ray.remote(cls).options(**options).remote(engine_cfg, node_cfg)
         self.actors[node_id] = handle
-        return handle.start.remote()
+        self.starting[node_id] = role
+        return node_id, handle.start.remote()
+
+    async def _stop(self, node_id: str) -> None:
+        actor = self.actors.pop(node_id, None)
+        if actor is None:
+            return
+        try:
+            await asyncio.wait_for(actor.shutdown.remote(), 15)
+        except Exception:  # a dead actor is what we want anyway
+            pass
+        ray.kill(actor)
+
+    def _stop_later(self, node_id: str) -> None:
+        if (actor := self.actors.pop(node_id, None)) is not None:
+            ray.kill(actor)
 
     def _kill(self, node_id: str) -> None:
         actor = self.actors.pop(node_id)

@@ -11,7 +11,7 @@ stream or its waiting handler, and the request is aborted on the engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,8 +28,12 @@ from pd.server.metrics import ServerMetrics
 from pd.server.middleware import AuthMiddleware, BodyLimitMiddleware, CatchAllMiddleware
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pd.server.routes import ROUTERS
+from pd.server.routes import admin as admin_routes
 from pd.server.routes.ops import HealthFn, StatsFn
 from pd.server.state import ServerState
+
+if TYPE_CHECKING:  # the colocated server never imports the cluster (nor Ray)
+    from pd.cluster.admin import ClusterAdmin
 
 # Bodies the handlers parse themselves (off the event loop); their schemas are added to the
 # OpenAPI document by hand.
@@ -50,10 +54,11 @@ def build_app(
     metrics: ServerMetrics | None = None,
     extra_health: HealthFn | None = None,
     stats_fn: StatsFn | None = None,
+    admin: ClusterAdmin | None = None,
 ) -> FastAPI:
     """The HTTP app. ``extra_health()`` adds keys to GET /health's body; ``stats_fn()`` fills
     the cluster gauges on each GET /metrics (a ``ClusterStats``). Either may be
-    sync or async."""
+    sync or async. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
     config = config or ServerConfig()
     metrics = metrics or ServerMetrics()
     app = FastAPI(title="pd", version="0.1.0")
@@ -62,6 +67,9 @@ def build_app(
     app.state.stats_fn = stats_fn
     for router in ROUTERS:
         app.include_router(router)
+    if admin is not None:
+        app.state.admin = admin
+        app.include_router(admin_routes.router)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""The endpoints, by family: OpenAI (completions, chat), native (/generate), ops."""
+"""The endpoints, by family: OpenAI (completions, chat), native (/generate), ops; and admin
+(``/admin/*``), which ``build_app`` includes when it is given a cluster to operate."""
 
 from __future__ import annotations
 

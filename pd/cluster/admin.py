@@ -1,0 +1,117 @@
+"""``ClusterAdmin``: what the admin API and the autoscaler may do to a running cluster.
+
+Everything here runs on the cluster client's event loop (the HTTP server's): reading the pools
+(``nodes``: one ``NodeView`` per node, from its latest stats), setting their target sizes
+(``scale``), draining one node (``drain``), and prefilling prompts into the caches of the
+prefill nodes the coordinator routes them to (``warmup``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from pd.cluster.client import ROLES, ClusterClient, WarmResult
+from pd.cluster.launcher import Cluster
+from pd.messages import NodeStatsMsg
+
+if TYPE_CHECKING:
+    from pd.cluster.autoscaler import Autoscaler
+
+STATES = ("starting", "ready", "draining")
+
+
+class NodeView(NamedTuple):
+    """One node as ``GET /admin/nodes`` shows it (zeros while it starts: no stats yet)."""
+
+    id: str
+    role: str
+    ray_node: str  # the Ray node it was placed on
+    state: str  # one of STATES
+    load: int  # requests running or waiting there
+    queued_tokens: int  # prompt tokens waiting or being prefilled there
+    kv_usage: float  # KV slots held by requests / all slots (cached prefixes not counted)
+    cached_tokens: int
+    slots_in_use: int  # held by requests (0 when idle: a leak check)
+    pair_groups: int
+    threads: int
+    sockets: int
+
+
+class PoolSizes(NamedTuple):
+    prefill: int
+    decode: int
+
+
+class ClusterAdmin:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.autoscaler: Autoscaler | None = None  # with ``pd serve --autoscale``
+        self._warm_ids = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start_autoscaler(self, autoscaler: Autoscaler) -> None:
+        """Run ``autoscaler`` on this (the running) event loop."""
+        self.autoscaler = autoscaler
+        task = asyncio.get_running_loop().create_task(autoscaler.run())
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def client(self) -> ClusterClient:
+        return self.cluster.client
+
+    def target(self) -> PoolSizes:
+        return PoolSizes(**self.cluster.target)
+
+    def nodes(self) -> list[NodeView]:
+        cluster, stats = self.cluster, self.client.node_stats
+        views = [_view(n, role, "", "starting", None) for n, role in cluster.starting.items()]
+        for node_id, info in self.client.nodes.items():
+            state = "draining" if node_id in cluster.draining else "ready"
+            views.append(_view(node_id, info.role, info.ray_node_id, state, stats.get(node_id)))
+        return sorted(views, key=lambda v: (ROLES.index(v.role), _index(v.id)))
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
+        """Set the pools' target sizes (ValueError below 1); returns the new targets."""
+        targets = {r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None}
+        self.cluster.scale(**targets)
+        return self.target()
+
+    def drain(self, node_id: str) -> PoolSizes:
+        """KeyError: no such ready node; ValueError: it is the last of its pool."""
+        self.cluster.drain(node_id)
+        return self.target()
+
+    async def warmup(self, prompts: Sequence[list[int]], namespace: str = "") -> list[WarmResult]:
+        """Prefill each prompt where the coordinator routes it; concurrently, like requests."""
+        ids = [f"warmup-{next(self._warm_ids)}" for _ in prompts]
+        return list(
+            await asyncio.gather(*(self.client.warm(i, p, namespace) for i, p in zip(ids, prompts)))
+        )
+
+
+def _view(node_id: str, role: str, ray_node: str, state: str, s: NodeStatsMsg | None) -> NodeView:
+    if s is None:
+        return NodeView(node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0)
+    in_use = s.num_slots - s.num_free_slots - s.num_cached_tokens
+    return NodeView(
+        id=node_id,
+        role=role,
+        ray_node=ray_node,
+        state=state,
+        load=s.num_running + s.num_waiting,
+        queued_tokens=s.num_queued_tokens,
+        kv_usage=in_use / s.num_slots if s.num_slots else 0.0,
+        cached_tokens=s.num_cached_tokens,
+        slots_in_use=in_use,
+        pair_groups=s.num_pairs,
+        threads=s.num_threads,
+        sockets=s.num_sockets,
+    )
+
+
+def _index(node_id: str) -> int:
+    return int(node_id.rsplit("-", 1)[1])

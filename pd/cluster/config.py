@@ -1,0 +1,106 @@
+"""``ClusterConfig`` and the Ray connection: a private local instance, or a running cluster that
+must answer within seconds."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import ray
+
+from pd.cluster.client import ROLES, ClientConfig
+from transfer import TransferConfig
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    address: str | None = None  # None: start a local Ray instance; "auto": join a running one
+    # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
+    # (this machine's Ray IP); nodes are always told a routable one (pd.cluster.addresses)
+    host: str = "127.0.0.1"
+    threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
+    ready_timeout_s: float = 300.0
+    replace_dead_nodes: bool = True  # start a new node of the same role when one dies
+    connect_timeout_s: float = 5.0  # with an address: the cluster must answer within this
+    # GPUs each node asks for; None: 1 when the Ray cluster (an address) has GPUs now, else 0.
+    # Set 1 where GPU machines come and go (Ray's autoscaler adds one for a waiting node).
+    node_gpus: float | None = None
+    namespace: str = "pd"  # with an address: the Ray namespace of the (detached) node actors
+    keep_nodes: bool = True  # with an address: the nodes outlive the server (one attaches)
+    # Ray custom resources each node of a role asks for, e.g. {"prefill": 1}
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    drain_timeout_s: float | None = None  # a draining node's requests; None: request_timeout_s
+    client: ClientConfig = field(default_factory=ClientConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(
+                f"need at least one prefill and one decode node, got {self.num_prefill} and {self.num_decode}"
+            )
+        if self.node_gpus is not None and self.node_gpus < 0:
+            raise ValueError(f"node_gpus must be >= 0, got {self.node_gpus}")
+        for role in ROLES:
+            for name, amount in self.resources(role).items():
+                if not name or name in ("CPU", "GPU", "memory") or not amount > 0:
+                    raise ValueError(
+                        f"{role} resources must be custom resource names with amounts > 0, "
+                        f"got {name!r}: {amount}"
+                    )
+
+    def resources(self, role: str) -> dict[str, float]:
+        return self.prefill_resources if role == "prefill" else self.decode_resources
+
+    @property
+    def drain_deadline_s(self) -> float:
+        return self.drain_timeout_s or self.client.request_timeout_s
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def reachable_address(address: str, timeout_s: float) -> str:
+    """The GCS address that ``address`` names ("auto": RAY_ADDRESS, else the machine's latest
+    ``ray start``, as Ray resolves it), checked to accept a connection within ``timeout_s``.
+    ConnectionError with the address otherwise: ``ray.init`` itself would retry for minutes."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if "://" in address:  # a Ray client address: check its host:port, hand it over as it is
+        target: str | None = address.split("://", 1)[1]
+    else:
+        target = canonicalize_bootstrap_address(address)  # ConnectionError if none is found
+    if not target:
+        raise ConnectionError(f"no Ray cluster found for --address {address}")
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConnectionError(
+            f"cannot reach the Ray cluster at {target} (--address {address}) within "
+            f"{timeout_s} s: {e}"
+        ) from e
+    return address if "://" in address else target
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    """Without an address, a private local Ray instance: never RAY_ADDRESS, nor the record a
+    ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
+    to be reachable first."""
+    if cfg.address is None:
+        ray.init(
+            address="local",
+            num_cpus=max(2, cfg.num_prefill + cfg.num_decode),
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=True,
+        )
+    else:
+        address = reachable_address(cfg.address, cfg.connect_timeout_s)
+        ray.init(address=address, namespace=cfg.namespace)

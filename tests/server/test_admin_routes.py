@@ -1,0 +1,169 @@
+"""The admin endpoints over a scripted cluster: behind the API key, requests checked like any
+other (4xx naming the field), warm-up prompts tokenized and namespaced as requests are; and
+``pd scale`` / ``pd status`` against them. The live cluster behind them is
+tests/cluster/test_operate.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from pd.cli import main as pd_main
+from pd.cluster.admin import NodeView, PoolSizes
+from pd.cluster.client import WarmResult
+from pd.model.tokenizer import encode_prompt
+from pd.server import ServerConfig, ServerMetrics, build_app
+from pd.server.auth import cache_namespace
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, serve
+from tests.server.fake_engine import FakeEngineClient
+
+pytestmark = pytest.mark.timeout(60)
+KEY = "admin-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class FakeAdmin:
+    """A cluster whose pools take any size at once."""
+
+    autoscaler = None
+
+    def __init__(self) -> None:
+        self.sizes = {"prefill": 1, "decode": 1}
+        self.warmed: list[tuple[list[list[int]], str]] = []
+
+    def target(self) -> PoolSizes:
+        return PoolSizes(**self.sizes)
+
+    def nodes(self) -> list[NodeView]:
+        return [
+            NodeView(f"{role}-{i}", role, "ray-1", "ready", 2, 30, 0.25, 100, 10, 1, 12, 5)
+            for role, n in self.sizes.items()
+            for i in range(n)
+        ]
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
+        self.sizes.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v})
+        return self.target()
+
+    def drain(self, node_id: str) -> PoolSizes:
+        role = node_id.split("-")[0]
+        if node_id not in {n.id for n in self.nodes()}:
+            raise KeyError(node_id)
+        if self.sizes[role] == 1:
+            raise ValueError(f"{node_id} is the last {role} node: the pool keeps 1")
+        self.sizes[role] -= 1
+        return self.target()
+
+    async def warmup(self, prompts: Sequence[list[int]], namespace: str) -> list[WarmResult]:
+        self.warmed.append(([list(p) for p in prompts], namespace))
+        return [WarmResult(f"prefill-{i % 2}", len(p), 0) for i, p in enumerate(prompts)]
+
+
+def _app(tokenizer: Any, admin: FakeAdmin, **config: Any) -> Any:
+    return build_app(
+        FakeEngineClient(output_ids=[5, 6], eos_token_id=tokenizer.eos_token_id),
+        tokenizer=tokenizer,
+        model_name=MODEL_NAME,
+        max_model_len=MAX_MODEL_LEN,
+        config=ServerConfig(api_key=(KEY,), **config),
+        metrics=ServerMetrics(),
+        admin=admin,  # type: ignore[arg-type]
+    )
+
+
+def test_every_admin_endpoint_needs_the_key(tokenizer) -> None:
+    admin = FakeAdmin()
+    calls = [
+        ("GET", "/admin/nodes", None),
+        ("POST", "/admin/scale", {"prefill": 2}),
+        ("POST", "/admin/nodes/prefill-1/drain", None),
+        ("POST", "/admin/warmup", {"prompts": ["You are a helpful assistant."]}),
+    ]
+    with serve(_app(tokenizer, admin)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        for method, path, body in calls:
+            assert c.request(method, path, json=body).status_code == 401, path
+        assert admin.sizes == {"prefill": 1, "decode": 1} and not admin.warmed
+        got = [c.request(m, p, json=b, headers=AUTH).status_code for m, p, b in calls]
+    assert got == [200, 202, 202, 200]
+    assert admin.sizes == {"prefill": 1, "decode": 1}  # scaled to 2, then one drained
+
+
+def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokenizer) -> None:
+    admin = FakeAdmin()
+    with serve(_app(tokenizer, admin)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/admin/scale", json={"prefill": 3, "decode": 2}, headers=AUTH)
+        assert r.status_code == 202
+        body = r.json()
+        assert body["target"] == {"prefill": 3, "decode": 2} and body["autoscaler"] is None
+        assert [n["id"] for n in body["nodes"]] == [
+            "prefill-0", "prefill-1", "prefill-2", "decode-0", "decode-1",
+        ]  # fmt: skip
+        assert body["nodes"][0] == {
+            "id": "prefill-0", "role": "prefill", "ray_node": "ray-1", "state": "ready",
+            "load": 2, "queued_tokens": 30, "kv_usage": 0.25, "cached_tokens": 100,
+            "slots_in_use": 10, "pair_groups": 1, "threads": 12, "sockets": 5,
+        }  # fmt: skip
+        for bad, field in (({}, None), ({"prefill": 0}, "prefill"), ({"decode": 2, "x": 1}, "x")):
+            r = c.post("/admin/scale", json=bad, headers=AUTH)
+            assert r.status_code == 400, (bad, r.text)
+            assert field is None or field in r.json()["error"]["message"], r.text
+        r = c.post("/admin/nodes/decode-7/drain", headers=AUTH)
+        assert r.status_code == 404 and "decode-7" in r.json()["error"]["message"]
+        assert c.post("/admin/nodes/decode-1/drain", headers=AUTH).status_code == 202
+        r = c.post("/admin/nodes/decode-0/drain", headers=AUTH)
+        assert r.status_code == 409 and "last decode node" in r.json()["error"]["message"]
+    assert admin.sizes == {"prefill": 3, "decode": 1}
+
+
+def test_warmup_tokenizes_checks_and_namespaces_prompts_as_requests_are(tokenizer) -> None:
+    text, ids = "You are a helpful assistant. Answer briefly.", [11, 22, 33, 44]
+    for isolate in (False, True):
+        admin = FakeAdmin()
+        app = _app(tokenizer, admin, isolate_cache_per_key=isolate)
+        with serve(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+            body = {"prompts": [text, ids], "cache_salt": "team-a"}
+            r = c.post("/admin/warmup", json=body, headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json()["prompts"] == [
+                {"node": "prefill-0", "num_tokens": len(encode_prompt(tokenizer, text)),
+                 "cached_tokens": 0},
+                {"node": "prefill-1", "num_tokens": 4, "cached_tokens": 0},
+            ]  # fmt: skip
+            too_long = [1] * MAX_MODEL_LEN
+            for bad, where in (
+                ({"prompts": [ids, too_long]}, "prompts[1]"),
+                ({"prompts": [[1, 10**9]]}, "prompts[0]"),
+                ({"prompts": [""]}, "prompts[0]"),
+                ({"prompts": []}, "prompts"),
+                ({"prompts": [ids], "cache_salt": ""}, "cache_salt"),
+            ):
+                r = c.post("/admin/warmup", json=bad, headers=AUTH)
+                assert r.status_code == 400 and where in r.text, (bad, r.text)
+        (prompts, namespace), = admin.warmed  # fmt: skip
+        assert prompts == [encode_prompt(tokenizer, text), ids]
+        assert namespace == cache_namespace(KEY if isolate else None, "team-a")
+
+
+def test_pd_scale_and_pd_status_talk_to_the_server(tokenizer, capsys, monkeypatch) -> None:
+    admin = FakeAdmin()
+    with serve(_app(tokenizer, admin)) as url:
+        assert pd_main(["scale", "--url", url, "--api-key", KEY, "--prefill", "2"]) == 0
+        out = capsys.readouterr().out
+        assert admin.sizes == {"prefill": 2, "decode": 1}
+        assert out.startswith("target: prefill 2, decode 1\nid ")
+        assert len(out.strip().splitlines()) == 2 + 3
+        monkeypatch.setenv("PD_API_KEY", KEY)  # the key pd serve reads is theirs too
+        assert pd_main(["status", "--url", url]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[2].split() == [
+            "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100",
+        ]  # fmt: skip
+        monkeypatch.delenv("PD_API_KEY")
+        assert pd_main(["status", "--url", url, "--api-key", "wrong"]) == 1
+        assert "HTTP 401" in capsys.readouterr().err
+        assert pd_main(["scale", "--url", url, "--api-key", KEY]) == 2  # no size given
+    assert pd_main(["status", "--url", url]) == 1  # the server is gone
+    assert "cannot reach the pd server" in capsys.readouterr().err
