@@ -8,7 +8,8 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
 2. Else go to the node holding the longest prefix of the prompt, if it covers at least
    ``cache_threshold`` of the prompt. What a node holds is replayed from its cache events
    (``PrefixIndex``), plus the prompts routed to it whose prefill has not finished yet (they
-   will be in its cache by the time a follower is admitted there).
+   will be in its cache by the time a follower is admitted there). Both live in one
+   ``SharedPrefixIndex`` over all nodes, so this is one walk of the prompt, not one per node.
 3. Else the least-loaded node. Ties (e.g. all idle) go to the node caching the fewest
    tokens: otherwise an idle cluster would pin every new prefix to the same first node.
 
@@ -29,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pd.cache.prefix_index import PrefixIndex
+from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
+from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
 from pd.messages import CacheEventMsg
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
@@ -66,13 +68,31 @@ class NoCapacityError(RuntimeError):
     """No decode node has room for the request right now (it may later)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A prompt routed to a prefill node whose prefill has not finished."""
+
+    key: bytes  # the encoded prompt, counted as pending on the node in the shared index
+    namespace: str
+    load: int  # uncached prompt tokens it added to the node's load
+
+
+@dataclass(frozen=True, slots=True)
+class _Booking:
+    """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``."""
+
+    prefill: str
+    decode: str
+    num_reserved_slots: int  # on the decode node
+
+
 @dataclass
 class _Prefill:
+    node_id: str
     index: PrefixIndex
+    rank: int  # order of registration: ties go to the earlier node
     load: int = 0
-    inflight: dict[str, tuple[list[int], str, int]] = field(
-        default_factory=dict
-    )  # rid -> (prompt, ns, load)
+    inflight: dict[str, _InFlight] = field(default_factory=dict)  # request id ->
     draining: bool = False
 
 
@@ -84,30 +104,46 @@ class _Decode:
     draining: bool = False
 
 
+class _Members(NamedTuple):
+    """Derived from the node tables; rebuilt when a node is added, drained or removed."""
+
+    accepting: list[_Prefill]  # prefill nodes not draining, in registration order
+    prefill_bits: int  # their bits in the shared index
+    decode_bits: int  # decode nodes not draining
+
+
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
+        self._mirror = SharedPrefixIndex(cfg.page_size)  # every node's cache, prefill and decode
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}
-        self._requests: dict[str, tuple[str, str, int]] = {}  # rid -> (prefill, decode, reserved)
+        self._requests: dict[str, _Booking] = {}
         self._rr = itertools.count()
+        self._ranks = itertools.count()
         self._rng = random.Random(cfg.seed)
+        self._members: _Members | None = None  # rebuilt after membership changes
 
     # -- membership -------------------------------------------------------------------------
 
     def add_prefill(self, node_id: str) -> None:
-        self._prefill[node_id] = _Prefill(PrefixIndex(self.cfg.page_size, node_id))
+        self.remove(node_id)  # a node that registers again starts from nothing
+        self._prefill[node_id] = _Prefill(node_id, self._mirror.add(node_id), next(self._ranks))
 
     def add_decode(self, node_id: str, num_slots: int) -> None:
-        self._decode[node_id] = _Decode(num_slots, PrefixIndex(self.cfg.page_size, node_id))
+        self.remove(node_id)
+        self._decode[node_id] = _Decode(num_slots, self._mirror.add(node_id))
 
     def drain(self, node_id: str) -> None:
         """Send no new requests to this node."""
         (self._prefill.get(node_id) or self._decode[node_id]).draining = True
+        self._members = None
 
     def remove(self, node_id: str) -> None:
+        self._members = None
         self._prefill.pop(node_id, None)
         self._decode.pop(node_id, None)
+        self._mirror.remove(node_id)
 
     @property
     def prefill_nodes(self) -> list[str]:
@@ -118,53 +154,99 @@ class Coordinator:
         return list(self._decode)
 
     def index(self, node_id: str) -> PrefixIndex:
-        return self._prefill[node_id].index
+        """The mirror of a (prefill or decode) node's cache."""
+        return self._mirror.index(node_id)
 
     def load(self, node_id: str) -> int:
         return self._prefill[node_id].load
 
-    # -- events and life cycle --------------------------------------------------------------
+    # -- events, snapshots and life cycle ---------------------------------------------------
 
     def apply_event(self, event: CacheEventMsg) -> None:
-        node = self._prefill.get(event.node_id) or self._decode.get(event.node_id)
-        if node is not None:
-            node.index.apply(event)
+        self._mirror.apply(event)
+
+    @property
+    def nodes_to_resync(self) -> list[str]:
+        """Nodes whose mirror missed cache events: ask each for ``take_snapshot()`` and hand it
+        to ``apply_snapshot`` (or let its reset arrive in the event stream)."""
+        return self._mirror.nodes_to_resync
+
+    def apply_snapshot(self, node_id: str, events: Sequence[CacheEventMsg]) -> None:
+        """Rebuild a node's mirror from its ``take_snapshot()``; a node gone since is ignored.
+        Events the node published after the snapshot still apply after it, in seq order."""
+        if node_id in self._mirror:
+            self._mirror.index(node_id).apply_snapshot(events)
 
     def route(
         self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, namespace: str = ""
     ) -> Route:
         """Pick both nodes and book the request on them; raises NoCapacityError if no decode
-        node has room now, ValueError if none ever could."""
+        node has room now, ValueError if none ever could. Routing a request that is still
+        booked releases its booking first."""
+        self.on_finished(request_id)
         page = self.cfg.page_size
         need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
-        decode = self._pick_decode(need, prompt_ids, namespace)
-        prefill, matched = self._pick_prefill(prompt_ids, namespace)
+        key = encode_tokens(prompt_ids)
+        # The last prompt token is always computed (see BasePrefixCache.match_prompt).
+        members = self._membership()
+        match = self._mirror.match(
+            key[:-TOKEN_BYTES],
+            namespace,
+            held_of=members.decode_bits if self.cfg.policy == "cache_aware" else 0,
+            expected_of=members.prefill_bits,
+        )
+        decode = self._pick_decode(need, len(prompt_ids), match)
+        prefill, matched = self._pick_prefill(len(prompt_ids), match)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
         node.load += load
-        node.inflight[request_id] = (list(prompt_ids), namespace, load)
+        node.inflight[request_id] = _InFlight(key, namespace, load)
+        self._mirror.add_pending(prefill, key, namespace)
         self._decode[decode].reserved += need
-        self._requests[request_id] = (prefill, decode, need)
+        self._requests[request_id] = _Booking(prefill, decode, need)
         return Route(prefill, decode, matched)
 
     def on_prefilled(self, request_id: str) -> None:
         """The prefill node produced the first token: its prefill load is gone."""
-        entry = self._requests.get(request_id)
-        if entry is None:
+        booking = self._requests.get(request_id)
+        if booking is None:
             return
-        node = self._prefill.get(entry[0])
-        if node is not None and request_id in node.inflight:
-            node.load -= node.inflight.pop(request_id)[2]
+        node = self._prefill.get(booking.prefill)
+        inflight = None if node is None else node.inflight.pop(request_id, None)
+        if node is not None and inflight is not None:
+            node.load -= inflight.load
+            self._mirror.remove_pending(booking.prefill, inflight.key, inflight.namespace)
 
     def on_finished(self, request_id: str) -> None:
         self.on_prefilled(request_id)
-        entry = self._requests.pop(request_id, None)
-        if entry is not None and entry[1] in self._decode:
-            self._decode[entry[1]].reserved -= entry[2]
+        booking = self._requests.pop(request_id, None)
+        if booking is not None and booking.decode in self._decode:
+            self._decode[booking.decode].reserved -= booking.num_reserved_slots
+
+    def check_integrity(self) -> None:
+        """Loads and reservations are the sums of what is booked; the mirror's pending prompts
+        are exactly the prompts in flight."""
+        for node_id, node in self._prefill.items():
+            assert node.load == sum(f.load for f in node.inflight.values()), (
+                f"{node_id} load {node.load}, in flight {[f.load for f in node.inflight.values()]}"
+            )
+            assert all(self._requests[r].prefill == node_id for r in node.inflight)
+        for node_id, decode in self._decode.items():
+            booked = sum(
+                b.num_reserved_slots for b in self._requests.values() if b.decode == node_id
+            )
+            assert decode.reserved == booked, (
+                f"{node_id} reserved {decode.reserved}, booked {booked}"
+            )
+        self._mirror.check_integrity(
+            (node_id, f.key, f.namespace)
+            for node_id, node in self._prefill.items()
+            for f in node.inflight.values()
+        )
 
     # -- choices ----------------------------------------------------------------------------
 
-    def _pick_decode(self, need: int, prompt: Sequence[int], namespace: str) -> str:
+    def _pick_decode(self, need: int, prompt_len: int, match: PrefixMatch) -> str:
         nodes = {n: d for n, d in self._decode.items() if not d.draining}
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
@@ -179,61 +261,60 @@ class Coordinator:
         if not fits:
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
-            matched, free, node = max(
-                (self._decode[n].index.match_len(prompt[:-1], namespace), free, n)
-                for free, n in fits
-            )
-            if matched and matched >= self.cfg.cache_threshold * len(prompt):
+            held = match.held
+            matched, free, node = max((held.get(n, 0), free, n) for free, n in fits)
+            if matched and matched >= self.cfg.cache_threshold * prompt_len:
                 return node
         return max(fits)[1]
 
-    def _pick_prefill(self, prompt: Sequence[int], namespace: str) -> tuple[str, int]:
-        nodes = [n for n, p in self._prefill.items() if not p.draining]
+    def _pick_prefill(self, prompt_len: int, match: PrefixMatch) -> tuple[str, int]:
+        nodes = self._membership().accepting
         if not nodes:
             raise NoCapacityError("no prefill node is accepting requests")
+        expected = match.expected
         policy = self.cfg.policy
         if policy == "round_robin":
-            node = nodes[next(self._rr) % len(nodes)]
+            node = nodes[next(self._rr) % len(nodes)].node_id
         elif policy == "random":
-            node = self._rng.choice(nodes)
+            node = self._rng.choice(nodes).node_id
         elif policy == "least_load" or self._is_unbalanced(nodes):
             node = self._least_loaded(nodes)
         else:
-            best, best_len = self._least_loaded(nodes), 0
-            for n in nodes:
-                m = self._match_len(n, prompt, namespace)
-                if m > best_len or (m == best_len and m and self.load(n) < self.load(best)):
-                    best, best_len = n, m
-            if best_len < self.cfg.cache_threshold * len(prompt) or best_len == 0:
+            best = self._longest_match(expected)
+            if best is None or expected[best] < self.cfg.cache_threshold * prompt_len:
                 best = self._least_loaded(nodes)
             node = best
-        return node, self._match_len(node, prompt, namespace)
+        return node, expected.get(node, 0)
 
-    def _is_unbalanced(self, nodes: list[str]) -> bool:
-        loads = [self.load(n) for n in nodes]
+    def _longest_match(self, expected: dict[str, int]) -> str | None:
+        """The accepting prefill node expected to hold the most of the prompt; the less loaded,
+        then the earlier registered, on ties."""
+        best: tuple[int, int, int] | None = None
+        best_node = None
+        for node_id, num_tokens in expected.items():  # accepting prefill nodes only
+            node = self._prefill[node_id]
+            key = (num_tokens, -node.load, -node.rank)
+            if best is None or key > best:
+                best, best_node = key, node_id
+        return best_node
+
+    def _membership(self) -> _Members:
+        if self._members is None:
+            accepting = [p for p in self._prefill.values() if not p.draining]
+            self._members = _Members(
+                accepting,
+                sum(p.index.bit for p in accepting),
+                sum(d.index.bit for d in self._decode.values() if not d.draining),
+            )
+        return self._members
+
+    def _is_unbalanced(self, nodes: list[_Prefill]) -> bool:
+        loads = [p.load for p in nodes]
         hi, lo = max(loads), min(loads)
         return hi - lo > self.cfg.balance_abs_tokens and hi > self.cfg.balance_rel * lo
 
-    def _least_loaded(self, nodes: list[str]) -> str:
-        def key(n: str) -> tuple[int, int, int]:
-            node = self._prefill[n]
-            return node.load, len(node.inflight), node.index.num_cached_tokens
-
-        return min(nodes, key=key)
-
-    def _match_len(self, node_id: str, prompt: Sequence[int], namespace: str) -> int:
-        node = self._prefill[node_id]
-        best = node.index.match_len(prompt[:-1], namespace)
-        for other, ns, _ in node.inflight.values():
-            if ns == namespace and len(other) > best:
-                best = max(best, _common_prefix(prompt[:-1], other))
-        page = self.cfg.page_size
-        return best // page * page
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    @staticmethod
+    def _least_loaded(nodes: list[_Prefill]) -> str:
+        return min(
+            nodes, key=lambda p: (p.load, len(p.inflight), p.index.num_cached_tokens)
+        ).node_id

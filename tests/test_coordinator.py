@@ -143,7 +143,10 @@ def _simulate(
         group_nodes[group][route.prefill] += 1
         in_prefill.append((rid, nodes[route.prefill].prefill(prompt)))
         deliver(delay)
+        if i % 16 == 0:
+            coord.check_integrity()
     deliver(0)
+    coord.check_integrity()
 
     for node_id, sim in nodes.items():
         sim.cache.check_integrity()
@@ -411,3 +414,58 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     rr.add_decode("d1", num_slots=2000)
     rr.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
     assert rr.route("r1", follow_up, max_tokens=10).decode == "d1"
+
+
+# -- re-routing, node removal and resync -------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_routing_a_booked_request_again_releases_it_first() -> None:
+    coord = _make_coordinator(2, decode_slots=(1000,))
+    prompt = _tokens(0, 492)  # + 8 max_tokens = 500 slots
+    first = coord.route("r", prompt, 8)
+    again = coord.route("r", prompt, 8)  # a retry: one booking, not two
+    assert first.prefill == again.prefill and coord.load(first.prefill) == 492
+    coord.route("s", _tokens(5000, 492), 8)  # d0's other 500 slots: r holds only 500
+    coord.check_integrity()
+    coord.on_finished("r")
+    coord.on_finished("s")
+    assert coord.load(first.prefill) == 0
+    coord.check_integrity()
+
+
+@pytest.mark.timeout(10)
+def test_removing_a_node_drops_its_prompts_in_flight() -> None:
+    coord = _make_coordinator(2)
+    shared = _tokens(5000, 300)
+    route = coord.route("r0", shared + [1], 8)
+    coord.remove(route.prefill)
+    coord.check_integrity()
+    coord.add_prefill(route.prefill)  # it registers again, empty: nothing in flight there
+    assert coord.load(route.prefill) == 0
+    coord.on_prefilled("r0")  # the old booking touches nothing of the new node
+    follower = coord.route("r1", shared + [2], 8)
+    assert follower.num_matched == 0
+    coord.check_integrity()
+
+
+@pytest.mark.timeout(10)
+def test_a_node_that_missed_events_is_listed_until_its_snapshot_arrives() -> None:
+    coord = _make_coordinator(2)
+    cache = RadixCache(SlotAllocator(4096), "p0")
+    sim = _SimPrefill.__new__(_SimPrefill)
+    sim.cache, sim.num_prompt_tokens, sim.num_hit_tokens = cache, 0, 0
+    for event in sim.prefill(A + [1]):
+        coord.apply_event(event)
+    sim.prefill(B + [1])  # its events are lost
+    for event in sim.prefill(A + _suffix(1, 10)):
+        coord.apply_event(event)
+    assert coord.nodes_to_resync == ["p0"]
+    assert coord.index("p0").match_len(B) == 0  # the last consistent view
+    coord.apply_snapshot("gone", cache.take_snapshot())  # a node removed since: ignored
+    coord.apply_snapshot("p0", cache.take_snapshot())
+    assert coord.nodes_to_resync == []
+    for q in (A, B, A + _suffix(1, 10)):
+        assert coord.index("p0").match_len(q) == cache.match_prefix(q).num_tokens
+    assert coord.index("p0").num_cached_tokens == cache.num_cached_tokens
+    assert coord.route("b", B + [2], 8) == Route("p0", "d0", 200)
