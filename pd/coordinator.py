@@ -68,8 +68,7 @@ class NoCapacityError(RuntimeError):
     """No decode node has room for the request right now (it may later)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _InFlight:
+class _InFlight(NamedTuple):
     """A prompt routed to a prefill node whose prefill has not finished."""
 
     key: bytes  # the encoded prompt, counted as pending on the node in the shared index
@@ -77,8 +76,7 @@ class _InFlight:
     load: int  # uncached prompt tokens it added to the node's load
 
 
-@dataclass(frozen=True, slots=True)
-class _Booking:
+class _Booking(NamedTuple):
     """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``."""
 
     prefill: str
@@ -109,7 +107,8 @@ class _Members(NamedTuple):
 
     accepting: list[_Prefill]  # prefill nodes not draining, in registration order
     prefill_bits: int  # their bits in the shared index
-    decode_bits: int  # decode nodes not draining
+    decode: list[tuple[str, _Decode]]  # decode nodes not draining
+    decode_bits: int
 
 
 class Coordinator:
@@ -183,7 +182,8 @@ class Coordinator:
         """Pick both nodes and book the request on them; raises NoCapacityError if no decode
         node has room now, ValueError if none ever could. Routing a request that is still
         booked releases its booking first."""
-        self.on_finished(request_id)
+        if request_id in self._requests:
+            self.on_finished(request_id)
         page = self.cfg.page_size
         need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
         key = encode_tokens(prompt_ids)
@@ -247,18 +247,16 @@ class Coordinator:
     # -- choices ----------------------------------------------------------------------------
 
     def _pick_decode(self, need: int, prompt_len: int, match: PrefixMatch) -> str:
-        nodes = {n: d for n, d in self._decode.items() if not d.draining}
+        nodes = self._membership().decode
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
-        if all(need > d.num_slots for d in nodes.values()):
-            most = max(d.num_slots for d in nodes.values())
-            raise ValueError(f"request needs {need} KV slots; the largest decode node has {most}")
-        fits = [
-            (d.num_slots - d.reserved, n)
-            for n, d in nodes.items()
-            if d.num_slots - d.reserved >= need
-        ]
+        fits = [(d.num_slots - d.reserved, n) for n, d in nodes if d.num_slots - d.reserved >= need]
         if not fits:
+            most = max(d.num_slots for _, d in nodes)
+            if need > most:
+                raise ValueError(
+                    f"request needs {need} KV slots; the largest decode node has {most}"
+                )
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
             held = match.held
@@ -301,10 +299,12 @@ class Coordinator:
     def _membership(self) -> _Members:
         if self._members is None:
             accepting = [p for p in self._prefill.values() if not p.draining]
+            decode = [(n, d) for n, d in self._decode.items() if not d.draining]
             self._members = _Members(
                 accepting,
                 sum(p.index.bit for p in accepting),
-                sum(d.index.bit for d in self._decode.values() if not d.draining),
+                decode,
+                sum(d.index.bit for _, d in decode),
             )
         return self._members
 
