@@ -159,7 +159,7 @@ class HolderTree:
             left -= len(edge.key)
             if left <= 0:
                 break
-        self._tidy(path[-1])
+        self._tidy_up(path[-1])
 
     # -- pending paths (prompts routed and not yet prefilled) -------------------------------
 
@@ -207,7 +207,7 @@ class HolderTree:
             pos += common
             node = child
         if pos:
-            self._tidy(node)
+            self._tidy_up(node)
 
     # -- whole-node changes -----------------------------------------------------------------
 
@@ -337,27 +337,40 @@ class HolderTree:
         return upper
 
     def _tidy(self, edge: _Edge) -> None:
-        """Restore the minimal shape on the path from ``edge`` up to its root."""
+        """Restore the minimal shape after marks were added along the path root..``edge``:
+        any edge on it may now equal its only child."""
         node: _Edge | None = edge
         while node is not None and node.parent is not None:
             parent = node.parent
             self._tidy_one(node)
             node = parent
 
-    def _tidy_one(self, edge: _Edge) -> None:
-        """Detach ``edge`` if it is an unmarked leaf, or merge it with its only child if their
-        marks are the same."""
+    def _tidy_up(self, edge: _Edge) -> None:
+        """Restore the minimal shape after marks were taken from a run of edges ending at
+        ``edge``: the edges of the run keep their differences, so only ``edge`` may have become
+        empty (then its parent is next) or equal to its only child."""
+        node: _Edge | None = edge
+        while node is not None and node.parent is not None:
+            parent = node.parent
+            if not self._tidy_one(node):
+                return
+            node = parent
+
+    def _tidy_one(self, edge: _Edge) -> bool:
+        """Detach ``edge`` if it is an unmarked leaf (True), else merge it with its only child
+        if their marks are the same."""
         parent = edge.parent
         if parent is None:
-            return
+            return False
         if not edge.children:
-            if not edge.held and not edge.pending:
-                assert parent.children is not None
-                del parent.children[edge.key[: self._page_bytes]]
-                if not parent.children:
-                    parent.children = None
-                edge.parent = None
-            return
+            if edge.held or edge.pending:
+                return False
+            assert parent.children is not None
+            del parent.children[edge.key[: self._page_bytes]]
+            if not parent.children:
+                parent.children = None
+            edge.parent = None
+            return True
         if len(edge.children) == 1:
             (only,) = edge.children.values()
             if edge.same_marks(only):
@@ -366,6 +379,7 @@ class HolderTree:
                 for child in (edge.children or {}).values():
                     child.parent = edge
                 only.parent = None
+        return False
 
     def _iter_paths(self) -> Iterator[tuple[str, bytes, _Edge]]:
         for namespace, root in self._roots.items():
