@@ -8,16 +8,22 @@ coordinator, optionally ``delay`` requests late to mimic prefills still in fligh
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter, deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from pd.cache.radix_cache import RadixCache
 from pd.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
-from pd.engine.kv_pool import SlotAllocator
 from pd.messages import CacheEventMsg
+
+_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
+    sys.path.insert(0, str(_SCRIPTS))
+
+from routing_sim import SimPrefill  # noqa: E402
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
@@ -74,27 +80,6 @@ def _tokens(start: int, n: int) -> list[int]:
 # -- the simulation ----------------------------------------------------------------------------
 
 
-class _SimPrefill:
-    """A prefill node's cache side: a real RadixCache over a small SlotAllocator."""
-
-    def __init__(self, node_id: str, num_slots: int) -> None:
-        self.cache = RadixCache(SlotAllocator(num_slots), node_id)
-        self.num_prompt_tokens = 0
-        self.num_hit_tokens = 0
-
-    def prefill(self, prompt: list[int]) -> list[CacheEventMsg]:
-        """Run one request through the cache as a prefill node does; returns its events."""
-        cache = self.cache
-        m = cache.match_prompt(prompt)
-        cache.inc_lock_ref(m.last_node)
-        assert cache.make_room(cache.allocator.num_new_pages(m.slots, len(prompt)))
-        slots = cache.allocator.extend(m.slots, len(prompt))
-        cache.cache_finished(prompt, slots, m.last_node)
-        self.num_prompt_tokens += len(prompt)
-        self.num_hit_tokens += m.num_tokens
-        return cache.take_events()
-
-
 class SimResult(NamedTuple):
     hit_rate: float  # cluster-wide matched tokens / prompt tokens, counted by the caches
     group_nodes: dict[int, Counter[str]]  # group -> prefill node -> requests
@@ -122,7 +107,7 @@ def _simulate(
     ``delay`` requests later, as if the prefill were still running; the decode finishes
     ``delay`` requests after that."""
     coord = _make_coordinator(num_prefill, decode_slots=[64 * 1024] * num_decode, policy=policy)
-    nodes = {n: _SimPrefill(n, node_slots) for n in coord.prefill_nodes}
+    nodes = {n: SimPrefill(n, node_slots, page_size=1) for n in coord.prefill_nodes}
     in_prefill: deque[tuple[str, list[CacheEventMsg]]] = deque()
     in_decode: deque[str] = deque()
     group_nodes: dict[int, Counter[str]] = {g: Counter() for g in range(NUM_GROUPS)}
@@ -276,9 +261,7 @@ def test_in_flight_prompt_makes_follower_stick_before_cache_events() -> None:
     assert coord.load(first.prefill) == 340 + 40
     assert coord.index(first.prefill).match_len(shared) == 0
     # The real cache's events arrive, then the first token: still sticky, now via the index.
-    cache = RadixCache(SlotAllocator(4096), first.prefill)
-    sim = _SimPrefill.__new__(_SimPrefill)
-    sim.cache, sim.num_prompt_tokens, sim.num_hit_tokens = cache, 0, 0
+    sim = SimPrefill(first.prefill, 4096, page_size=1)
     for event in sim.prefill(shared + _suffix(1, 40)):
         coord.apply_event(event)
     coord.on_prefilled("r0")
@@ -452,9 +435,8 @@ def test_removing_a_node_drops_its_prompts_in_flight() -> None:
 @pytest.mark.timeout(10)
 def test_a_node_that_missed_events_is_listed_until_its_snapshot_arrives() -> None:
     coord = _make_coordinator(2)
-    cache = RadixCache(SlotAllocator(4096), "p0")
-    sim = _SimPrefill.__new__(_SimPrefill)
-    sim.cache, sim.num_prompt_tokens, sim.num_hit_tokens = cache, 0, 0
+    sim = SimPrefill("p0", 4096, page_size=1)
+    cache = sim.cache
     for event in sim.prefill(A + [1]):
         coord.apply_event(event)
     sim.prefill(B + [1])  # its events are lost
