@@ -4,7 +4,8 @@ sessions, one real RadixCache per simulated prefill node, and the real Coordinat
 Trace: ``num_groups`` groups (a system prompt or document each, ``prefix_len`` tokens) of
 ``sessions_per_group`` sessions; a request picks a session uniformly and sends its group prefix,
 its own history (``history_len`` tokens, the same every turn) and a new message
-(``message_len`` tokens). Token ids are drawn from SmolLM2's vocabulary.
+(``message_len`` tokens), 2,048 tokens in all by default. Token ids are drawn from SmolLM2's
+vocabulary.
 
 Each request is routed, then prefilled at once by its node's cache the way a prefill node does
 it (match the prompt, lock, make room, extend, ``cache_finished``), so evictions happen. The
@@ -17,6 +18,7 @@ from __future__ import annotations
 import random
 import time
 import tracemalloc
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,23 +52,21 @@ class TraceConfig:
         if min(self.prefix_len, self.history_len) < 0:
             raise ValueError(f"prefix and history lengths must be >= 0: {self}")
 
-    @property
-    def prompt_len(self) -> int:
-        return self.prefix_len + self.history_len + self.message_len
-
 
 def make_trace(cfg: TraceConfig, num_requests: int) -> Iterator[list[int]]:
+    """Prompts as a tokenizer returns them: fresh lists of fresh ints."""
     rng = random.Random(cfg.seed)
-    vocab = list(range(VOCAB))  # shared int objects: a prompt costs a pointer per token
-    prefixes = [rng.choices(vocab, k=cfg.prefix_len) for _ in range(cfg.num_groups)]
-    histories: dict[int, list[int]] = {}
+    vocab = range(VOCAB)
+    prefixes = [array("I", rng.choices(vocab, k=cfg.prefix_len)) for _ in range(cfg.num_groups)]
+    histories: dict[int, array[int]] = {}
     for _ in range(num_requests):
         group = rng.randrange(cfg.num_groups)
         session = group * cfg.sessions_per_group + rng.randrange(cfg.sessions_per_group)
         history = histories.get(session)
         if history is None:
-            history = histories[session] = rng.choices(vocab, k=cfg.history_len)
-        yield prefixes[group] + history + rng.choices(vocab, k=cfg.message_len)
+            history = histories[session] = array("I", rng.choices(vocab, k=cfg.history_len))
+        message = array("I", rng.choices(vocab, k=cfg.message_len))
+        yield (prefixes[group] + history + message).tolist()
 
 
 class SimPrefill:
@@ -92,30 +92,14 @@ class SimPrefill:
         return cache.take_events()
 
 
-class Timer:
-    """Wall-clock and this thread's CPU seconds spent inside ``with timer:`` blocks."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-        self._wall = self._cpu = 0.0
-
-    def __enter__(self) -> Timer:
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall += time.perf_counter() - self._wall
-        self.cpu += time.thread_time() - self._cpu
-
-
 class SimResult(NamedTuple):
     policy: str
     num_nodes: int
     num_cached_tokens: int  # all nodes' caches at the end
-    num_decisions: int  # timed: the second half of the trace
-    decisions: Timer  # route + on_prefilled + on_finished
+    decision_seconds: list[float]  # per request of the second half: route + on_prefilled +
+    # on_finished, wall clock (a median is robust to other jobs taking the CPU, a mean is not)
     num_events: int
-    events: Timer  # apply_event
+    event_seconds: float  # apply_event, all events of the second half
     hit_rate: float  # matched / prompt tokens, counted by the caches (second half)
     imbalance: float  # max / mean prompt tokens routed to a node (second half)
     nodes: dict[str, SimPrefill]
@@ -138,28 +122,32 @@ def simulate(
     coord.add_decode("d0", 1 << 40)
     window: deque[tuple[str, list[CacheEventMsg]]] = deque()
     routed: Counter[str] = Counter()
-    decisions, events_timer = Timer(), Timer()
-    num_events = 0
+    spent: dict[str, float] = {}  # request id -> seconds inside the coordinator
+    num_events, event_seconds = 0, 0.0
     warmup = num_requests // 2
     hits = prompts = 0
+    clock = time.perf_counter
     for i, prompt in enumerate(make_trace(trace, num_requests)):
         if i == warmup:
             hits, prompts = _hits(nodes)
-            decisions, events_timer = Timer(), Timer()
-            num_events = 0
+            num_events, event_seconds = 0, 0.0
             routed.clear()
-        with decisions:
-            route = coord.route(f"r{i}", prompt, MAX_TOKENS)
+        rid = f"r{i}"
+        t0 = clock()
+        route = coord.route(rid, prompt, MAX_TOKENS)
+        spent[rid] = clock() - t0
         routed[route.prefill] += len(prompt)
-        window.append((f"r{i}", nodes[route.prefill].prefill(prompt)))
+        window.append((rid, nodes[route.prefill].prefill(prompt)))
         while len(window) > in_flight or (window and i == num_requests - 1):
-            rid, events = window.popleft()
-            with events_timer:
-                for event in events:
-                    coord.apply_event(event)
-            with decisions:
-                coord.on_prefilled(rid)
-                coord.on_finished(rid)
+            done, events = window.popleft()
+            t0 = clock()
+            for event in events:
+                coord.apply_event(event)
+            t1 = clock()
+            coord.on_prefilled(done)
+            coord.on_finished(done)
+            spent[done] += clock() - t1
+            event_seconds += t1 - t0
             num_events += len(events)
     coord.check_integrity()
     for node_id, sim in nodes.items():
@@ -171,10 +159,9 @@ def simulate(
         policy,
         num_nodes,
         sum(s.cache.num_cached_tokens for s in nodes.values()),
-        num_requests - warmup,
-        decisions,
+        [spent[f"r{i}"] for i in range(warmup, num_requests)],
         num_events,
-        events_timer,
+        event_seconds,
         (end_hits - hits) / (end_prompts - prompts),
         max(loads) * len(loads) / sum(loads),
         nodes,

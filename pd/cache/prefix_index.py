@@ -189,6 +189,8 @@ class SharedPrefixIndex:
     def _lengths(self, steps: list[Step], among: int, *, pending: bool) -> dict[str, int]:
         """Marks only shrink along a walk: a node matches up to the deepest step it is in."""
         out: dict[str, int] = {}
+        if not among:
+            return out
         names = self._names
         deeper = 0
         for held, pend, num_tokens in reversed(steps):
