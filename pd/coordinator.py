@@ -19,7 +19,10 @@ Decode node, among those with enough unreserved KV slots for prompt + max_tokens
 their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
 conversation's next turn returns to the node that has its history and less KV moves; else,
 and under the other policies, the one with the most unreserved slots.
-All of this is plain Python: the cluster client feeds it events and request life-cycle calls.
+A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
+its last consistent view, until its ``take_snapshot()`` arrives (``apply_snapshot``, or the reset
+event in its stream). All of this is plain Python: the cluster client feeds it events and request
+life-cycle calls.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class PrefixIndex:
         for event in events:
             self.apply(event)
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         """The node left its SharedPrefixIndex: answer from an empty tree of its own."""
         self._tree, self._bit, self._num_cached = HolderTree(self.page_size), 1, 0
 
@@ -132,7 +132,7 @@ class SharedPrefixIndex:
         self.tree.clear(index.bit, pending=True)
         self._used_bits &= ~index.bit
         del self._names[index.bit]
-        index._detach()
+        index.detach()
 
     def index(self, node_id: str) -> PrefixIndex:
         return self._indexes[node_id]
