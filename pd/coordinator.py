@@ -79,14 +79,6 @@ class _InFlight(NamedTuple):
     load: int  # uncached prompt tokens it added to the node's load
 
 
-class _Booking(NamedTuple):
-    """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``."""
-
-    prefill: str
-    decode: str
-    num_reserved_slots: int  # on the decode node
-
-
 @dataclass
 class _Prefill:
     node_id: str
@@ -103,6 +95,15 @@ class _Decode:
     index: PrefixIndex
     reserved: int = 0
     draining: bool = False
+
+
+class _Booking(NamedTuple):
+    """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``. The
+    nodes' states, not their ids: a node removed and registered again is a new state."""
+
+    prefill: _Prefill
+    decode: _Decode
+    num_reserved_slots: int  # on the decode node
 
 
 class _Members(NamedTuple):
@@ -205,8 +206,9 @@ class Coordinator:
         node.load += load
         node.inflight[request_id] = _InFlight(key, namespace, load)
         self._mirror.add_pending(prefill, key, namespace)
-        self._decode[decode].reserved += need
-        self._requests[request_id] = _Booking(prefill, decode, need)
+        decode_node = self._decode[decode]
+        decode_node.reserved += need
+        self._requests[request_id] = _Booking(node, decode_node, need)
         return Route(prefill, decode, matched)
 
     def on_prefilled(self, request_id: str) -> None:
@@ -214,17 +216,18 @@ class Coordinator:
         booking = self._requests.get(request_id)
         if booking is None:
             return
-        node = self._prefill.get(booking.prefill)
-        inflight = None if node is None else node.inflight.pop(request_id, None)
-        if node is not None and inflight is not None:
+        node = booking.prefill
+        inflight = node.inflight.pop(request_id, None)
+        if inflight is not None:
             node.load -= inflight.load
-            self._mirror.remove_pending(booking.prefill, inflight.key, inflight.namespace)
+            if self._prefill.get(node.node_id) is node:  # a removed node took its prompts along
+                self._mirror.remove_pending(node.node_id, inflight.key, inflight.namespace)
 
     def on_finished(self, request_id: str) -> None:
         self.on_prefilled(request_id)
         booking = self._requests.pop(request_id, None)
-        if booking is not None and booking.decode in self._decode:
-            self._decode[booking.decode].reserved -= booking.num_reserved_slots
+        if booking is not None:
+            booking.decode.reserved -= booking.num_reserved_slots
 
     def check_integrity(self) -> None:
         """Loads and reservations are the sums of what is booked; the mirror's pending prompts
@@ -233,10 +236,10 @@ class Coordinator:
             assert node.load == sum(f.load for f in node.inflight.values()), (
                 f"{node_id} load {node.load}, in flight {[f.load for f in node.inflight.values()]}"
             )
-            assert all(self._requests[r].prefill == node_id for r in node.inflight)
+            assert all(self._requests[r].prefill is node for r in node.inflight)
         for node_id, decode in self._decode.items():
             booked = sum(
-                b.num_reserved_slots for b in self._requests.values() if b.decode == node_id
+                b.num_reserved_slots for b in self._requests.values() if b.decode is decode
             )
             assert decode.reserved == booked, (
                 f"{node_id} reserved {decode.reserved}, booked {booked}"

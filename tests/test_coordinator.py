@@ -418,18 +418,23 @@ def test_routing_a_booked_request_again_releases_it_first() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_removing_a_node_drops_its_prompts_in_flight() -> None:
-    coord = _make_coordinator(2)
+def test_a_removed_node_takes_its_bookings_along() -> None:
+    coord = _make_coordinator(2, decode_slots=(1000,))
     shared = _tokens(5000, 300)
     route = coord.route("r0", shared + [1], 8)
     coord.remove(route.prefill)
+    coord.remove("d0")
     coord.check_integrity()
-    coord.add_prefill(route.prefill)  # it registers again, empty: nothing in flight there
+    coord.add_prefill(route.prefill)  # both register again, empty
+    coord.add_decode("d0", 1000)
     assert coord.load(route.prefill) == 0
-    coord.on_prefilled("r0")  # the old booking touches nothing of the new node
     follower = coord.route("r1", shared + [2], 8)
-    assert follower.num_matched == 0
+    assert follower.num_matched == 0  # r0's prompt went with the old node
+    coord.on_finished("r0")  # the old booking touches nothing of the new nodes
     coord.check_integrity()
+    with pytest.raises(NoCapacityError, match="692"):  # r1 holds 309 of d0's 1000 slots
+        coord.route("r2", _tokens(0, 684), 8)
+    assert coord.route("r3", _tokens(0, 683), 8).decode == "d0"
 
 
 @pytest.mark.timeout(10)
