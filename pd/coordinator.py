@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -79,17 +80,18 @@ class _InFlight(NamedTuple):
     load: int  # uncached prompt tokens it added to the node's load
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prefill:
     node_id: str
     index: PrefixIndex
     rank: int  # order of registration: ties go to the earlier node
-    load: int = 0
+    load: int = 0  # changed only by Coordinator._add_load
+    pos: int = -1  # in _Members.accepting, -1 when not there
     inflight: dict[str, _InFlight] = field(default_factory=dict)  # request id ->
     draining: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Decode:
     num_slots: int
     index: PrefixIndex
@@ -110,6 +112,7 @@ class _Members(NamedTuple):
     """Derived from the node tables; rebuilt when a node is added, drained or removed."""
 
     accepting: list[_Prefill]  # prefill nodes not draining, in registration order
+    loads: array[int]  # their loads, kept in step by _add_load: one scan in C per decision
     prefill_bits: int  # their bits in the shared index
     decode: list[tuple[str, _Decode]]  # decode nodes not draining
     decode_bits: int
@@ -144,7 +147,9 @@ class Coordinator:
 
     def remove(self, node_id: str) -> None:
         self._members = None
-        self._prefill.pop(node_id, None)
+        node = self._prefill.pop(node_id, None)
+        if node is not None:
+            node.pos = -1  # its requests may still finish: their loads go nowhere
         self._decode.pop(node_id, None)
         self._mirror.remove(node_id)
 
@@ -203,7 +208,7 @@ class Coordinator:
         prefill, matched = self._pick_prefill(len(prompt_ids), match)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
-        node.load += load
+        self._add_load(node, load)
         node.inflight[request_id] = _InFlight(key, namespace, load)
         self._mirror.add_pending(prefill, key, namespace)
         decode_node = self._decode[decode]
@@ -219,7 +224,7 @@ class Coordinator:
         node = booking.prefill
         inflight = node.inflight.pop(request_id, None)
         if inflight is not None:
-            node.load -= inflight.load
+            self._add_load(node, -inflight.load)
             if self._prefill.get(node.node_id) is node:  # a removed node took its prompts along
                 self._mirror.remove_pending(node.node_id, inflight.key, inflight.namespace)
 
@@ -232,6 +237,8 @@ class Coordinator:
     def check_integrity(self) -> None:
         """Loads and reservations are the sums of what is booked; the mirror's pending prompts
         are exactly the prompts in flight."""
+        if self._members is not None:
+            assert [p.load for p in self._members.accepting] == list(self._members.loads)
         for node_id, node in self._prefill.items():
             assert node.load == sum(f.load for f in node.inflight.values()), (
                 f"{node_id} load {node.load}, in flight {[f.load for f in node.inflight.values()]}"
@@ -281,13 +288,15 @@ class Coordinator:
             node = nodes[next(self._rr) % len(nodes)].node_id
         elif policy == "random":
             node = self._rng.choice(nodes).node_id
-        elif policy == "least_load" or self._is_unbalanced(nodes):
-            node = self._least_loaded(nodes)
         else:
-            best = self._longest_match(expected)
-            if best is None or expected[best] < self.cfg.cache_threshold * prompt_len:
-                best = self._least_loaded(nodes)
-            node = best
+            loads = self._membership().loads
+            if policy == "least_load" or self._is_unbalanced(loads):
+                node = self._least_loaded(nodes, loads)
+            else:
+                best = self._longest_match(expected)
+                if best is None or expected[best] < self.cfg.cache_threshold * prompt_len:
+                    best = self._least_loaded(nodes, loads)
+                node = best
         return node, expected.get(node, 0)
 
     def _longest_match(self, expected: dict[str, int]) -> str | None:
@@ -302,25 +311,37 @@ class Coordinator:
                 best, best_node = key, node_id
         return best_node
 
+    def _add_load(self, node: _Prefill, delta: int) -> None:
+        node.load += delta
+        if node.pos >= 0 and self._members is not None:
+            self._members.loads[node.pos] += delta
+
     def _membership(self) -> _Members:
         if self._members is None:
             accepting = [p for p in self._prefill.values() if not p.draining]
+            for node in self._prefill.values():
+                node.pos = -1
+            for pos, node in enumerate(accepting):
+                node.pos = pos
             decode = [(n, d) for n, d in self._decode.items() if not d.draining]
             self._members = _Members(
                 accepting,
+                array("q", [p.load for p in accepting]),
                 sum(p.index.bit for p in accepting),
                 decode,
                 sum(d.index.bit for _, d in decode),
             )
         return self._members
 
-    def _is_unbalanced(self, nodes: list[_Prefill]) -> bool:
-        loads = [p.load for p in nodes]
+    def _is_unbalanced(self, loads: array[int]) -> bool:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.cfg.balance_abs_tokens and hi > self.cfg.balance_rel * lo
 
-    @staticmethod
-    def _least_loaded(nodes: list[_Prefill]) -> str:
-        return min(
-            nodes, key=lambda p: (p.load, len(p.inflight), p.index.num_cached_tokens)
-        ).node_id
+    def _least_loaded(self, nodes: list[_Prefill], loads: array[int]) -> str:
+        """The least loaded of ``nodes``; then the fewest prompts in flight, the fewest cached
+        tokens, the earliest registered."""
+        lo = min(loads)
+        tied = [p for p, load in zip(nodes, loads) if load == lo]
+        if len(tied) > 1:
+            tied.sort(key=lambda p: (len(p.inflight), p.index.num_cached_tokens))  # stable
+        return tied[0].node_id

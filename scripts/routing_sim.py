@@ -11,6 +11,10 @@ Each request is routed, then prefilled at once by its node's cache the way a pre
 it (match the prompt, lock, make room, extend, ``cache_finished``), so evictions happen. The
 coordinator hears of it (the node's cache events, then the first token and the finish) only
 after ``in_flight`` more requests were routed, as if those prefills were still running.
+
+Every call to the coordinator is recorded, and ``replay`` feeds them to a fresh one with no
+simulated caches beside it: that is the coordinator's cost as a cluster sees it, while timing it
+beside gigabytes of simulated caches mostly measures how cold those leave the CPU caches.
 """
 
 from __future__ import annotations
@@ -92,22 +96,48 @@ class SimPrefill:
         return cache.take_events()
 
 
+class Routed(NamedTuple):
+    """A recorded ``route`` call and the prefill node it chose."""
+
+    index: int  # of the request in the trace
+    prompt: array[int]
+    prefill: str
+
+
+class Prefilled(NamedTuple):
+    """A recorded prefill: the node's cache events (on the wire), then the request's first
+    token and finish."""
+
+    index: int
+    events: list[bytes]
+
+
 class SimResult(NamedTuple):
-    policy: str
-    num_nodes: int
     num_cached_tokens: int  # all nodes' caches at the end
+    hit_rate: float  # matched / prompt tokens, counted by the caches (second half)
+    imbalance: float  # max / mean prompt tokens routed to a node (second half)
+    decision_seconds: list[float]  # per request of the second half, timed beside the caches
+    nodes: dict[str, SimPrefill]
+    calls: list[Routed | Prefilled]  # what the coordinator was told, in order
+
+
+class Timing(NamedTuple):
     decision_seconds: list[float]  # per request of the second half: route + on_prefilled +
     # on_finished, wall clock (a median is robust to other jobs taking the CPU, a mean is not)
     num_events: int
-    event_seconds: float  # apply_event, all events of the second half
-    hit_rate: float  # matched / prompt tokens, counted by the caches (second half)
-    imbalance: float  # max / mean prompt tokens routed to a node (second half)
-    nodes: dict[str, SimPrefill]
+    event_seconds: float  # apply_event, all events delivered in the second half
+
+
+def make_coordinator(policy: str, num_nodes: int, page_size: int, seed: int) -> Coordinator:
+    coord = Coordinator(CoordinatorConfig(policy=policy, page_size=page_size, seed=seed))
+    for i in range(num_nodes):
+        coord.add_prefill(f"p{i}")
+    coord.add_decode("d0", 1 << 40)
+    return coord
 
 
 def simulate(
-    policy: str,
-    num_nodes: int,
+    coord: Coordinator,
     node_tokens: int,
     trace: TraceConfig,
     num_requests: int,
@@ -115,40 +145,36 @@ def simulate(
     page_size: int,
     in_flight: int,
 ) -> SimResult:
-    coord = Coordinator(CoordinatorConfig(policy=policy, page_size=page_size, seed=trace.seed))
-    nodes = {f"p{i}": SimPrefill(f"p{i}", node_tokens, page_size) for i in range(num_nodes)}
-    for node_id in nodes:
-        coord.add_prefill(node_id)
-    coord.add_decode("d0", 1 << 40)
-    window: deque[tuple[str, list[CacheEventMsg]]] = deque()
+    """Run the trace through ``coord`` and a simulated cache per prefill node, recording every
+    call to the coordinator."""
+    nodes = {n: SimPrefill(n, node_tokens, page_size) for n in coord.prefill_nodes}
+    window: deque[tuple[int, list[CacheEventMsg]]] = deque()
+    calls: list[Routed | Prefilled] = []
     routed: Counter[str] = Counter()
-    spent: dict[str, float] = {}  # request id -> seconds inside the coordinator
-    num_events, event_seconds = 0, 0.0
+    spent: dict[int, float] = {}
     warmup = num_requests // 2
     hits = prompts = 0
     clock = time.perf_counter
     for i, prompt in enumerate(make_trace(trace, num_requests)):
         if i == warmup:
             hits, prompts = _hits(nodes)
-            num_events, event_seconds = 0, 0.0
             routed.clear()
-        rid = f"r{i}"
+        calls.append(Routed(i, array("I", prompt), ""))
         t0 = clock()
-        route = coord.route(rid, prompt, MAX_TOKENS)
-        spent[rid] = clock() - t0
+        route = coord.route(f"r{i}", prompt, MAX_TOKENS)
+        spent[i] = clock() - t0
+        calls[-1] = calls[-1]._replace(prefill=route.prefill)
         routed[route.prefill] += len(prompt)
-        window.append((rid, nodes[route.prefill].prefill(prompt)))
+        window.append((i, nodes[route.prefill].prefill(prompt)))
         while len(window) > in_flight or (window and i == num_requests - 1):
             done, events = window.popleft()
-            t0 = clock()
+            calls.append(Prefilled(done, [msgspec.msgpack.encode(e) for e in events]))
             for event in events:
                 coord.apply_event(event)
-            t1 = clock()
-            coord.on_prefilled(done)
-            coord.on_finished(done)
-            spent[done] += clock() - t1
-            event_seconds += t1 - t0
-            num_events += len(events)
+            t0 = clock()
+            coord.on_prefilled(f"r{done}")
+            coord.on_finished(f"r{done}")
+            spent[done] += clock() - t0
     coord.check_integrity()
     for node_id, sim in nodes.items():
         index = coord.index(node_id)
@@ -156,16 +182,45 @@ def simulate(
     end_hits, end_prompts = _hits(nodes)
     loads = [routed[n] for n in nodes]
     return SimResult(
-        policy,
-        num_nodes,
         sum(s.cache.num_cached_tokens for s in nodes.values()),
-        [spent[f"r{i}"] for i in range(warmup, num_requests)],
-        num_events,
-        event_seconds,
         (end_hits - hits) / (end_prompts - prompts),
         max(loads) * len(loads) / sum(loads),
+        [spent[i] for i in range(warmup, num_requests)],
         nodes,
+        calls,
     )
+
+
+def replay(coord: Coordinator, calls: list[Routed | Prefilled], num_requests: int) -> Timing:
+    """Feed a fresh ``coord`` the recorded calls, with no simulated caches in the process (as in
+    a cluster, where they live on the nodes): it must decide as it did. Decoding the events off
+    the wire is the cluster client's work and is not timed."""
+    decoder = msgspec.msgpack.Decoder(CacheEventMsg)
+    warmup = num_requests // 2
+    spent: dict[int, float] = {}
+    num_events, event_seconds = 0, 0.0
+    clock = time.perf_counter
+    for call in calls:
+        if isinstance(call, Routed):
+            prompt = call.prompt.tolist()
+            t0 = clock()
+            route = coord.route(f"r{call.index}", prompt, MAX_TOKENS)
+            spent[call.index] = clock() - t0
+            assert route.prefill == call.prefill, f"request {call.index} went elsewhere"
+            continue
+        events = [decoder.decode(raw) for raw in call.events]
+        t0 = clock()
+        for event in events:
+            coord.apply_event(event)
+        t1 = clock()
+        coord.on_prefilled(f"r{call.index}")
+        coord.on_finished(f"r{call.index}")
+        spent[call.index] += clock() - t1
+        if call.index >= warmup:
+            num_events += len(events)
+            event_seconds += t1 - t0
+    coord.check_integrity()
+    return Timing([spent[i] for i in range(warmup, num_requests)], num_events, event_seconds)
 
 
 def _hits(nodes: dict[str, SimPrefill]) -> tuple[int, int]:
