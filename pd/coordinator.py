@@ -204,8 +204,8 @@ class Coordinator:
             held_of=members.decode_bits if self.cfg.policy == "cache_aware" else 0,
             expected_of=members.prefill_bits,
         )
-        decode = self._pick_decode(need, len(prompt_ids), match)
-        prefill, matched = self._pick_prefill(len(prompt_ids), match)
+        decode = self._pick_decode(members, need, len(prompt_ids), match)
+        prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
         self._add_load(node, load)
@@ -259,8 +259,10 @@ class Coordinator:
 
     # -- choices ----------------------------------------------------------------------------
 
-    def _pick_decode(self, need: int, prompt_len: int, match: PrefixMatch) -> str:
-        nodes = self._membership().decode
+    def _pick_decode(
+        self, members: _Members, need: int, prompt_len: int, match: PrefixMatch
+    ) -> str:
+        nodes = members.decode
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
         fits = [(d.num_slots - d.reserved, n) for n, d in nodes if d.num_slots - d.reserved >= need]
@@ -278,8 +280,10 @@ class Coordinator:
                 return node
         return max(fits)[1]
 
-    def _pick_prefill(self, prompt_len: int, match: PrefixMatch) -> tuple[str, int]:
-        nodes = self._membership().accepting
+    def _pick_prefill(
+        self, members: _Members, prompt_len: int, match: PrefixMatch
+    ) -> tuple[str, int]:
+        nodes = members.accepting
         if not nodes:
             raise NoCapacityError("no prefill node is accepting requests")
         expected = match.expected
@@ -289,7 +293,7 @@ class Coordinator:
         elif policy == "random":
             node = self._rng.choice(nodes).node_id
         else:
-            loads = self._membership().loads
+            loads = members.loads
             if policy == "least_load" or self._is_unbalanced(loads):
                 node = self._least_loaded(nodes, loads)
             else:

@@ -183,8 +183,8 @@ class SharedPrefixIndex:
         assert self.tree.pending_paths() == want, "pending prompts differ from those booked"
 
     def _aligned(self, key: bytes) -> bytes:
-        page_bytes = self.page_size * TOKEN_BYTES
-        return key[: len(key) - len(key) % page_bytes]
+        extra = len(key) % (self.page_size * TOKEN_BYTES)
+        return key[: len(key) - extra] if extra else key
 
     def _lengths(self, steps: list[Step], among: int, *, pending: bool) -> dict[str, int]:
         """Marks only shrink along a walk: a node matches up to the deepest step it is in."""
