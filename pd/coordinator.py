@@ -114,8 +114,8 @@ class _Members(NamedTuple):
     accepting: list[_Prefill]  # prefill nodes not draining, in registration order
     loads: array[int]  # their loads, kept in step by _add_load: one scan in C per decision
     prefill_bits: int  # their bits in the shared index
+    by_bit: dict[int, _Prefill]
     decode: list[tuple[str, _Decode]]  # decode nodes not draining
-    decode_bits: int
 
 
 class Coordinator:
@@ -198,12 +198,7 @@ class Coordinator:
         key = encode_tokens(prompt_ids)
         # The last prompt token is always computed (see BasePrefixCache.match_prompt).
         members = self._membership()
-        match = self._mirror.match(
-            key[:-TOKEN_BYTES],
-            namespace,
-            held_of=members.decode_bits if self.cfg.policy == "cache_aware" else 0,
-            expected_of=members.prefill_bits,
-        )
+        match = self._mirror.match(key[:-TOKEN_BYTES], namespace)
         decode = self._pick_decode(members, need, len(prompt_ids), match)
         prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
         node = self._prefill[prefill]
@@ -265,7 +260,11 @@ class Coordinator:
         nodes = members.decode
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
-        fits = [(d.num_slots - d.reserved, n) for n, d in nodes if d.num_slots - d.reserved >= need]
+        fits = [
+            (d.num_slots - d.reserved, n, d.index.bit)
+            for n, d in nodes
+            if d.num_slots - d.reserved >= need
+        ]
         if not fits:
             most = max(d.num_slots for _, d in nodes)
             if need > most:
@@ -274,8 +273,7 @@ class Coordinator:
                 )
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
-            held = match.held
-            matched, free, node = max((held.get(n, 0), free, n) for free, n in fits)
+            matched, _, node = max((match.held_len(bit), free, n) for free, n, bit in fits)
             if matched and matched >= self.cfg.cache_threshold * prompt_len:
                 return node
         return max(fits)[1]
@@ -286,34 +284,33 @@ class Coordinator:
         nodes = members.accepting
         if not nodes:
             raise NoCapacityError("no prefill node is accepting requests")
-        expected = match.expected
         policy = self.cfg.policy
         if policy == "round_robin":
-            node = nodes[next(self._rr) % len(nodes)].node_id
+            node = nodes[next(self._rr) % len(nodes)]
         elif policy == "random":
-            node = self._rng.choice(nodes).node_id
+            node = self._rng.choice(nodes)
+        elif policy == "least_load" or self._is_unbalanced(members.loads):
+            node = self._least_loaded(nodes, members.loads)
         else:
-            loads = members.loads
-            if policy == "least_load" or self._is_unbalanced(loads):
-                node = self._least_loaded(nodes, loads)
-            else:
-                best = self._longest_match(expected)
-                if best is None or expected[best] < self.cfg.cache_threshold * prompt_len:
-                    best = self._least_loaded(nodes, loads)
-                node = best
-        return node, expected.get(node, 0)
+            best, matched = self._longest_match(members, match)
+            if best is not None and matched >= self.cfg.cache_threshold * prompt_len:
+                return best.node_id, matched
+            node = self._least_loaded(nodes, members.loads)
+        return node.node_id, match.expected_len(node.index.bit)
 
-    def _longest_match(self, expected: dict[str, int]) -> str | None:
-        """The accepting prefill node expected to hold the most of the prompt; the less loaded,
-        then the earlier registered, on ties."""
-        best: tuple[int, int, int] | None = None
-        best_node = None
-        for node_id, num_tokens in expected.items():  # accepting prefill nodes only
-            node = self._prefill[node_id]
-            key = (num_tokens, -node.load, -node.rank)
-            if best is None or key > best:
-                best, best_node = key, node_id
-        return best_node
+    @staticmethod
+    def _longest_match(members: _Members, match: PrefixMatch) -> tuple[_Prefill | None, int]:
+        """The accepting prefill node expected to hold the most of the prompt (the less loaded,
+        then the earlier registered, on ties), and how many tokens."""
+        mask, num_tokens = match.longest_expected(members.prefill_bits)
+        best = None
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            node = members.by_bit[low]
+            if best is None or (node.load, node.rank) < (best.load, best.rank):
+                best = node
+        return best, num_tokens
 
     def _add_load(self, node: _Prefill, delta: int) -> None:
         node.load += delta
@@ -327,13 +324,12 @@ class Coordinator:
                 node.pos = -1
             for pos, node in enumerate(accepting):
                 node.pos = pos
-            decode = [(n, d) for n, d in self._decode.items() if not d.draining]
             self._members = _Members(
                 accepting,
                 array("q", [p.load for p in accepting]),
                 sum(p.index.bit for p in accepting),
-                decode,
-                sum(d.index.bit for _, d in decode),
+                {p.index.bit: p for p in accepting},
+                [(n, d) for n, d in self._decode.items() if not d.draining],
             )
         return self._members
 
@@ -341,11 +337,12 @@ class Coordinator:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.cfg.balance_abs_tokens and hi > self.cfg.balance_rel * lo
 
-    def _least_loaded(self, nodes: list[_Prefill], loads: array[int]) -> str:
+    @staticmethod
+    def _least_loaded(nodes: list[_Prefill], loads: array[int]) -> _Prefill:
         """The least loaded of ``nodes``; then the fewest prompts in flight, the fewest cached
         tokens, the earliest registered."""
         lo = min(loads)
         tied = [p for p, load in zip(nodes, loads) if load == lo]
         if len(tied) > 1:
             tied.sort(key=lambda p: (len(p.inflight), p.index.num_cached_tokens))  # stable
-        return tied[0].node_id
+        return tied[0]

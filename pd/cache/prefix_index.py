@@ -96,11 +96,34 @@ class PrefixIndex:
 
 
 class PrefixMatch(NamedTuple):
-    """One prompt against every node of a SharedPrefixIndex (nodes matching nothing are left
-    out); lengths are page-aligned tokens."""
+    """One prompt walked through a SharedPrefixIndex: the marks along its path, top down. Marks
+    only shrink along it, so a node matches up to the deepest step it is in (page-aligned
+    tokens); every node's answer comes from this one walk."""
 
-    held: dict[str, int]  # node id -> tokens its cache holds
-    expected: dict[str, int]  # node id -> tokens it holds or has in flight (prefill pending)
+    steps: list[Step]
+
+    def held_len(self, bit: int) -> int:
+        """Tokens node ``bit``'s cache holds."""
+        for held, _, num_tokens in reversed(self.steps):
+            if held & bit:
+                return num_tokens
+        return 0
+
+    def expected_len(self, bit: int) -> int:
+        """Tokens node ``bit`` holds or has in flight (prompts routed there, not prefilled)."""
+        for held, pending, num_tokens in reversed(self.steps):
+            if (held | pending) & bit:
+                return num_tokens
+        return 0
+
+    def longest_expected(self, among: int) -> tuple[int, int]:
+        """The bits of ``among`` expected to hold the most of the prompt, and how many tokens;
+        (0, 0) when none holds any."""
+        for held, pending, num_tokens in reversed(self.steps):
+            mask = (held | pending) & among
+            if mask:
+                return mask, num_tokens
+        return 0, 0
 
 
 class SharedPrefixIndex:
@@ -110,7 +133,6 @@ class SharedPrefixIndex:
         self.page_size = page_size
         self.tree = HolderTree(page_size)
         self._indexes: dict[str, PrefixIndex] = {}
-        self._names: dict[int, str] = {}  # bit -> node id
         self._used_bits = 0
 
     def add(self, node_id: str) -> PrefixIndex:
@@ -119,7 +141,6 @@ class SharedPrefixIndex:
         used = self._used_bits
         bit = ~used & (used + 1)  # the lowest free one
         self._used_bits |= bit
-        self._names[bit] = node_id
         index = self._indexes[node_id] = PrefixIndex(
             self.page_size, node_id, tree=self.tree, bit=bit
         )
@@ -131,7 +152,6 @@ class SharedPrefixIndex:
             return
         self.tree.clear(index.bit, pending=True)
         self._used_bits &= ~index.bit
-        del self._names[index.bit]
         index.detach()
 
     def index(self, node_id: str) -> PrefixIndex:
@@ -150,16 +170,9 @@ class SharedPrefixIndex:
         """Nodes whose index missed events and waits for a snapshot."""
         return [n for n, index in self._indexes.items() if index.needs_resync]
 
-    def match(
-        self, key: bytes, namespace: str = "", *, held_of: int = -1, expected_of: int = -1
-    ) -> PrefixMatch:
-        """Every node's match of the encoded tokens ``key`` (see ``encode_tokens``), for the
-        nodes whose bits are in ``held_of`` and ``expected_of`` (all by default)."""
-        steps = self.tree.walk(key, namespace)
-        return PrefixMatch(
-            self._lengths(steps, held_of, pending=False),
-            self._lengths(steps, expected_of, pending=True),
-        )
+    def match(self, key: bytes, namespace: str = "") -> PrefixMatch:
+        """Every node's match of the encoded tokens ``key`` (see ``encode_tokens``)."""
+        return PrefixMatch(self.tree.walk(key, namespace))
 
     def add_pending(self, node_id: str, key: bytes, namespace: str = "") -> None:
         """A prompt (encoded) is routed to ``node_id``; its whole pages count as expected there
@@ -185,20 +198,3 @@ class SharedPrefixIndex:
     def _aligned(self, key: bytes) -> bytes:
         extra = len(key) % (self.page_size * TOKEN_BYTES)
         return key[: len(key) - extra] if extra else key
-
-    def _lengths(self, steps: list[Step], among: int, *, pending: bool) -> dict[str, int]:
-        """Marks only shrink along a walk: a node matches up to the deepest step it is in."""
-        out: dict[str, int] = {}
-        if not among:
-            return out
-        names = self._names
-        deeper = 0
-        for held, pend, num_tokens in reversed(steps):
-            mask = (held | pend if pending else held) & among
-            ends_here = mask & ~deeper
-            deeper = mask
-            while ends_here:
-                low = ends_here & -ends_here
-                out[names[low]] = num_tokens
-                ends_here ^= low
-        return out

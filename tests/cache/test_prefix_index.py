@@ -190,12 +190,17 @@ def test_property_shared_index_matches_every_cache(page_size: int, data: st.Data
             match = shared.match(encode_tokens(q), q_ns)
             for n in names:
                 held = caches[n].match_prefix(q, q_ns).num_tokens
-                assert indexes[n].match_len(q, q_ns) == match.held.get(n, 0) == held
+                bit = indexes[n].bit
+                assert indexes[n].match_len(q, q_ns) == match.held_len(bit) == held
                 in_flight = [
                     _common_prefix(q, t) for m, t, t_ns in pending if (m, t_ns) == (n, q_ns)
                 ]
                 expected = max([held] + [c - c % page_size for c in in_flight])
-                assert match.expected.get(n, 0) == expected
+                assert match.expected_len(bit) == expected
+            lengths = {indexes[n].bit: match.expected_len(indexes[n].bit) for n in names}
+            top = max(lengths.values())
+            longest = sum(b for b, v in lengths.items() if v == top) if top else 0
+            assert match.longest_expected(sum(lengths)) == (longest, top)
         for n in names:
             assert indexes[n].num_cached_tokens == caches[n].num_cached_tokens
         shared.check_integrity((n, encode_tokens(t), t_ns) for n, t, t_ns in pending)
@@ -247,7 +252,9 @@ def test_removed_node_leaves_the_tree_and_its_bit_is_reused() -> None:
     shared.remove("p0")
     shared.remove_pending("p0", encode_tokens([1, 2, 3, 4]))  # gone with the node: no-op
     assert p0.match_len([1, 2]) == 0 and "p0" not in shared
-    assert shared.match(encode_tokens([1, 2, 3])).expected == {"p1": 3}
+    match = shared.match(encode_tokens([1, 2, 3]))
+    assert (match.expected_len(p0.bit), match.expected_len(p1.bit)) == (0, 3)
+    assert match.longest_expected(p0.bit | p1.bit) == (p1.bit, 3)
     p2 = shared.add("p2")
     assert p2.bit == 1  # p0's, free again
     assert p2.match_len([1, 2]) == 0 and shared.index("p1").match_len([1, 2, 3]) == 3
