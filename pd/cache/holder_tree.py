@@ -100,13 +100,6 @@ class HolderTree:
                 break
         return steps
 
-    def held_len(self, bit: int, key: bytes, namespace: str = "") -> int:
-        """Tokens of the longest page-aligned prefix of ``key`` that node ``bit`` holds."""
-        for held, _, num_tokens in reversed(self.walk(key, namespace)):
-            if held & bit:
-                return num_tokens
-        return 0
-
     # -- held paths (a node's cache events) -------------------------------------------------
 
     def insert(self, bit: int, key: bytes, namespace: str = "") -> int:

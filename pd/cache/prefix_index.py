@@ -50,7 +50,7 @@ class PrefixIndex:
 
     def match_len(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Tokens of the longest page-aligned prefix of ``tokens`` the node holds."""
-        return self._tree.held_len(self._bit, encode_tokens(tokens), namespace)
+        return PrefixMatch(self._tree.walk(encode_tokens(tokens), namespace)).held_len(self._bit)
 
     def apply(self, event: CacheEventMsg) -> bool:
         """Replay one event; False if it was skipped (an old duplicate, or out of step)."""

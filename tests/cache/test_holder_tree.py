@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 
 from pd.cache.holder_tree import HolderTree, decode_tokens, encode_tokens
+from pd.cache.prefix_index import PrefixMatch
 
 A, B = 1, 2  # two nodes' bits
 
 
 def _key(*tokens: int) -> bytes:
     return encode_tokens(tokens)
+
+
+def _held_len(tree: HolderTree, bit: int, key: bytes, namespace: str = "") -> int:
+    return PrefixMatch(tree.walk(key, namespace)).held_len(bit)
 
 
 def _shape(tree: HolderTree) -> set[tuple[str, tuple[int, ...], int, tuple]]:
@@ -35,9 +40,9 @@ def test_edges_split_where_holdings_differ_and_merge_back() -> None:
         ("", (1, 1, 9, 9), B, ()),
     }
     query = _key(1, 1, 2, 2, 3, 3, 4)  # the odd token is never matched (whole pages only)
-    assert [tree.held_len(bit, query) for bit in (A, B)] == [6, 4]
+    assert [_held_len(tree, bit, query) for bit in (A, B)] == [6, 4]
     assert tree.walk(query) == [(A | B, 0, 2), (A | B, 0, 4), (A, 0, 6)]
-    assert tree.held_len(A, _key(1, 1, 2, 7)) == 2  # diverges inside a page
+    assert _held_len(tree, A, _key(1, 1, 2, 7)) == 2  # diverges inside a page
     assert tree.insert(A, _key(1, 1, 2, 2)) == 0  # already held
     # B drops its [9, 9] page, then all it holds: what is left is A's single path again.
     tree.remove_suffix(B, _key(1, 1, 9, 9), "", 2)
@@ -52,8 +57,8 @@ def test_edges_split_where_holdings_differ_and_merge_back() -> None:
 def test_namespaces_never_share_paths() -> None:
     tree = HolderTree()
     tree.insert(A, _key(5, 6), "t1")
-    assert tree.held_len(A, _key(5, 6), "t1") == 2
-    assert tree.held_len(A, _key(5, 6)) == 0 and tree.walk(_key(5, 6), "t2") == []
+    assert _held_len(tree, A, _key(5, 6), "t1") == 2
+    assert _held_len(tree, A, _key(5, 6)) == 0 and tree.walk(_key(5, 6), "t2") == []
 
 
 @pytest.mark.timeout(10)
@@ -64,7 +69,7 @@ def test_pending_prompts_are_counted_and_undone() -> None:
     tree.add_pending(B, _key(1, 1, 2, 2, 3, 3))
     tree.add_pending(B, _key(1, 1))
     assert tree.walk(_key(1, 1, 2, 2, 3, 3)) == [(A, B, 2), (A, B, 4), (0, B, 6)]
-    assert tree.held_len(B, _key(1, 1, 2, 2, 3, 3)) == 0  # pending is not held
+    assert _held_len(tree, B, _key(1, 1, 2, 2, 3, 3)) == 0  # pending is not held
     assert tree.pending_paths() == {
         (B, "", _key(1, 1, 2, 2, 3, 3)): 2,
         (B, "", _key(1, 1)): 1,
