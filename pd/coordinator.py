@@ -205,7 +205,7 @@ class Coordinator:
         load = len(prompt_ids) - matched
         self._add_load(node, load)
         node.inflight[request_id] = _InFlight(key, namespace, load)
-        self._mirror.add_pending(prefill, key, namespace)
+        self._mirror.add_pending(prefill, key, namespace, after=match)
         decode_node = self._decode[decode]
         decode_node.reserved += need
         self._requests[request_id] = _Booking(node, decode_node, need)

@@ -44,22 +44,20 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token id {bad} is out of [0, 2**32)") from e
 
 
-def decode_tokens(key: bytes) -> list[int]:
-    return list(_packer(len(key) // TOKEN_BYTES).unpack(key))
+class Edge:
+    """One edge: its tokens and marks (opaque to callers, who only pass a walk's back)."""
 
-
-class _Edge:
     __slots__ = ("key", "parent", "children", "held", "pending", "num_pending")
 
-    def __init__(self, key: bytes, parent: _Edge | None, held: int = 0) -> None:
+    def __init__(self, key: bytes, parent: Edge | None, held: int = 0) -> None:
         self.key = key
         self.parent = parent
-        self.children: dict[bytes, _Edge] | None = None  # None for a leaf: a dict costs 64+ B
+        self.children: dict[bytes, Edge] | None = None  # None for a leaf: a dict costs 64+ B
         self.held = held
         self.pending = 0
         self.num_pending: dict[int, int] | None = None  # bit -> prompts in flight through here
 
-    def same_marks(self, other: _Edge) -> bool:
+    def same_marks(self, other: Edge) -> bool:
         return self.held == other.held and self.num_pending == other.num_pending
 
 
@@ -71,12 +69,14 @@ class HolderTree:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
-        self._roots: dict[str, _Edge] = {}
+        self._roots: dict[str, Edge] = {}
+        self.version = 0  # changes with every change of shape or marks
 
     # -- reading ----------------------------------------------------------------------------
 
-    def walk(self, key: bytes, namespace: str = "") -> list[Step]:
-        """The marks along the longest page-aligned prefix of ``key`` in the tree, top down."""
+    def walk(self, key: bytes, namespace: str = "", path: list[Edge] | None = None) -> list[Step]:
+        """The marks along the longest page-aligned prefix of ``key`` in the tree, top down;
+        the edges matched in full are appended to ``path`` (see ``add_pending``)."""
         node = self._roots.get(namespace)
         if node is None:
             return []
@@ -94,6 +94,8 @@ class HolderTree:
                 pos += len(edge)
                 steps.append((child.held, child.pending, pos // TOKEN_BYTES))
                 children = child.children
+                if path is not None:
+                    path.append(child)
             else:
                 pos += self._common(edge, key, pos, end)
                 steps.append((child.held, child.pending, pos // TOKEN_BYTES))
@@ -105,9 +107,10 @@ class HolderTree:
     def insert(self, bit: int, key: bytes, namespace: str = "") -> int:
         """Mark the page-aligned path ``key`` held by ``bit``; returns the tokens newly held."""
         self._check_aligned(key)
+        self.version += 1
         node = self._roots.get(namespace)
         if node is None:
-            node = self._roots[namespace] = _Edge(b"", None)
+            node = self._roots[namespace] = Edge(b"", None)
         pos = num_new = 0
         while pos < len(key):
             child, common = self._step(node, key, pos)
@@ -123,15 +126,16 @@ class HolderTree:
             pos += common
             node = child
         if pos < len(key):
-            node = self._attach(node, _Edge(key[pos:], node, bit))
+            node = self._attach(node, Edge(key[pos:], node, bit))
             num_new += len(key) - pos
-        self._tidy(node)  # marking may have made an edge equal to its only child
+        self._tidy(node, marks_added=True)
         return num_new // TOKEN_BYTES
 
     def remove_suffix(self, bit: int, key: bytes, namespace: str, num_tokens: int) -> None:
         """Unmark the last ``num_tokens`` of the path ``key``, which ``bit`` must hold and end
         at (as a leaf of its own tree). Raises ValueError, changing nothing, if it does not."""
         self._check_aligned(key)
+        self.version += 1
         num_bytes = num_tokens * TOKEN_BYTES
         if not 0 < num_bytes <= len(key) or num_bytes % self._page_bytes:
             raise ValueError(f"evict {num_tokens} tokens of a {len(key) // TOKEN_BYTES}-token path")
@@ -158,70 +162,65 @@ class HolderTree:
             left -= len(edge.key)
             if left <= 0:
                 break
-        self._tidy_up(path[-1])
+        self._tidy(path[-1], marks_added=False)
 
     # -- pending paths (prompts routed and not yet prefilled) -------------------------------
 
-    def add_pending(self, bit: int, key: bytes, namespace: str = "") -> None:
-        """Count one more prompt of node ``bit`` in flight along the page-aligned path ``key``."""
+    def add_pending(
+        self, bit: int, key: bytes, namespace: str = "", *, start: Sequence[Edge] = ()
+    ) -> None:
+        """Count one more prompt of node ``bit`` in flight along the page-aligned path ``key``.
+        ``start``: the edges a ``walk`` of a prefix of ``key`` matched in full, with no change
+        to the tree since (``version`` tells): they are not walked again."""
         self._check_aligned(key)
+        self.version += 1
         if not key:
             return
         node = self._roots.get(namespace)
         if node is None:
-            node = self._roots[namespace] = _Edge(b"", None)
+            node = self._roots[namespace] = Edge(b"", None)
         pos = 0
+        for edge in start:
+            self._pend(edge, bit)
+            pos += len(edge.key)
+            node = edge
         while pos < len(key):
             child, common = self._step(node, key, pos)
             if child is None:
-                child = self._attach(node, _Edge(key[pos:], node))
+                child = self._attach(node, Edge(key[pos:], node))
                 common = len(child.key)
             elif common < len(child.key):
                 child = self._split(child, common)
-            counts = child.num_pending
-            if counts is None:
-                counts = child.num_pending = {}
-            counts[bit] = counts.get(bit, 0) + 1
-            child.pending |= bit
+            self._pend(child, bit)
             pos += common
             node = child
 
     def remove_pending(self, bit: int, key: bytes, namespace: str = "") -> None:
         """Undo one ``add_pending(bit, key, namespace)``."""
         self._check_aligned(key)
+        self.version += 1
         node = self._roots[namespace]
         pos = 0
         while pos < len(key):
             child, common = self._step(node, key, pos)
             assert child is not None and common == len(child.key), "pending path not found"
-            counts = child.num_pending
-            assert counts and bit in counts, f"no pending prompt of bit {bit} here"
-            if counts[bit] > 1:
-                counts[bit] -= 1
-            else:
-                del counts[bit]
-                child.pending &= ~bit
-                if not counts:
-                    child.num_pending = None
+            self._unpend(child, bit, 1)
             pos += common
             node = child
         if pos:
-            self._tidy_up(node)
+            self._tidy(node, marks_added=False)
 
     # -- whole-node changes -----------------------------------------------------------------
 
     def clear(self, bit: int, *, pending: bool) -> None:
         """Drop ``bit`` from every held mark (and every pending count with ``pending``)."""
+        self.version += 1
         for root in self._roots.values():
             order = list(self._iter_subtree(root))
             for edge in order:
                 edge.held &= ~bit
                 if pending and edge.pending & bit:
-                    assert edge.num_pending is not None
-                    del edge.num_pending[bit]
-                    edge.pending &= ~bit
-                    if not edge.num_pending:
-                        edge.num_pending = None
+                    self._unpend(edge, bit, None)
             for edge in reversed(order):  # children before parents
                 self._tidy_one(edge)
 
@@ -272,11 +271,11 @@ class HolderTree:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _held_path(self, bit: int, key: bytes, namespace: str) -> tuple[list[_Edge], int]:
+    def _held_path(self, bit: int, key: bytes, namespace: str) -> tuple[list[Edge], int]:
         """The edges held by ``bit`` along ``key`` and the bytes they cover; the count is past
         ``len(key)`` when the key ends inside the last held edge."""
         node = self._roots.get(namespace)
-        path: list[_Edge] = []
+        path: list[Edge] = []
         pos = 0
         while node is not None and pos < len(key):
             child, common = self._step(node, key, pos)
@@ -293,7 +292,29 @@ class HolderTree:
             node = child
         return path, pos
 
-    def _step(self, node: _Edge, key: bytes, pos: int) -> tuple[_Edge | None, int]:
+    @staticmethod
+    def _pend(edge: Edge, bit: int) -> None:
+        counts = edge.num_pending
+        if counts is None:
+            edge.num_pending = {bit: 1}
+        else:
+            counts[bit] = counts.get(bit, 0) + 1
+        edge.pending |= bit
+
+    @staticmethod
+    def _unpend(edge: Edge, bit: int, num: int | None) -> None:
+        """Take ``num`` (None: all) of node ``bit``'s pending prompts off ``edge``."""
+        counts = edge.num_pending
+        assert counts and bit in counts, f"no pending prompt of bit {bit} here"
+        if num is not None and counts[bit] > num:
+            counts[bit] -= num
+            return
+        del counts[bit]
+        edge.pending &= ~bit
+        if not counts:
+            edge.num_pending = None
+
+    def _step(self, node: Edge, key: bytes, pos: int) -> tuple[Edge | None, int]:
         """The child of ``node`` that ``key[pos:]`` enters, and the bytes of it they share."""
         child = node.children.get(key[pos : pos + self._page_bytes]) if node.children else None
         if child is None:
@@ -315,18 +336,18 @@ class HolderTree:
                 f"key of {len(key) // TOKEN_BYTES} tokens is not whole pages of {self.page_size}"
             )
 
-    def _attach(self, parent: _Edge, edge: _Edge) -> _Edge:
+    def _attach(self, parent: Edge, edge: Edge) -> Edge:
         if parent.children is None:
             parent.children = {}
         parent.children[edge.key[: self._page_bytes]] = edge
         return edge
 
-    def _split(self, edge: _Edge, num_bytes: int) -> _Edge:
+    def _split(self, edge: Edge, num_bytes: int) -> Edge:
         """Cut ``edge`` after ``num_bytes``; returns the new upper edge (same marks), ``edge``
         keeps the rest."""
         parent = edge.parent
         assert parent is not None and 0 < num_bytes < len(edge.key)
-        upper = _Edge(edge.key[:num_bytes], parent, edge.held)
+        upper = Edge(edge.key[:num_bytes], parent, edge.held)
         upper.pending = edge.pending
         upper.num_pending = None if edge.num_pending is None else dict(edge.num_pending)
         self._attach(parent, upper)
@@ -335,27 +356,19 @@ class HolderTree:
         self._attach(upper, edge)
         return upper
 
-    def _tidy(self, edge: _Edge) -> None:
-        """Restore the minimal shape after marks were added along the path root..``edge``:
-        any edge on it may now equal its only child."""
-        node: _Edge | None = edge
+    def _tidy(self, edge: Edge, *, marks_added: bool) -> None:
+        """Restore the minimal shape on the path up from ``edge``. After marks were added along
+        root..``edge``, any edge on it may now equal its only child. After marks were taken
+        from a run of edges ending at ``edge``, the run keeps its differences: only ``edge`` may
+        have emptied (then its parent is next) or become equal to its only child."""
+        node: Edge | None = edge
         while node is not None and node.parent is not None:
             parent = node.parent
-            self._tidy_one(node)
-            node = parent
-
-    def _tidy_up(self, edge: _Edge) -> None:
-        """Restore the minimal shape after marks were taken from a run of edges ending at
-        ``edge``: the edges of the run keep their differences, so only ``edge`` may have become
-        empty (then its parent is next) or equal to its only child."""
-        node: _Edge | None = edge
-        while node is not None and node.parent is not None:
-            parent = node.parent
-            if not self._tidy_one(node):
+            if not self._tidy_one(node) and not marks_added:
                 return
             node = parent
 
-    def _tidy_one(self, edge: _Edge) -> bool:
+    def _tidy_one(self, edge: Edge) -> bool:
         """Detach ``edge`` if it is an unmarked leaf (True), else merge it with its only child
         if their marks are the same."""
         parent = edge.parent
@@ -380,7 +393,7 @@ class HolderTree:
                 only.parent = None
         return False
 
-    def _iter_paths(self) -> Iterator[tuple[str, bytes, _Edge]]:
+    def _iter_paths(self) -> Iterator[tuple[str, bytes, Edge]]:
         for namespace, root in self._roots.items():
             paths = {id(root): b""}
             for edge in self._iter_subtree(root):
@@ -389,7 +402,7 @@ class HolderTree:
                 yield namespace, path, edge
 
     @staticmethod
-    def _iter_subtree(root: _Edge) -> Iterator[_Edge]:
+    def _iter_subtree(root: Edge) -> Iterator[Edge]:
         """Every edge below ``root``, parents before children."""
         stack = list((root.children or {}).values())
         while stack:

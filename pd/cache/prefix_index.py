@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pd.cache.holder_tree import TOKEN_BYTES, HolderTree, Step, encode_tokens
+from pd.cache.holder_tree import TOKEN_BYTES, Edge, HolderTree, Step, encode_tokens
 from pd.messages import CacheEventMsg
 
 EVENT_KINDS = ("inserted", "evicted", "reset")
@@ -50,7 +50,9 @@ class PrefixIndex:
 
     def match_len(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Tokens of the longest page-aligned prefix of ``tokens`` the node holds."""
-        return PrefixMatch(self._tree.walk(encode_tokens(tokens), namespace)).held_len(self._bit)
+        return PrefixMatch(self._tree.walk(encode_tokens(tokens), namespace), [], 0).held_len(
+            self._bit
+        )
 
     def apply(self, event: CacheEventMsg) -> bool:
         """Replay one event; False if it was skipped (an old duplicate, or out of step)."""
@@ -101,6 +103,8 @@ class PrefixMatch(NamedTuple):
     tokens); every node's answer comes from this one walk."""
 
     steps: list[Step]
+    path: list[Edge]  # the edges matched in full, for add_pending(after=...)
+    version: int  # of the tree when walked
 
     def held_len(self, bit: int) -> int:
         """Tokens node ``bit``'s cache holds."""
@@ -172,12 +176,18 @@ class SharedPrefixIndex:
 
     def match(self, key: bytes, namespace: str = "") -> PrefixMatch:
         """Every node's match of the encoded tokens ``key`` (see ``encode_tokens``)."""
-        return PrefixMatch(self.tree.walk(key, namespace))
+        path: list[Edge] = []
+        return PrefixMatch(self.tree.walk(key, namespace, path), path, self.tree.version)
 
-    def add_pending(self, node_id: str, key: bytes, namespace: str = "") -> None:
+    def add_pending(
+        self, node_id: str, key: bytes, namespace: str = "", after: PrefixMatch | None = None
+    ) -> None:
         """A prompt (encoded) is routed to ``node_id``; its whole pages count as expected there
-        until ``remove_pending`` with the same arguments."""
-        self.tree.add_pending(self._indexes[node_id].bit, self._aligned(key), namespace)
+        until ``remove_pending`` with the same arguments. ``after``: the ``match`` of a prefix
+        of the prompt, whose walk is reused if nothing changed since."""
+        start = after.path if after is not None and after.version == self.tree.version else ()
+        bit = self._indexes[node_id].bit
+        self.tree.add_pending(bit, self._aligned(key), namespace, start=start)
 
     def remove_pending(self, node_id: str, key: bytes, namespace: str = "") -> None:
         index = self._indexes.get(node_id)

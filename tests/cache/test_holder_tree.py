@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd.cache.holder_tree import HolderTree, decode_tokens, encode_tokens
+from pd.cache.holder_tree import HolderTree, encode_tokens
 from pd.cache.prefix_index import PrefixMatch
 
 A, B = 1, 2  # two nodes' bits
@@ -14,15 +14,19 @@ def _key(*tokens: int) -> bytes:
     return encode_tokens(tokens)
 
 
+def _tokens(key: bytes) -> tuple[int, ...]:
+    return tuple(int.from_bytes(key[i : i + 4], "little") for i in range(0, len(key), 4))
+
+
 def _held_len(tree: HolderTree, bit: int, key: bytes, namespace: str = "") -> int:
-    return PrefixMatch(tree.walk(key, namespace)).held_len(bit)
+    return PrefixMatch(tree.walk(key, namespace), [], 0).held_len(bit)
 
 
 def _shape(tree: HolderTree) -> set[tuple[str, tuple[int, ...], int, tuple]]:
     """Every edge as (namespace, path tokens, held, pending counts)."""
     tree.check_integrity()
     return {
-        (ns, tuple(decode_tokens(path)), held, tuple(sorted(pending.items())))
+        (ns, _tokens(path), held, tuple(sorted(pending.items())))
         for ns, path, held, pending in tree.iter_edges()
     }
 

@@ -178,7 +178,13 @@ def test_property_shared_index_matches_every_cache(page_size: int, data: st.Data
             caches[node].evict(data.draw(st.integers(1, 6)) * page_size)
         elif action == "pend":
             pending.append((node, tokens, ns))
-            shared.add_pending(node, encode_tokens(tokens), ns)
+            key = encode_tokens(tokens)
+            # Reusing the walk of the prompt less its last token, as route does (or a stale one).
+            after = shared.match(key[:-4], ns) if data.draw(st.booleans()) else None
+            if after is not None and data.draw(st.booleans()):
+                shared.add_pending(node, key, ns)  # changes the tree: ``after`` is now stale
+                pending.append((node, tokens, ns))
+            shared.add_pending(node, key, ns, after=after)
         elif pending:
             gone = pending.pop(data.draw(st.integers(0, len(pending) - 1)))
             shared.remove_pending(gone[0], encode_tokens(gone[1]), gone[2])
