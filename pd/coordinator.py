@@ -8,7 +8,8 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
 2. Else go to the node holding the longest prefix of the prompt, if it covers at least
    ``cache_threshold`` of the prompt. What a node holds is replayed from its cache events
    (``PrefixIndex``), plus the prompts routed to it whose prefill has not finished yet (they
-   will be in its cache by the time a follower is admitted there).
+   will be in its cache by the time a follower is admitted there). Both live in one
+   ``SharedPrefixIndex`` over all nodes, so this is one walk of the prompt, not one per node.
 3. Else the least-loaded node. Ties (e.g. all idle) go to the node caching the fewest
    tokens: otherwise an idle cluster would pin every new prefix to the same first node.
 
@@ -19,19 +20,22 @@ their events too) holds at least ``cache_threshold`` of the prompt, longest firs
 conversation's next turn returns to the node that has its history and less KV moves; else,
 and under the other policies, the one with the most unreserved slots.
 A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
-its last consistent view, until the reset event of its snapshot arrives in its event stream.
-All of this is plain Python: the cluster client feeds it events and request life-cycle calls.
+its last consistent view, until its ``take_snapshot()`` arrives (``apply_snapshot``, or the reset
+event in its stream). All of this is plain Python: the cluster client feeds it events and request
+life-cycle calls.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pd.cache.prefix_index import PrefixIndex
+from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
+from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
 from pd.messages import CacheEventMsg
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
@@ -68,17 +72,26 @@ class NoCapacityError(RuntimeError):
     """No decode node has room for the request right now (it may later)."""
 
 
-@dataclass
+class _InFlight(NamedTuple):
+    """A prompt routed to a prefill node whose prefill has not finished."""
+
+    key: bytes  # the encoded prompt, counted as pending on the node in the shared index
+    namespace: str
+    load: int  # uncached prompt tokens it added to the node's load
+
+
+@dataclass(slots=True)
 class _Prefill:
+    node_id: str
     index: PrefixIndex
-    load: int = 0
-    inflight: dict[str, tuple[list[int], str, int]] = field(
-        default_factory=dict
-    )  # rid -> (prompt, ns, load)
+    rank: int  # order of registration: ties go to the earlier node
+    load: int = 0  # changed only by Coordinator._add_load
+    pos: int = -1  # in _Members.accepting, -1 when not there
+    inflight: dict[str, _InFlight] = field(default_factory=dict)  # request id ->
     draining: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Decode:
     num_slots: int
     index: PrefixIndex
@@ -86,30 +99,59 @@ class _Decode:
     draining: bool = False
 
 
+class _Booking(NamedTuple):
+    """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``. The
+    nodes' states, not their ids: a node removed and registered again is a new state."""
+
+    prefill: _Prefill
+    decode: _Decode
+    num_reserved_slots: int  # on the decode node
+
+
+class _Members(NamedTuple):
+    """Derived from the node tables; rebuilt when a node is added, drained or removed."""
+
+    accepting: list[_Prefill]  # prefill nodes not draining, in registration order
+    loads: array[int]  # their loads, kept in step by _add_load: one scan in C per decision
+    prefill_bits: int  # their bits in the shared index
+    by_bit: dict[int, _Prefill]
+    decode: list[tuple[str, _Decode]]  # decode nodes not draining
+
+
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
+        self._mirror = SharedPrefixIndex(cfg.page_size)  # every node's cache, prefill and decode
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}
-        self._requests: dict[str, tuple[str, str, int]] = {}  # rid -> (prefill, decode, reserved)
+        self._requests: dict[str, _Booking] = {}
         self._rr = itertools.count()
+        self._ranks = itertools.count()
         self._rng = random.Random(cfg.seed)
+        self._members: _Members | None = None  # rebuilt after membership changes
 
     # -- membership -------------------------------------------------------------------------
 
     def add_prefill(self, node_id: str) -> None:
-        self._prefill[node_id] = _Prefill(PrefixIndex(self.cfg.page_size, node_id))
+        self.remove(node_id)  # a node that registers again starts from nothing
+        self._prefill[node_id] = _Prefill(node_id, self._mirror.add(node_id), next(self._ranks))
 
     def add_decode(self, node_id: str, num_slots: int) -> None:
-        self._decode[node_id] = _Decode(num_slots, PrefixIndex(self.cfg.page_size, node_id))
+        self.remove(node_id)
+        self._decode[node_id] = _Decode(num_slots, self._mirror.add(node_id))
 
     def drain(self, node_id: str) -> None:
         """Send no new requests to this node."""
         (self._prefill.get(node_id) or self._decode[node_id]).draining = True
+        self._members = None
 
     def remove(self, node_id: str) -> None:
-        self._prefill.pop(node_id, None)
+        self._members = None
+        node = self._prefill.pop(node_id, None)
+        if node is not None:
+            node.pos = -1  # its requests may still finish: their loads go nowhere
         self._decode.pop(node_id, None)
+        self._mirror.remove(node_id)
 
     @property
     def prefill_nodes(self) -> list[str]:
@@ -120,17 +162,28 @@ class Coordinator:
         return list(self._decode)
 
     def index(self, node_id: str) -> PrefixIndex:
-        return self._prefill[node_id].index
+        """The mirror of a (prefill or decode) node's cache."""
+        return self._mirror.index(node_id)
 
     def load(self, node_id: str) -> int:
         return self._prefill[node_id].load
 
-    # -- events and life cycle --------------------------------------------------------------
+    # -- events, snapshots and life cycle ---------------------------------------------------
 
     def apply_event(self, event: CacheEventMsg) -> None:
-        node = self._prefill.get(event.node_id) or self._decode.get(event.node_id)
-        if node is not None:
-            node.index.apply(event)
+        self._mirror.apply(event)
+
+    @property
+    def nodes_to_resync(self) -> list[str]:
+        """Nodes whose mirror missed cache events: ask each for ``take_snapshot()`` and hand it
+        to ``apply_snapshot`` (or let its reset arrive in the event stream)."""
+        return self._mirror.nodes_to_resync
+
+    def apply_snapshot(self, node_id: str, events: Sequence[CacheEventMsg]) -> None:
+        """Rebuild a node's mirror from its ``take_snapshot()``; a node gone since is ignored.
+        Events the node published after the snapshot still apply after it, in seq order."""
+        if node_id in self._mirror:
+            self._mirror.index(node_id).apply_snapshot(events)
 
     def nodes_to_resync(self) -> list[str]:
         """Nodes whose mirror missed cache events: ask each for a snapshot (its reset event
@@ -142,61 +195,99 @@ class Coordinator:
         self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, namespace: str = ""
     ) -> Route:
         """Pick both nodes and book the request on them; raises NoCapacityError if no decode
-        node has room now, ValueError if none ever could."""
+        node has room now, ValueError if none ever could. Routing a request that is still
+        booked releases its booking first."""
+        if request_id in self._requests:
+            self.on_finished(request_id)
         page = self.cfg.page_size
         need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
-        decode = self._pick_decode(need, prompt_ids, namespace)
-        prefill, matched = self._pick_prefill(prompt_ids, namespace)
+        key = encode_tokens(prompt_ids)
+        # The last prompt token is always computed (see BasePrefixCache.match_prompt).
+        members = self._membership()
+        match = self._mirror.match(key[:-TOKEN_BYTES], namespace)
+        decode = self._pick_decode(members, need, len(prompt_ids), match)
+        prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
-        node.load += load
-        node.inflight[request_id] = (list(prompt_ids), namespace, load)
-        self._decode[decode].reserved += need
-        self._requests[request_id] = (prefill, decode, need)
+        self._add_load(node, load)
+        node.inflight[request_id] = _InFlight(key, namespace, load)
+        self._mirror.add_pending(prefill, key, namespace, after=match)
+        decode_node = self._decode[decode]
+        decode_node.reserved += need
+        self._requests[request_id] = _Booking(node, decode_node, need)
         return Route(prefill, decode, matched)
 
     def on_prefilled(self, request_id: str) -> None:
         """The prefill node produced the first token: its prefill load is gone."""
-        entry = self._requests.get(request_id)
-        if entry is None:
+        booking = self._requests.get(request_id)
+        if booking is None:
             return
-        node = self._prefill.get(entry[0])
-        if node is not None and request_id in node.inflight:
-            node.load -= node.inflight.pop(request_id)[2]
+        node = booking.prefill
+        inflight = node.inflight.pop(request_id, None)
+        if inflight is not None:
+            self._add_load(node, -inflight.load)
+            if self._prefill.get(node.node_id) is node:  # a removed node took its prompts along
+                self._mirror.remove_pending(node.node_id, inflight.key, inflight.namespace)
 
     def on_finished(self, request_id: str) -> None:
         self.on_prefilled(request_id)
-        entry = self._requests.pop(request_id, None)
-        if entry is not None and entry[1] in self._decode:
-            self._decode[entry[1]].reserved -= entry[2]
+        booking = self._requests.pop(request_id, None)
+        if booking is not None:
+            booking.decode.reserved -= booking.num_reserved_slots
+
+    def check_integrity(self) -> None:
+        """Loads and reservations are the sums of what is booked; the mirror's pending prompts
+        are exactly the prompts in flight."""
+        if self._members is not None:
+            assert [p.load for p in self._members.accepting] == list(self._members.loads)
+        for node_id, node in self._prefill.items():
+            assert node.load == sum(f.load for f in node.inflight.values()), (
+                f"{node_id} load {node.load}, in flight {[f.load for f in node.inflight.values()]}"
+            )
+            assert all(self._requests[r].prefill is node for r in node.inflight)
+        for node_id, decode in self._decode.items():
+            booked = sum(
+                b.num_reserved_slots for b in self._requests.values() if b.decode is decode
+            )
+            assert decode.reserved == booked, (
+                f"{node_id} reserved {decode.reserved}, booked {booked}"
+            )
+        self._mirror.check_integrity(
+            (node_id, f.key, f.namespace)
+            for node_id, node in self._prefill.items()
+            for f in node.inflight.values()
+        )
 
     # -- choices ----------------------------------------------------------------------------
 
-    def _pick_decode(self, need: int, prompt: Sequence[int], namespace: str) -> str:
-        nodes = {n: d for n, d in self._decode.items() if not d.draining}
+    def _pick_decode(
+        self, members: _Members, need: int, prompt_len: int, match: PrefixMatch
+    ) -> str:
+        nodes = members.decode
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
-        if all(need > d.num_slots for d in nodes.values()):
-            most = max(d.num_slots for d in nodes.values())
-            raise ValueError(f"request needs {need} KV slots; the largest decode node has {most}")
         fits = [
-            (d.num_slots - d.reserved, n)
-            for n, d in nodes.items()
+            (d.num_slots - d.reserved, n, d.index.bit)
+            for n, d in nodes
             if d.num_slots - d.reserved >= need
         ]
         if not fits:
+            most = max(d.num_slots for _, d in nodes)
+            if need > most:
+                raise ValueError(
+                    f"request needs {need} KV slots; the largest decode node has {most}"
+                )
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
-            matched, free, node = max(
-                (self._decode[n].index.match_len(prompt[:-1], namespace), free, n)
-                for free, n in fits
-            )
-            if matched and matched >= self.cfg.cache_threshold * len(prompt):
+            matched, _, node = max((match.held_len(bit), free, n) for free, n, bit in fits)
+            if matched and matched >= self.cfg.cache_threshold * prompt_len:
                 return node
         return max(fits)[1]
 
-    def _pick_prefill(self, prompt: Sequence[int], namespace: str) -> tuple[str, int]:
-        nodes = [n for n, p in self._prefill.items() if not p.draining]
+    def _pick_prefill(
+        self, members: _Members, prompt_len: int, match: PrefixMatch
+    ) -> tuple[str, int]:
+        nodes = members.accepting
         if not nodes:
             raise NoCapacityError("no prefill node is accepting requests")
         policy = self.cfg.policy
@@ -204,44 +295,60 @@ class Coordinator:
             node = nodes[next(self._rr) % len(nodes)]
         elif policy == "random":
             node = self._rng.choice(nodes)
-        elif policy == "least_load" or self._is_unbalanced(nodes):
-            node = self._least_loaded(nodes)
+        elif policy == "least_load" or self._is_unbalanced(members.loads):
+            node = self._least_loaded(nodes, members.loads)
         else:
-            best, best_len = self._least_loaded(nodes), 0
-            for n in nodes:
-                m = self._match_len(n, prompt, namespace)
-                if m > best_len or (m == best_len and m and self.load(n) < self.load(best)):
-                    best, best_len = n, m
-            if best_len < self.cfg.cache_threshold * len(prompt) or best_len == 0:
-                best = self._least_loaded(nodes)
-            node = best
-        return node, self._match_len(node, prompt, namespace)
+            best, matched = self._longest_match(members, match)
+            if best is not None and matched >= self.cfg.cache_threshold * prompt_len:
+                return best.node_id, matched
+            node = self._least_loaded(nodes, members.loads)
+        return node.node_id, match.expected_len(node.index.bit)
 
-    def _is_unbalanced(self, nodes: list[str]) -> bool:
-        loads = [self.load(n) for n in nodes]
+    @staticmethod
+    def _longest_match(members: _Members, match: PrefixMatch) -> tuple[_Prefill | None, int]:
+        """The accepting prefill node expected to hold the most of the prompt (the less loaded,
+        then the earlier registered, on ties), and how many tokens."""
+        mask, num_tokens = match.longest_expected(members.prefill_bits)
+        best = None
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            node = members.by_bit[low]
+            if best is None or (node.load, node.rank) < (best.load, best.rank):
+                best = node
+        return best, num_tokens
+
+    def _add_load(self, node: _Prefill, delta: int) -> None:
+        node.load += delta
+        if node.pos >= 0 and self._members is not None:
+            self._members.loads[node.pos] += delta
+
+    def _membership(self) -> _Members:
+        if self._members is None:
+            accepting = [p for p in self._prefill.values() if not p.draining]
+            for node in self._prefill.values():
+                node.pos = -1
+            for pos, node in enumerate(accepting):
+                node.pos = pos
+            self._members = _Members(
+                accepting,
+                array("q", [p.load for p in accepting]),
+                sum(p.index.bit for p in accepting),
+                {p.index.bit: p for p in accepting},
+                [(n, d) for n, d in self._decode.items() if not d.draining],
+            )
+        return self._members
+
+    def _is_unbalanced(self, loads: array[int]) -> bool:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.cfg.balance_abs_tokens and hi > self.cfg.balance_rel * lo
 
-    def _least_loaded(self, nodes: list[str]) -> str:
-        def key(n: str) -> tuple[int, int, int]:
-            node = self._prefill[n]
-            return node.load, len(node.inflight), node.index.num_cached_tokens
-
-        return min(nodes, key=key)
-
-    def _match_len(self, node_id: str, prompt: Sequence[int], namespace: str) -> int:
-        node = self._prefill[node_id]
-        best = node.index.match_len(prompt[:-1], namespace)
-        for other, ns, _ in node.inflight.values():
-            if ns == namespace and len(other) > best:
-                best = max(best, _common_prefix(prompt[:-1], other))
-        page = self.cfg.page_size
-        return best // page * page
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    @staticmethod
+    def _least_loaded(nodes: list[_Prefill], loads: array[int]) -> _Prefill:
+        """The least loaded of ``nodes``; then the fewest prompts in flight, the fewest cached
+        tokens, the earliest registered."""
+        lo = min(loads)
+        tied = [p for p, load in zip(nodes, loads) if load == lo]
+        if len(tied) > 1:
+            tied.sort(key=lambda p: (len(p.inflight), p.index.num_cached_tokens))  # stable
+        return tied[0]

@@ -8,16 +8,22 @@ coordinator, optionally ``delay`` requests late to mimic prefills still in fligh
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter, deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from pd.cache.radix_cache import RadixCache
 from pd.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
-from pd.engine.kv_pool import SlotAllocator
 from pd.messages import CacheEventMsg
+
+_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
+    sys.path.insert(0, str(_SCRIPTS))
+
+from routing_sim import SimPrefill  # noqa: E402
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
@@ -74,27 +80,6 @@ def _tokens(start: int, n: int) -> list[int]:
 # -- the simulation ----------------------------------------------------------------------------
 
 
-class _SimPrefill:
-    """A prefill node's cache side: a real RadixCache over a small SlotAllocator."""
-
-    def __init__(self, node_id: str, num_slots: int) -> None:
-        self.cache = RadixCache(SlotAllocator(num_slots), node_id)
-        self.num_prompt_tokens = 0
-        self.num_hit_tokens = 0
-
-    def prefill(self, prompt: list[int]) -> list[CacheEventMsg]:
-        """Run one request through the cache as a prefill node does; returns its events."""
-        cache = self.cache
-        m = cache.match_prompt(prompt)
-        cache.inc_lock_ref(m.last_node)
-        assert cache.make_room(cache.allocator.num_new_pages(m.slots, len(prompt)))
-        slots = cache.allocator.extend(m.slots, len(prompt))
-        cache.cache_finished(prompt, slots, m.last_node)
-        self.num_prompt_tokens += len(prompt)
-        self.num_hit_tokens += m.num_tokens
-        return cache.take_events()
-
-
 class SimResult(NamedTuple):
     hit_rate: float  # cluster-wide matched tokens / prompt tokens, counted by the caches
     group_nodes: dict[int, Counter[str]]  # group -> prefill node -> requests
@@ -122,7 +107,7 @@ def _simulate(
     ``delay`` requests later, as if the prefill were still running; the decode finishes
     ``delay`` requests after that."""
     coord = _make_coordinator(num_prefill, decode_slots=[64 * 1024] * num_decode, policy=policy)
-    nodes = {n: _SimPrefill(n, node_slots) for n in coord.prefill_nodes}
+    nodes = {n: SimPrefill(n, node_slots, page_size=1) for n in coord.prefill_nodes}
     in_prefill: deque[tuple[str, list[CacheEventMsg]]] = deque()
     in_decode: deque[str] = deque()
     group_nodes: dict[int, Counter[str]] = {g: Counter() for g in range(NUM_GROUPS)}
@@ -143,7 +128,10 @@ def _simulate(
         group_nodes[group][route.prefill] += 1
         in_prefill.append((rid, nodes[route.prefill].prefill(prompt)))
         deliver(delay)
+        if i % 16 == 0:
+            coord.check_integrity()
     deliver(0)
+    coord.check_integrity()
 
     for node_id, sim in nodes.items():
         sim.cache.check_integrity()
@@ -273,9 +261,7 @@ def test_in_flight_prompt_makes_follower_stick_before_cache_events() -> None:
     assert coord.load(first.prefill) == 340 + 40
     assert coord.index(first.prefill).match_len(shared) == 0
     # The real cache's events arrive, then the first token: still sticky, now via the index.
-    cache = RadixCache(SlotAllocator(4096), first.prefill)
-    sim = _SimPrefill.__new__(_SimPrefill)
-    sim.cache, sim.num_prompt_tokens, sim.num_hit_tokens = cache, 0, 0
+    sim = SimPrefill(first.prefill, 4096, page_size=1)
     for event in sim.prefill(shared + _suffix(1, 40)):
         coord.apply_event(event)
     coord.on_prefilled("r0")
@@ -411,3 +397,62 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     rr.add_decode("d1", num_slots=2000)
     rr.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
     assert rr.route("r1", follow_up, max_tokens=10).decode == "d1"
+
+
+# -- re-routing, node removal and resync -------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_routing_a_booked_request_again_releases_it_first() -> None:
+    coord = _make_coordinator(2, decode_slots=(1000,))
+    prompt = _tokens(0, 492)  # + 8 max_tokens = 500 slots
+    first = coord.route("r", prompt, 8)
+    again = coord.route("r", prompt, 8)  # a retry: one booking, not two
+    assert first.prefill == again.prefill and coord.load(first.prefill) == 492
+    coord.route("s", _tokens(5000, 492), 8)  # d0's other 500 slots: r holds only 500
+    coord.check_integrity()
+    coord.on_finished("r")
+    coord.on_finished("s")
+    assert coord.load(first.prefill) == 0
+    coord.check_integrity()
+
+
+@pytest.mark.timeout(10)
+def test_a_removed_node_takes_its_bookings_along() -> None:
+    coord = _make_coordinator(2, decode_slots=(1000,))
+    shared = _tokens(5000, 300)
+    route = coord.route("r0", shared + [1], 8)
+    coord.remove(route.prefill)
+    coord.remove("d0")
+    coord.check_integrity()
+    coord.add_prefill(route.prefill)  # both register again, empty
+    coord.add_decode("d0", 1000)
+    assert coord.load(route.prefill) == 0
+    follower = coord.route("r1", shared + [2], 8)
+    assert follower.num_matched == 0  # r0's prompt went with the old node
+    coord.on_finished("r0")  # the old booking touches nothing of the new nodes
+    coord.check_integrity()
+    with pytest.raises(NoCapacityError, match="692"):  # r1 holds 309 of d0's 1000 slots
+        coord.route("r2", _tokens(0, 684), 8)
+    assert coord.route("r3", _tokens(0, 683), 8).decode == "d0"
+
+
+@pytest.mark.timeout(10)
+def test_a_node_that_missed_events_is_listed_until_its_snapshot_arrives() -> None:
+    coord = _make_coordinator(2)
+    sim = SimPrefill("p0", 4096, page_size=1)
+    cache = sim.cache
+    for event in sim.prefill(A + [1]):
+        coord.apply_event(event)
+    sim.prefill(B + [1])  # its events are lost
+    for event in sim.prefill(A + _suffix(1, 10)):
+        coord.apply_event(event)
+    assert coord.nodes_to_resync == ["p0"]
+    assert coord.index("p0").match_len(B) == 0  # the last consistent view
+    coord.apply_snapshot("gone", cache.take_snapshot())  # a node removed since: ignored
+    coord.apply_snapshot("p0", cache.take_snapshot())
+    assert coord.nodes_to_resync == []
+    for q in (A, B, A + _suffix(1, 10)):
+        assert coord.index("p0").match_len(q) == cache.match_prefix(q).num_tokens
+    assert coord.index("p0").num_cached_tokens == cache.num_cached_tokens
+    assert coord.route("b", B + [2], 8) == Route("p0", "d0", 200)

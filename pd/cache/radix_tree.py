@@ -1,16 +1,17 @@
-"""A token radix tree: the one structure behind the RadixCache and the coordinator's
-PrefixIndex (plain Python, no torch).
+"""A token radix tree: the structure behind the RadixCache (plain Python, no torch). The
+coordinator mirrors caches in the more compact ``HolderTree`` instead.
 
 Keys are token-id sequences cut into pages of ``page_size`` tokens. Every edge holds a whole
 number of pages, and a node's children are keyed by the first page of their edge, so each step
 down the tree is one dict probe. Each namespace (tenant / LoRA id) has its own root, so prefixes
 never match across namespaces.
 
-A node may carry a value list aligned with its key (the RadixCache stores slot indices, the
-PrefixIndex stores nothing); values split with their keys. ``lock_ref`` and ``last_access`` live
-on the node so that a split copies them, but only the RadixCache gives them meaning. Nodes are
-never merged: a node object keeps its identity (and its path end) until it is removed, which is
-what lets a caller hold one as a handle while other requests split the path above it.
+A node may carry a value list aligned with its key (the RadixCache stores slot indices; a tree
+without values is the per-node mirror that ``scripts/routing_sim.py`` measures as a baseline);
+values split with their keys. ``lock_ref`` and ``last_access`` live on the node so that a split
+copies them, but only the RadixCache gives them meaning. Nodes are never merged: a node object
+keeps its identity (and its path end) until it is removed, which is what lets a caller hold one
+as a handle while other requests split the path above it.
 
 Page arithmetic (page_size = 4), a node whose edge starts at path position 8:
 
@@ -66,7 +67,7 @@ class RadixNode:
 
 
 class TreeMatch(NamedTuple):
-    node: RadixNode  # deepest node of the match (ends exactly at num_tokens when split=True)
+    node: RadixNode  # deepest node of the match, ending exactly at num_tokens
     num_tokens: int  # matched tokens, a multiple of page_size
     values: list[int]  # values along the matched path, a fresh list ([] when none are stored)
 
@@ -93,19 +94,15 @@ class RadixTree:
             node = self.roots[namespace] = RadixNode((), None, None, namespace)
         return node
 
-    def match(self, tokens: Sequence[int], namespace: str = "", *, split: bool = True) -> TreeMatch:
+    def match(self, tokens: Sequence[int], namespace: str = "") -> TreeMatch:
         """Longest page-aligned prefix of ``tokens`` held in ``namespace``; touches its nodes.
 
-        With ``split`` a match that ends inside a node splits it, so that ``node`` ends exactly
-        at the match; without it the tree's shape is unchanged and ``node`` is the deepest node
-        matched in full.
+        A match that ends inside a node splits it, so that ``node`` ends exactly at the match.
         """
         self.clock += 1
         key = tuple(tokens)
         ps = self.page_size
-        node = self.root(namespace) if split else self.roots.get(namespace)
-        if node is None:  # read-only lookup in a namespace never inserted into
-            return TreeMatch(RadixNode((), None, None, namespace), 0, [])
+        node = self.root(namespace)
         pos = 0
         values: list[int] = []
         while pos + ps <= len(key):
@@ -114,11 +111,6 @@ class RadixTree:
                 break
             common = self._common_len(child.key, key, pos)
             if common < len(child.key):
-                if not split:
-                    if child.value is not None:
-                        values.extend(child.value[:common])
-                    pos += common
-                    break
                 child = self.split(child, common)
             child.last_access = self.clock
             if child.value is not None:
