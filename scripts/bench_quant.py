@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--greedy-tokens", type=int, default=64)
-    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-tokens", type=int, default=2048)
     args = ap.parse_args()
     names = args.formats.split(",")
     if unknown := [n for n in names if n not in FORMATS]:
