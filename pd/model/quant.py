@@ -13,7 +13,8 @@ The int8 and int4 ops take a scalar path for fp32 inputs (10x slower on an AVX2 
 input is cast to bf16 and the output back. Both ops are built for few rows: int8 runs
 ``INT8_DEQUANT_MIN_TOKENS`` rows or more (prefill) as a dense GEMM on the dequantized weight;
 int4 has no CPU unpack op, so its prefill stays ~2x slower than fp32's. Each method's speed and
-quality beside fp32 is measured by ``scripts/bench_quant.py``.
+quality beside fp32 is measured by ``scripts/bench_quant.py``. The LM head is fp16 in every
+method (see ``quantize_linears``).
 """
 
 from __future__ import annotations
@@ -123,22 +124,30 @@ def check_quantization(method: str, device: torch.device) -> None:
         raise ValueError(f"quantization {method!r} runs on cpu only, got device {device}")
     if method == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError(f"quantization 'int4' needs torch >= 2.6, have {torch.__version__}")
-    engines = torch.backends.quantized.supported_engines
-    if method == "fp16" and "fbgemm" not in engines:
+    if method == "fp16" and not _has_fbgemm():
+        engines = torch.backends.quantized.supported_engines
         raise ValueError(f"quantization 'fp16' needs torch's fbgemm engine; have {engines}")
 
 
-def quantize_linears(model: nn.Module, method: str) -> nn.Module:
+def _has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def quantize_linears(model: nn.Module, method: str, head_name: str = "lm_head") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by ``method``'s packed module.
 
-    A head tied to the embedding is packed from the shared weight into a separate copy; the
-    embedding itself stays exact. ``none`` leaves the model as it is.
+    The LM head (children named ``head_name``) is packed as fp16 whatever the method, where
+    fbgemm exists: for SmolLM2's 49152x576 head it is as fast as int4 and 1.4x faster than
+    int8 here, with 60x less error than int8 (the GGUF stores it as Q8_0, finer than int4 or
+    per-row int8). A head tied to the embedding is packed from the shared weight into a
+    separate copy; the embedding itself stays exact. ``none`` leaves the model as it is.
     """
     if method == "none":
         return model
-    make = _LINEARS[method]
+    head = Fp16Linear if _has_fbgemm() else _LINEARS[method]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
+                make = head if name == head_name else _LINEARS[method]
                 setattr(parent, name, make(child))
     return model

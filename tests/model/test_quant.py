@@ -16,6 +16,7 @@ from pd.engine.kv_pool import SlotAllocator
 from pd.model.quant import (
     INT4_GROUP_SIZE,
     INT8_DEQUANT_MIN_TOKENS,
+    Fp16Linear,
     QuantLinear,
     quantize_linears,
 )
@@ -116,7 +117,7 @@ def test_quantized_engine_on_tiny_checkpoints(method: str, fixture: str, request
     quant = Engine(EngineConfig(model=str(model_dir), max_total_tokens=512, quantization=method))
     model = quant.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.lm_head, Fp16Linear)  # the head is fp16 in every method
     # the embedding lookup stays exact, also where the head was packed from its weight
     embed = model.model.embed_tokens.weight
     assert torch.equal(embed, base.runner.model.model.embed_tokens.weight)
@@ -132,13 +133,13 @@ def test_quantized_engine_on_tiny_checkpoints(method: str, fixture: str, request
 # int8 runs its kernel as in decode), teacher-forced. Measured (AVX2 CPU):
 #   format  mean relative logit error  argmax = fp32
 #   bf16    0.025                      98.4%
-#   int8    0.058                      92.9%
-#   int4    0.093                      83.5%
-#   fp16    0.0011                     100%
+#   int8    0.056                      95.3%
+#   int4    0.018                      97.6%  (the checkpoint came from a Q4_1 GGUF: int4 with
+#   fp16    0.0011                     100%    32-input groups holds its weights exactly)
 SMOL_TOL = {  # format -> (max relative error, min argmax agreement)
     "bf16": (0.05, 0.94),
-    "int8": (0.09, 0.88),
-    "int4": (0.15, 0.76),
+    "int8": (0.09, 0.90),
+    "int4": (0.04, 0.94),
     "fp16": (0.003, 0.98),
 }
 FORMAT_CONFIG = {
