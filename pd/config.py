@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pd.model.quant import check_quantization
+
 
 def _opt(default: Any, help: str) -> Any:  # "help": argparse's name
     """A field with its CLI help text (``pd.cli`` builds flags from these)."""
@@ -23,6 +25,9 @@ class EngineConfig:
     device: str = _opt("auto", "cpu, cuda, cuda:N; auto: cuda if available")
     dtype: str = _opt(
         "auto", "float32 | bfloat16 | float16; auto: float32 on cpu, bfloat16 on cuda"
+    )
+    quantization: str = _opt(
+        "none", "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py)"
     )
     attention_backend: str = _opt("auto", "attention kernels: torch (auto)")
     page_size: int = _opt(1, "tokens per KV page (1: token-level prefix reuse)")
@@ -67,6 +72,7 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        check_quantization(self.quantization, self.torch_device)
 
     @property
     def torch_device(self) -> torch.device:

@@ -128,9 +128,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     @staticmethod
     def _decode(q: torch.Tensor, layer: int, pool: KVPool, meta: _DecodeMeta) -> torch.Tensor:
-        # q: [B, H, D] -> [B, H, 1, D]; keys: [B, KVH, max_len, D]
-        keys = pool.k[layer][meta.idx].transpose(1, 2)
-        values = pool.v[layer][meta.idx].transpose(1, 2)
+        # q: [B, H, D] -> [B, H, 1, D]; keys: [B, KVH, max_len, D]. index_select: ~5x faster
+        # than advanced indexing on CPU
+        shape = (*meta.idx.shape, *pool.k[layer].shape[1:])
+        flat_idx = meta.idx.view(-1)
+        keys = pool.k[layer].index_select(0, flat_idx).view(shape).transpose(1, 2)
+        values = pool.v[layer].index_select(0, flat_idx).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=meta.mask, enable_gqa=True
         )

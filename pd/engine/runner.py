@@ -17,6 +17,7 @@ from pd.engine.sampler import SampledRow, sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
+from pd.model.quant import quantize_linears
 
 
 class ModelRunner:
@@ -51,7 +52,7 @@ class ModelRunner:
         model.to_empty(device=self.device)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
         model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
-        return model.to(self.dtype).eval()
+        return quantize_linears(model.to(self.dtype).eval(), self.cfg.quantization)
 
     def forward(
         self,

@@ -23,10 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # one call: bit-equal to HF's fp32 norm; within a rounding of it in bf16 (which HF
+        # rounds before the weight multiply, torch after)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -37,23 +36,22 @@ class Rotary(nn.Module):
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, cfg.rope_inv_freq())  # [max_pos, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign lives in the table
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", signed_sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> cos, sin: [T, 1, head_dim], broadcast over heads
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # -> cos, signed sin: [T, 1, head_dim], broadcast over heads
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """neox rotation ``x * cos + rotate_half(x) * sin``, given ``Rotary``'s signed sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -63,10 +61,9 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        # q, k and v in one matmul: rows [q heads | k heads | v heads]
+        num_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, num_qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
@@ -78,11 +75,10 @@ class Attention(nn.Module):
         pool: KVPool,
         attn: BaseAttentionBackend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        t, num_qk = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, num_qk + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :num_qk], cos, sin)  # q and k heads rotate alike
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
         out = attn.forward(q, k, v, self.layer, batch, pool)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -90,12 +86,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one matmul: rows [gate | up]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -133,8 +130,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaBody(cfg)
         self.rotary = Rotary(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._tie_head()
+
+    def _tie_head(self) -> None:
+        # Sharing the Parameter (as HF does); re-done after loading, since moving a module off
+        # the meta device gives each module its own copy.
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(
@@ -152,18 +155,41 @@ class LlamaForCausalLM(nn.Module):
                 batch.on_layer_done(i)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        h = body.norm(h)
-        head = body.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, head).float()
+        return self.lm_head(body.norm(h)).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load an HF-named state dict; a tied checkpoint's duplicate ``lm_head`` is dropped."""
-        if self.config.tie_word_embeddings:
+        """Load an HF-named state dict: q/k/v and gate/up are concatenated into the fused
+        projections; a tied checkpoint's duplicate ``lm_head`` is dropped."""
+        tied = self.config.tie_word_embeddings
+        if tied:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        missing, unexpected = self.load_state_dict(weights, strict=False)
+        missing, unexpected = self.load_state_dict(_fuse_projections(weights), strict=False)
+        self._tie_head()
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
         unexpected = [k for k in unexpected if "rotary_emb" not in k]
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not fit {self.config.architecture}: "
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
+
+
+# fused parameter -> the HF parameters concatenated (along output rows) into it
+_FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> this model's: ``x.q_proj.weight`` + ``x.k_proj.weight`` + ``x.v_proj.weight``
+    -> ``x.qkv_proj.weight`` (biases alike). A part that is missing leaves the others as they
+    are, so ``load_state_dict`` reports them."""
+    out = dict(weights)
+    for fused, parts in _FUSED_PROJECTIONS.items():
+        for name in weights:
+            prefix, sep, suffix = name.rpartition(f".{parts[0]}.")
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            if sep and all(n in out for n in names):
+                out[f"{prefix}.{fused}.{suffix}"] = torch.cat([out.pop(n) for n in names])
+    return out

@@ -1,0 +1,153 @@
+"""Quantized CPU linears, packed once at load and swapped in for a model's ``nn.Linear``s.
+
+Every method runs torch's own CPU matmul op on weights packed at load; none is a kernel of ours.
+All three are weight-only. Per linear ``y = x W^T + b`` with ``W: [N, K]``:
+
+    method  weight                                   matmul op                         x
+    int8    int8 [N, K], a scale per output row      aten._weight_int8pack_mm          bf16
+    int4    uint4 packed, a scale and a zero per     aten._weight_int4pack_mm_for_cpu  bf16
+            row and group of 32 inputs
+    fp16    fp16 in fbgemm's packed layout           quantized.linear_dynamic_fp16     fp32
+
+The int8 and int4 ops take a scalar path for fp32 inputs (10x slower on an AVX2 CPU), so the
+input is cast to bf16 and the output back. Both ops are built for few rows: int8 runs
+``INT8_DEQUANT_MIN_TOKENS`` rows or more (prefill) as a dense GEMM on the dequantized weight;
+int4 has no CPU unpack op, so its prefill stays ~2x slower than fp32's. Each method's speed and
+quality beside fp32 is measured by ``scripts/bench_quant.py``. The LM head is fp16 in every
+method (see ``quantize_linears``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp16")
+INT4_GROUP_SIZE = 32
+# From this many tokens on (prefill), dequantizing and running the dense GEMM beats the int8
+# kernel (measured here at 512 tokens: 2x; at 16 tokens the kernel wins 1.4x).
+INT8_DEQUANT_MIN_TOKENS = 128
+
+
+class QuantLinear(nn.Module):
+    """A packed linear in place of an ``nn.Linear`` whose inputs are ``[T, in_features]``."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features], both in the model's dtype
+        y = self._matmul(x).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(QuantLinear):
+    """Symmetric per-output-channel int8: ``W ≈ q * scale[:, None]``, max |w| of a row → 127."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= INT8_DEQUANT_MIN_TOKENS:
+            weight = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            return F.linear(x, weight)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
+
+
+class Int4Linear(QuantLinear):
+    """Asymmetric int4 per row and group of ``INT4_GROUP_SIZE`` inputs: a group's min..max maps
+    to 0..15 and the op dequantizes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__(linear)
+        n, k = self.out_features, self.in_features
+        if k % group_size:
+            raise ValueError(f"int4 needs in_features divisible by {group_size}, got {k}")
+        self.group_size = group_size
+        w = linear.weight.detach().float().view(n, k // group_size, group_size)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)  # [N, groups]
+        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1)
+        self.register_buffer("qweight", packed)
+        # the op wants [groups, N, 2] of (scale, zero)
+        scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.qweight, self.group_size, self.scales_zeros
+        )
+
+
+class Fp16Linear(QuantLinear):
+    """fp16 weights in fbgemm's packed layout; fp32 inputs, fp32 accumulation."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach().float().contiguous()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+
+
+_LINEARS: dict[str, type[QuantLinear]] = {
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+    "fp16": Fp16Linear,
+}
+
+
+def check_quantization(method: str, device: torch.device) -> None:
+    """Raise if ``method`` is unknown or cannot run on ``device`` (all methods are CPU-only)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}"
+        )
+    if method != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {method!r} runs on cpu only, got device {device}")
+    if method == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError(f"quantization 'int4' needs torch >= 2.6, have {torch.__version__}")
+    if method == "fp16" and not _has_fbgemm():
+        engines = torch.backends.quantized.supported_engines
+        raise ValueError(f"quantization 'fp16' needs torch's fbgemm engine; have {engines}")
+
+
+def _has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def quantize_linears(model: nn.Module, method: str, head_name: str = "lm_head") -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by ``method``'s packed module.
+
+    The LM head (children named ``head_name``) is packed as fp16 whatever the method, where
+    fbgemm exists: for SmolLM2's 49152x576 head it is as fast as int4 and 1.4x faster than
+    int8 here, with 60x less error than int8 (the GGUF stores it as Q8_0, finer than int4 or
+    per-row int8). A head tied to the embedding is packed from the shared weight into a
+    separate copy; the embedding itself stays exact. ``none`` leaves the model as it is.
+    """
+    if method == "none":
+        return model
+    head = Fp16Linear if _has_fbgemm() else _LINEARS[method]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                make = head if name == head_name else _LINEARS[method]
+                setattr(parent, name, make(child))
+    return model

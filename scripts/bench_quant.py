@@ -1,0 +1,160 @@
+"""CPU weight formats beside fp32, in the same run: speed, greedy agreement and perplexity.
+
+Per format: decode ms/token at batch 1, decode tokens/s at batch 16, prefill tokens/s at 512
+tokens (best of ``--rounds``, formats taking turns); greedy agreement with fp32 over chat
+prompts (identical tokens position by position, and prompts identical in full); perplexity on
+a fixed licence text that ships with Debian.
+
+    python scripts/bench_quant.py [--formats fp32,bf16,int8,int4,fp16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_engine import pd_decode, pd_prefill
+
+from pd.config import EngineConfig
+from pd.engine.batch import SeqInput
+from pd.engine.engine import Engine
+from pd.engine.kv_pool import SlotAllocator
+from pd.model.tokenizer import encode_chat, encode_prompt
+from pd.sampling_params import SamplingParams
+
+# name -> (dtype, quantization)
+FORMATS = {
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+    "fp16": ("float32", "fp16"),
+}
+PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
+QUESTIONS = (
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me three tips for better sleep.",
+    "Who wrote Pride and Prejudice?",
+    "What is the difference between a virus and a bacterium?",
+    "Translate 'good morning' into Spanish and German.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "List the planets of the solar system in order.",
+    "What is 17 times 23? Show your steps.",
+    "Describe how a bicycle works.",
+    "What are prime numbers? Give examples.",
+    "Suggest a name for a bakery and explain it.",
+)
+
+
+def greedy_tokens(engine: Engine, num_tokens: int) -> list[list[int]]:
+    prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def perplexity(engine: Engine, ids: list[int], window: int) -> float:
+    """exp(mean next-token NLL) over non-overlapping ``window``-token chunks of ``ids``."""
+    runner = engine.runner
+    alloc = SlotAllocator(runner.pool.num_slots, 1)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - window + 1, window):
+        chunk = ids[start : start + window]
+        slots = alloc.allocate(window)
+        logits = runner.forward([SeqInput(chunk, slots, 0)], return_all_logits=True)
+        alloc.free(slots)
+        nll += F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum").item()
+        count += window - 1
+    return math.exp(nll / count)
+
+
+def make_engine(name: str, model: str | None) -> Engine:
+    dtype, quantization = FORMATS[name]
+    cfg = EngineConfig(model=model, dtype=dtype, quantization=quantization, max_total_tokens=4096)
+    return Engine(cfg)
+
+
+def measure_speed(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
+    return {
+        "decode1_ms": 1000 / pd_decode(engine, 1, 128, args.decode_steps),
+        "decode16": pd_decode(engine, 16, 128, args.decode_steps),
+        "prefill512": pd_prefill(engine, 512, args.repeat),
+    }
+
+
+def _agreement(ours: list[list[int]], ref: list[list[int]]) -> str:
+    same = sum(a == b for x, y in zip(ours, ref) for a, b in zip(x, y))
+    total = sum(len(y) for y in ref)
+    full = sum(x == y for x, y in zip(ours, ref))
+    return f"{same / total:.1%} | {full}/{len(ref)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--greedy-tokens", type=int, default=64)
+    ap.add_argument("--ppl-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    names = args.formats.split(",")
+    if unknown := [n for n in names if n not in FORMATS]:
+        ap.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
+    if names[0] != "fp32":
+        names.insert(0, "fp32")  # the baseline of every ratio
+    if not PPL_TEXT.is_file():
+        raise SystemExit(f"{PPL_TEXT} not found (Debian's base-files ships it); cannot run")
+    text_bytes = PPL_TEXT.read_bytes()
+    torch.set_num_threads(args.threads)
+
+    engines = {name: make_engine(name, args.model) for name in names}
+    # Formats take turns, round after round, and keep their best: load from other processes
+    # then slows every format alike instead of whichever ran while it peaked.
+    results: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            for key, value in measure_speed(engine, args).items():
+                better = min if key == "decode1_ms" else max
+                results[name][key] = better(results[name].get(key, value), value)
+    for name, engine in engines.items():
+        ids = encode_prompt(engine.tokenizer, text_bytes.decode())[: args.ppl_tokens]
+        results[name]["greedy"] = greedy_tokens(engine, args.greedy_tokens)
+        results[name]["ppl"] = perplexity(engine, ids, 512)
+    base = results["fp32"]
+    print(
+        f"threads={args.threads} perplexity text={PPL_TEXT} "
+        f"sha256={hashlib.sha256(text_bytes).hexdigest()} ({args.ppl_tokens} tokens, "
+        f"512-token windows); greedy: {len(QUESTIONS)} chat prompts x {args.greedy_tokens} "
+        "tokens\n"
+    )
+    print(
+        "| format | decode b1 ms/token | b1 vs fp32 | decode b16 tok/s | b16 vs fp32 "
+        "| prefill 512 tok/s | prefill vs fp32 | greedy = fp32 tokens | prompts = fp32 "
+        "| perplexity |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['decode1_ms']:.1f} | {base['decode1_ms'] / r['decode1_ms']:.2f}x "
+            f"| {r['decode16']:,.0f} | {r['decode16'] / base['decode16']:.2f}x "
+            f"| {r['prefill512']:,.0f} | {r['prefill512'] / base['prefill512']:.2f}x "
+            f"| {_agreement(r['greedy'], base['greedy'])} | {r['ppl']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
