@@ -19,6 +19,15 @@ Decode node, among those with enough unreserved KV slots for prompt + max_tokens
 their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
 conversation's next turn returns to the node that has its history and less KV moves; else,
 and under the other policies, the one with the most unreserved slots.
+
+Conditional disaggregation (any policy, off with ``local_prefill_tokens=-1``): the request goes
+to the chosen decode node alone (``Route.prefill`` is None), which prefills it itself, when what
+that node would have to compute is short (prompt tokens beyond the prefix it holds <=
+``local_prefill_tokens``), or when it holds at least ``local_prefill_min_held`` of the prompt
+and no prefill node is expected to hold more (the next turn of a conversation). Either way no
+KV moves and no second hop is paid; decode nodes prefill in chunks between their decode steps.
+What a decode node holds counts only once its cache events say so (a prompt it is still working
+on is not there yet).
 A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
 its last consistent view, until its ``take_snapshot()`` arrives (``apply_snapshot``, or the reset
 event in its stream). All of this is plain Python: the cluster client feeds it events and request
@@ -47,6 +56,10 @@ class CoordinatorConfig:
     balance_abs_tokens: int = 4096  # loads must differ by more than this many tokens ...
     balance_rel: float = 2.0  # ... and by more than this factor to count as unbalanced
     cache_threshold: float = 0.25  # matched fraction of the prompt that makes a node sticky
+    # prefill on the decode node when it would compute at most this many tokens (-1: never)
+    local_prefill_tokens: int = 128
+    # ... or when it holds at least this fraction of the prompt, as much as any prefill node
+    local_prefill_min_held: float = 0.5
     page_size: int = 1
     seed: int = 0
 
@@ -60,12 +73,20 @@ class CoordinatorConfig:
             )
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.local_prefill_tokens < -1:
+            raise ValueError(
+                f"local_prefill_tokens must be >= 0, or -1 for never; got {self.local_prefill_tokens}"
+            )
+        if not 0.0 < self.local_prefill_min_held <= 1.0:
+            raise ValueError(
+                f"local_prefill_min_held must be in (0, 1], got {self.local_prefill_min_held}"
+            )
 
 
 class Route(NamedTuple):
-    prefill: str
+    prefill: str | None  # None: the decode node prefills the request itself
     decode: str
-    num_matched: int  # prompt tokens the chosen prefill node is expected to hold
+    num_matched: int  # prompt tokens the node that prefills is expected to hold
 
 
 class NoCapacityError(RuntimeError):
@@ -103,7 +124,7 @@ class _Booking(NamedTuple):
     """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``. The
     nodes' states, not their ids: a node removed and registered again is a new state."""
 
-    prefill: _Prefill
+    prefill: _Prefill | None  # None: prefilled on the decode node
     decode: _Decode
     num_reserved_slots: int  # on the decode node
 
@@ -129,6 +150,7 @@ class Coordinator:
         self._ranks = itertools.count()
         self._rng = random.Random(cfg.seed)
         self._members: _Members | None = None  # rebuilt after membership changes
+        self.num_local_routes = 0  # requests sent to a decode node alone
 
     # -- membership -------------------------------------------------------------------------
 
@@ -185,18 +207,19 @@ class Coordinator:
         if node_id in self._mirror:
             self._mirror.index(node_id).apply_snapshot(events)
 
-    def nodes_to_resync(self) -> list[str]:
-        """Nodes whose mirror missed cache events: ask each for a snapshot (its reset event
-        and the ``inserted`` events after it rebuild the mirror)."""
-        nodes = [*self._prefill.items(), *self._decode.items()]
-        return [node_id for node_id, node in nodes if node.index.needs_resync]
-
     def route(
-        self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        namespace: str = "",
+        *,
+        allow_local: bool = True,
     ) -> Route:
-        """Pick both nodes and book the request on them; raises NoCapacityError if no decode
-        node has room now, ValueError if none ever could. Routing a request that is still
-        booked releases its booking first."""
+        """Pick both nodes (or the decode node alone: conditional disaggregation, unless not
+        ``allow_local``) and book the request on them; raises NoCapacityError if no decode node
+        has room now, ValueError if none ever could. Routing a request that is still booked
+        releases its booking first."""
         if request_id in self._requests:
             self.on_finished(request_id)
         page = self.cfg.page_size
@@ -206,13 +229,19 @@ class Coordinator:
         members = self._membership()
         match = self._mirror.match(key[:-TOKEN_BYTES], namespace)
         decode = self._pick_decode(members, need, len(prompt_ids), match)
+        decode_node = self._decode[decode]
+        held = match.held_len(decode_node.index.bit)
+        if allow_local and self._is_local(members, len(prompt_ids), held, match):
+            self.num_local_routes += 1
+            decode_node.reserved += need
+            self._requests[request_id] = _Booking(None, decode_node, need)
+            return Route(None, decode, held)
         prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
         node = self._prefill[prefill]
         load = len(prompt_ids) - matched
         self._add_load(node, load)
         node.inflight[request_id] = _InFlight(key, namespace, load)
         self._mirror.add_pending(prefill, key, namespace, after=match)
-        decode_node = self._decode[decode]
         decode_node.reserved += need
         self._requests[request_id] = _Booking(node, decode_node, need)
         return Route(prefill, decode, matched)
@@ -223,6 +252,8 @@ class Coordinator:
         if booking is None:
             return
         node = booking.prefill
+        if node is None:
+            return
         inflight = node.inflight.pop(request_id, None)
         if inflight is not None:
             self._add_load(node, -inflight.load)
@@ -259,6 +290,17 @@ class Coordinator:
         )
 
     # -- choices ----------------------------------------------------------------------------
+
+    def _is_local(self, members: _Members, prompt_len: int, held: int, match: PrefixMatch) -> bool:
+        """Conditional disaggregation's rule (module docstring) for a decode node that holds
+        ``held`` tokens of the prompt."""
+        if self.cfg.local_prefill_tokens < 0:
+            return False
+        if prompt_len - held <= self.cfg.local_prefill_tokens:
+            return True
+        if held < self.cfg.local_prefill_min_held * prompt_len:
+            return False
+        return held >= match.longest_expected(members.prefill_bits)[1]
 
     def _pick_decode(
         self, members: _Members, need: int, prompt_len: int, match: PrefixMatch

@@ -36,6 +36,7 @@ class ClusterStats(NamedTuple):
     num_reader_restarts: int = 0  # times the server's reader of node messages died
     num_rerouted: int = 0  # requests moved off a dead node before they streamed anything
     num_failed_nodes: int = 0  # nodes found dead
+    num_local_prefills: int = 0  # requests prefilled on their decode node (no KV transfer)
 
 
 class EngineClient(Protocol):

@@ -129,7 +129,9 @@ class Timing(NamedTuple):
 
 
 def make_coordinator(policy: str, num_nodes: int, page_size: int, seed: int) -> Coordinator:
-    coord = Coordinator(CoordinatorConfig(policy=policy, page_size=page_size, seed=seed))
+    coord = Coordinator(
+        CoordinatorConfig(policy=policy, page_size=page_size, seed=seed, local_prefill_tokens=-1)
+    )
     for i in range(num_nodes):
         coord.add_prefill(f"p{i}")
     coord.add_decode("d0", 1 << 40)

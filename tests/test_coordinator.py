@@ -51,6 +51,7 @@ def _make_config(policy: str = "cache_aware", **kw: float) -> CoordinatorConfig:
         balance_abs_tokens=BALANCE_ABS_TOKENS,
         balance_rel=BALANCE_REL,
         cache_threshold=CACHE_THRESHOLD,
+        local_prefill_tokens=-1,  # the prefill side's rules; conditional disaggregation below
     )
     args.update(kw)
     return CoordinatorConfig(**args)
@@ -456,3 +457,81 @@ def test_a_node_that_missed_events_is_listed_until_its_snapshot_arrives() -> Non
         assert coord.index("p0").match_len(q) == cache.match_prefix(q).num_tokens
     assert coord.index("p0").num_cached_tokens == cache.num_cached_tokens
     assert coord.route("b", B + [2], 8) == Route("p0", "d0", 200)
+
+
+# -- conditional disaggregation ----------------------------------------------------------------
+
+LOCAL_TOKENS = 64  # local_prefill_tokens in these tests
+MIN_HELD = 0.5
+
+
+def _local_coordinator(**kw: float) -> Coordinator:
+    return _make_coordinator(
+        local_prefill_tokens=LOCAL_TOKENS, local_prefill_min_held=MIN_HELD, **kw
+    )
+
+
+def test_short_prompt_goes_to_the_decode_node_alone() -> None:
+    coord = _local_coordinator(decode_slots=[1000])
+    # nothing cached: the decode node would compute the whole prompt
+    assert coord.route("short", _tokens(0, LOCAL_TOKENS), 10) == Route(None, "d0", 0)
+    assert coord.route("long", _tokens(0, LOCAL_TOKENS + 1), 10).prefill is not None
+    assert coord.num_local_routes == 1
+    # the local request books the decode node's slots and no prefill load
+    assert [coord.load(p) for p in coord.prefill_nodes] in ([LOCAL_TOKENS + 1, 0], [0, 65])
+    coord.check_integrity()
+    coord.on_prefilled("short")  # its first token: nothing of a prefill node to release
+    coord.on_finished("short")
+    coord.on_finished("long")
+    coord.check_integrity()
+    # all slots free again: a request needing all 1000 routes
+    coord.route("all", _tokens(0, 10), 990)
+
+
+def test_decode_node_holding_the_rest_prefills_it() -> None:
+    coord = _local_coordinator()
+    history = _tokens(0, 500)
+    turn = history + _tokens(1000, 100)  # 100 new tokens: more than LOCAL_TOKENS
+    _insert(coord, "d0", history)
+    # only the decode node holds it, and 500/600 >= MIN_HELD
+    assert coord.route("turn2", turn, 16) == Route(None, "d0", 500)
+    # a prefill node holding more of it wins: the decode node would compute more
+    _insert(coord, "p1", turn[:550])
+    route = coord.route("turn2-again", turn, 16)
+    assert (route.prefill, route.num_matched) == ("p1", 550)
+    # a prefill node holding as much: no transfer beats a transfer
+    coord2 = _local_coordinator()
+    _insert(coord2, "d0", history)
+    _insert(coord2, "p0", history)
+    assert coord2.route("r", turn, 16).prefill is None
+
+
+def test_decode_node_holding_less_than_min_held_does_not_prefill() -> None:
+    coord = _local_coordinator()
+    _insert(coord, "d0", _tokens(0, 200))
+    # 200 of 600 held (< MIN_HELD), 400 left (> LOCAL_TOKENS)
+    assert coord.route("r", _tokens(0, 200) + _tokens(5000, 400), 16).prefill is not None
+
+
+def test_local_routing_off_or_refused() -> None:
+    off = _make_coordinator(local_prefill_tokens=-1)
+    assert off.route("r", _tokens(0, 4), 4).prefill is not None
+    on = _local_coordinator()
+    assert on.route("warm", _tokens(0, 4), 4, allow_local=False).prefill is not None
+    assert on.num_local_routes == 0
+
+
+def test_local_routing_follows_the_decode_nodes_room() -> None:
+    """The local rule looks at the decode node chosen for room: a full node is not used."""
+    coord = _local_coordinator(decode_slots=[100, 1000])
+    _insert(coord, "d0", _tokens(0, 500))
+    coord.route("fill", _tokens(9000, 10), 85)  # d1 has the most room: it takes this one
+    route = coord.route("r", _tokens(0, 550), 16)  # d0 holds 500 but has no room for 566
+    assert route.decode == "d1" and route.prefill is not None
+    coord.check_integrity()
+
+
+@pytest.mark.parametrize("kw", [dict(local_prefill_tokens=-2), dict(local_prefill_min_held=0.0)])
+def test_bad_local_settings_refused(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="local_prefill"):
+        CoordinatorConfig(**kw)  # type: ignore[arg-type]

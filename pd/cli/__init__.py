@@ -15,7 +15,7 @@ from pd import envs
 from pd.cluster.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
 from pd.config import EngineConfig
-from pd.coordinator import POLICIES
+from pd.coordinator import POLICIES, CoordinatorConfig
 from pd.model.loader import ModelLoadError
 from pd.server.config import ServerConfig
 from transfer import TransferConfig
@@ -206,6 +206,20 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "attaches to them and their caches)",
     )
     parser.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=CoordinatorConfig.local_prefill_tokens,
+        help="conditional disaggregation: a request is prefilled on its decode node (no KV "
+        "transfer) when that node would compute at most this many prompt tokens; -1: never",
+    )
+    parser.add_argument(
+        "--local-prefill-min-held",
+        type=float,
+        default=CoordinatorConfig.local_prefill_min_held,
+        help="... or when the decode node holds at least this fraction of the prompt and no "
+        "prefill node holds more (a conversation's next turn)",
+    )
     parser.add_argument(
         "--colocated",
         action="store_true",

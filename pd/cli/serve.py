@@ -100,7 +100,15 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
     autoscaler = dataclass_from_args(AutoscalerConfig, args, prefix=AUTOSCALE_PREFIX)
-    cluster = Cluster(engine_cfg, cluster_cfg, CoordinatorConfig(policy=args.policy))
+    cluster = Cluster(
+        engine_cfg,
+        cluster_cfg,
+        CoordinatorConfig(
+            policy=args.policy,
+            local_prefill_tokens=args.local_prefill_tokens,
+            local_prefill_min_held=args.local_prefill_min_held,
+        ),
+    )
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
     cluster.start()
     if cluster.attached:

@@ -56,6 +56,7 @@ from pd.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
+    LocalReqMsg,
     NodeInfo,
     NodeStatsMsg,
     PeerGoneMsg,
@@ -126,9 +127,10 @@ class _Flight:
     deadline: float  # time.monotonic()
     queue: asyncio.Queue[TokenMsg | _Reroute] = field(default_factory=asyncio.Queue)
     wire_id: str = ""  # the id the nodes know the current attempt by ("" between attempts)
-    prefill: str = ""
+    prefill: str = ""  # "" also while the decode node prefills it (conditional disaggregation)
     decode: str = ""
     last_prefill: str = ""  # the prefill node of the latest attempt (kept after it ends)
+    is_warmup: bool = False  # warm a prefill node's cache: never prefilled on a decode node
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     is_aborted: bool = False
@@ -260,6 +262,7 @@ class ClusterClient:
         """Prefill ``prompt_ids`` into the cache of the prefill node the coordinator routes it
         to (as it would a request with this prompt), generating nothing."""
         flight = _Flight(request_id, list(prompt_ids), _WARM_PARAMS, namespace, 0.0)
+        flight.is_warmup = True
         num_cached = 0
         async for out in self._generate(flight):
             num_cached = out.num_cached_tokens
@@ -348,6 +351,7 @@ class ClusterClient:
             num_reader_restarts=self.num_reader_restarts,
             num_rerouted=self.num_rerouted,
             num_failed_nodes=len(self.dead_nodes),
+            num_local_prefills=self.coordinator.num_local_routes,
         )
 
     # -- a request's attempts ---------------------------------------------------------------
@@ -364,7 +368,9 @@ class ClusterClient:
         prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
         try:
             route = await self._room.wait(
-                lambda: self.coordinator.route(wire, prompt, p.max_tokens, ns),
+                lambda: self.coordinator.route(
+                    wire, prompt, p.max_tokens, ns, allow_local=not flight.is_warmup
+                ),
                 flight.deadline,
                 flight.ticket,
                 first=n > 0,  # a re-routed request came before those waiting
@@ -374,11 +380,14 @@ class ClusterClient:
             raise TimeoutError(f"request {flight.request_id}: {e} ({limit} s)") from None
         if route is None:  # aborted while waiting: the abort message is queued
             return
-        flight.prefill, flight.decode = route.prefill, route.decode
-        flight.last_prefill = route.prefill
+        flight.prefill, flight.decode = route.prefill or "", route.decode
+        flight.last_prefill = flight.prefill
         self._by_wire[wire] = flight
         d = self.nodes[route.decode]
         try:
+            if route.prefill is None:
+                self._send(route.decode, LocalReqMsg(wire, prompt, p, ns))
+                return
             self._send(route.decode, DecodeReqMsg(wire, prompt, p, ns, route.prefill))
             msg = PrefillReqMsg(wire, prompt, p, ns, route.decode, d.addr, d.transfer_addr)
             self._send(route.prefill, msg)

@@ -71,7 +71,7 @@ class MirrorSync:
 
     def ask_where_needed(self) -> None:
         now = time.monotonic()
-        for node_id in [*self.coordinator.nodes_to_resync(), *self._first]:
+        for node_id in [*self.coordinator.nodes_to_resync, *self._first]:
             if now - self._asked.get(node_id, -self.retry_s) >= self.retry_s:
                 self._asked[node_id] = now
                 self.num_requested += 1

@@ -51,6 +51,10 @@ _SERVER_COUNTERS = {
         "Requests moved off a dead node before they streamed a token",
     ),
     "num_failed_nodes": ("pd_failed_nodes", "Nodes found dead"),
+    "num_local_prefills": (
+        "pd_local_prefills",
+        "Requests prefilled on their decode node (conditional disaggregation: no KV transfer)",
+    ),
 }
 
 

@@ -48,9 +48,12 @@ def start_live_cluster(
     policy: str = "cache_aware",
     page_size: int = 1,
     model: str | None = None,
+    local_prefill_tokens: int = -1,
     **cluster_kwargs: object,
 ) -> tuple[LiveCluster, object]:
-    """``model``: a model dir (default SmolLM2); ``cluster_kwargs`` go to ClusterConfig."""
+    """``model``: a model dir (default SmolLM2); ``cluster_kwargs`` go to ClusterConfig.
+    Conditional disaggregation is off unless ``local_prefill_tokens`` says otherwise: these
+    tests are about the transfer path (its own tests turn it on)."""
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
@@ -69,7 +72,7 @@ def start_live_cluster(
             threads_per_node=1,
             **cluster_kwargs,  # type: ignore[arg-type]
         ),
-        CoordinatorConfig(policy=policy),
+        CoordinatorConfig(policy=policy, local_prefill_tokens=local_prefill_tokens),
     )
     cluster.start()
     app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")

@@ -62,7 +62,7 @@ class LocalCluster:
         self._thread.start()
         cfg = ClientConfig(heartbeat_timeout_s=2.0, watch_interval_s=0.05, request_timeout_s=30.0)
         self.client = ClusterClient(
-            Coordinator(CoordinatorConfig(policy="round_robin")),
+            Coordinator(CoordinatorConfig(policy="round_robin", local_prefill_tokens=-1)),
             f"tcp://127.0.0.1:{port}",
             cfg,
             secret=self.transfer.secret,  # every node's TransferConfig carries the same one

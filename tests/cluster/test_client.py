@@ -128,7 +128,7 @@ def anyio_backend() -> str:
 async def _harness(**cfg: Any) -> AsyncIterator[Harness]:
     cfg.setdefault("heartbeat_timeout_s", 60.0)
     cfg.setdefault("watch_interval_s", 0.05)
-    coordinator = Coordinator(CoordinatorConfig(policy="round_robin"))
+    coordinator = Coordinator(CoordinatorConfig(policy="round_robin", local_prefill_tokens=-1))
     ctx = zmq.asyncio.Context()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -60,7 +60,7 @@ async def _client() -> AsyncIterator[Nodes]:
     ctx = zmq.asyncio.Context()
     holder: list[Nodes] = []
     client = ClusterClient(
-        Coordinator(CoordinatorConfig()),
+        Coordinator(CoordinatorConfig(local_prefill_tokens=-1)),
         f"tcp://127.0.0.1:{port}",
         ClientConfig(heartbeat_timeout_s=60.0, watch_interval_s=0.05),
         secret=SECRET,

@@ -27,7 +27,9 @@ def _free_port() -> int:
 async def _scenario() -> None:
     secret = new_secret()
     addr = f"tcp://127.0.0.1:{_free_port()}"
-    client = ClusterClient(Coordinator(CoordinatorConfig()), addr, secret=secret)
+    client = ClusterClient(
+        Coordinator(CoordinatorConfig(local_prefill_tokens=-1)), addr, secret=secret
+    )
     await client.start()
     client.add_node(
         NodeInfo("prefill-0", "prefill", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 64, 64)

@@ -103,7 +103,7 @@ def test_hostile_frames_reach_no_handler_and_requests_in_flight_finish(
 
 async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captured: Any) -> None:
     client = ClusterClient(
-        Coordinator(CoordinatorConfig(page_size=4)),
+        Coordinator(CoordinatorConfig(page_size=4, local_prefill_tokens=-1)),
         f"tcp://127.0.0.1:{_free_port()}",
         secret=SECRET,
     )
