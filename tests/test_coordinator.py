@@ -535,3 +535,15 @@ def test_local_routing_follows_the_decode_nodes_room() -> None:
 def test_bad_local_settings_refused(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="local_prefill"):
         CoordinatorConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("namespace", ["", "tenant"])
+def test_a_prompt_shorter_than_a_page_books_and_releases(namespace: str) -> None:
+    """Its page-aligned key is empty: nothing is pending, and its release finds nothing."""
+    coord = _make_coordinator(page_size=16)
+    route = coord.route("r", _tokens(0, 6), 8, namespace)
+    coord.check_integrity()
+    coord.on_prefilled("r")
+    coord.on_finished("r")
+    coord.check_integrity()
+    assert coord.load(route.prefill) == 0

@@ -199,6 +199,8 @@ class HolderTree:
         """Undo one ``add_pending(bit, key, namespace)``."""
         self._check_aligned(key)
         self.version += 1
+        if not key:  # a prompt shorter than a page: add_pending counted nothing
+            return
         node = self._roots[namespace]
         pos = 0
         while pos < len(key):

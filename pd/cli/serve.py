@@ -59,7 +59,13 @@ def build_cluster_app(
         if autoscaler is not None and autoscaler.enabled:
             admin.start_autoscaler(Autoscaler(autoscaler, cluster, metrics.registry))
 
+    async def on_shutdown() -> None:
+        # closed here, on its loop: a client left to the garbage collector takes its zmq
+        # context along, and terminating a context whose sockets were never closed blocks
+        await client.close()
+
     app.router.on_startup.append(on_startup)
+    app.router.on_shutdown.append(on_shutdown)
     return app
 
 

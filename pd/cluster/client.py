@@ -339,7 +339,7 @@ class ClusterClient:
             sock.close(linger=0)
         self._push.clear()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # any socket left (none should be) is closed too
 
     def stats(self) -> ClusterStats:
         """What GET /metrics shows: every node's latest stats and the requests waiting."""
@@ -516,8 +516,8 @@ class ClusterClient:
                     self._spawn(self._retry_later(flight, msg.request_id, msg.error or ""))
                 return
             flight.num_received += len(msg.token_ids)
+            flight.queue.put_nowait(msg)  # first: the caller gets its tokens whatever follows
             self.coordinator.on_prefilled(msg.request_id)
-            flight.queue.put_nowait(msg)
         elif msg.node_id not in self.nodes:
             return  # a dead or removed node's late event or stats
         elif isinstance(msg, CacheEventMsg):

@@ -326,3 +326,24 @@ def test_reserving_the_worst_case_never_retracts() -> None:
     _drain(s)
     assert s.stats().num_retracted == 0
     _assert_idle_and_whole(s)
+
+
+def test_a_request_without_max_tokens_does_not_lower_the_batch() -> None:
+    """At pd's defaults (32768 slots, ratio 0.7) and SmolLM2's 8192-token context, eight chat
+    requests of ~620 tokens run at once whether they set max_tokens or leave it to the server,
+    which fills in the rest of the context; reserving that worst case ran four."""
+    ctx, prompt_len, n = 8192, 620, 8
+
+    def num_running(max_tokens: int, ratio: float) -> int:
+        s = _make_scheduler(
+            num_slots=32768, cache=False, max_running=64, budget=16384, max_model_len=ctx
+        )
+        s.new_token_ratio = s.init_new_token_ratio = ratio
+        for i in range(n):
+            s.add(_req(f"r{i}", prompt_len, max_tokens=max_tokens, base=1000 * (i + 1)))
+        _run(s)
+        return len(s.running)
+
+    assert n > 32768 // ctx  # more than reserving prompt + max_tokens allows
+    assert num_running(32, 0.7) == n
+    assert num_running(ctx - prompt_len, 0.7) == n
