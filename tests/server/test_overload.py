@@ -3,7 +3,8 @@
 requests keep their speed, memory stays flat; 40 MB bodies get 413 and slow nobody.
 
 The issue's flood runs 30 s; here three rounds of 2.5 s floods keep the suite bounded (the
-ratio and the statuses are what it checks, not endurance).
+ratio and the statuses are what it checks, not endurance). ``PD_FLOOD_SECONDS=30`` runs one
+round of that length instead (see RELIABILITY.md for its numbers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.timeout(90)
 _CLIENT = Path(__file__).with_name("flood_client.py")
 _ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 4
+FLOOD_S = float(os.environ.get("PD_FLOOD_SECONDS", "2.5"))
+ROUNDS = 3 if FLOOD_S <= 5 else 1
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def _run(url: str, *args: str) -> Any:
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=60,
+        timeout=60 + 4 * ROUNDS * FLOOD_S,
         preexec_fn=_lowest_priority,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -74,6 +77,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.timeout(90 + 4 * ROUNDS * FLOOD_S)
 def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
     server: tuple[str, Any, Any],
 ) -> None:
@@ -86,7 +90,7 @@ def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
     """
     url, client, app = server
     rss_before = _rss_mib()
-    rounds = _run(url, "--limit", str(LIMIT), "--rounds", "3", "--duration", "2.5")
+    rounds = _run(url, "--limit", str(LIMIT), "--rounds", str(ROUNDS), "--duration", str(FLOOD_S))
     rss_after = _rss_mib()
 
     client_ratios, server_ratios = [], []
