@@ -226,6 +226,8 @@ def serve(ray_cluster: RayCluster, model_dir: Path, tmp_path_factory: pytest.Tem
         args = ["--address", ray_cluster.address, "--model", str(model_dir)]
         args += ["--max-total-tokens", "16384", "--node-gpus", "0"]
         args += ["--prefill-resources", '{"prefill": 1}', "--decode-resources", '{"decode": 1}']
+        # every request through a prefill node: these tests count pair groups and prefill hits
+        args += ["--local-prefill-tokens", "-1"]
         started.append(Server([*args, *extra], logs / f"serve-{len(started)}.log"))
         return started[-1]
 
