@@ -29,7 +29,13 @@ from transfer.messages import (
     TransferRequestMsg,
     TransferStartMsg,
 )
-from transfer.state import BaseSlotOwner, KVPoll, SlotReservation, TransferConfig
+from transfer.state import (
+    BaseSlotOwner,
+    KVPoll,
+    SlotReservation,
+    TransferConfig,
+    TransferHandle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +61,8 @@ class RecvRecord:
     finished_at: float = math.inf
 
 
-class KVReceiver:
+class KVReceiver(TransferHandle["ReceiverSide", RecvRecord]):
     """Handle of one incoming transfer. Every method returns at once."""
-
-    def __init__(self, side: ReceiverSide, rec: RecvRecord, progress: Callable[[], None]) -> None:
-        self._side, self._rec, self._progress = side, rec, progress
-
-    @property
-    def transfer_id(self) -> str:
-        return self._rec.transfer_id
 
     @property
     def slots(self) -> list[int]:
@@ -73,14 +72,6 @@ class KVReceiver:
     @property
     def num_cached_tokens(self) -> int:
         return 0 if self._rec.reservation is None else self._rec.reservation.num_cached_tokens
-
-    @property
-    def failure(self) -> str | None:
-        return self._rec.failure
-
-    def poll(self) -> KVPoll:
-        self._progress()
-        return self._rec.state
 
     def abort(self, reason: str = "aborted by receiver") -> None:
         self._side.fail(self._rec, reason)

@@ -27,7 +27,7 @@ from transfer.messages import (
     TransferRequestMsg,
     TransferStartMsg,
 )
-from transfer.state import KVPoll, TransferConfig
+from transfer.state import KVPoll, TransferConfig, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +53,13 @@ class SendRecord:
     finished_at: float = math.inf
 
 
-class KVSender:
+class KVSender(TransferHandle["SenderSide", SendRecord]):
     """Handle of one outgoing transfer. Every method returns at once."""
-
-    def __init__(self, side: SenderSide, rec: SendRecord, progress: Callable[[], None]) -> None:
-        self._side, self._rec, self._progress = side, rec, progress
-
-    @property
-    def transfer_id(self) -> str:
-        return self._rec.transfer_id
 
     @property
     def num_cached_tokens(self) -> int:
         """Leading tokens the receiver already held (valid from WAITING on); not sent."""
         return self._rec.num_cached_tokens
-
-    @property
-    def failure(self) -> str | None:
-        return self._rec.failure
-
-    def poll(self) -> KVPoll:
-        self._progress()
-        return self._rec.state
 
     def send(
         self, slots: Sequence[int] | torch.Tensor, num_ready_layers: int | None = None

@@ -6,7 +6,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from transfer.auth import DEFAULT_MAX_AGE_S, check_secret, new_secret
 from transfer.endpoint import check_host
@@ -62,6 +62,38 @@ class TransferConfig:
                 f"retry_interval_s ({self.retry_interval_s}) and linger_s ({self.linger_s}) "
                 "must be >= 0"
             )
+
+
+class TransferRecord(Protocol):
+    """What a handle reads of either side's per-transfer record."""
+
+    transfer_id: str
+    state: KVPoll
+    failure: str | None
+
+
+SideT = TypeVar("SideT")
+RecordT = TypeVar("RecordT", bound=TransferRecord)
+
+
+class TransferHandle(Generic[SideT, RecordT]):
+    """Handle of one transfer (``KVSender``, ``KVReceiver``): a view of its side's record.
+    Every method returns at once; ``poll()`` first drives the agent's progress."""
+
+    def __init__(self, side: SideT, rec: RecordT, progress: Callable[[], None]) -> None:
+        self._side, self._rec, self._progress = side, rec, progress
+
+    @property
+    def transfer_id(self) -> str:
+        return self._rec.transfer_id
+
+    @property
+    def failure(self) -> str | None:
+        return self._rec.failure
+
+    def poll(self) -> KVPoll:
+        self._progress()
+        return self._rec.state
 
 
 class SlotReservation(NamedTuple):

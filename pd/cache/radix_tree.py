@@ -100,24 +100,7 @@ class RadixTree:
         A match that ends inside a node splits it, so that ``node`` ends exactly at the match.
         """
         self.clock += 1
-        key = tuple(tokens)
-        ps = self.page_size
-        node = self.root(namespace)
-        pos = 0
-        values: list[int] = []
-        while pos + ps <= len(key):
-            child = node.children.get(key[pos : pos + ps])
-            if child is None:
-                break
-            common = self._common_len(child.key, key, pos)
-            if common < len(child.key):
-                child = self.split(child, common)
-            child.last_access = self.clock
-            if child.value is not None:
-                values.extend(child.value)
-            pos += common
-            node = child
-        return TreeMatch(node, pos, values)
+        return self._walk(tuple(tokens), namespace)
 
     def insert(
         self, tokens: Sequence[int], values: Sequence[int] | None, namespace: str = ""
@@ -134,23 +117,7 @@ class RadixTree:
         if values is not None and len(values) != len(key):
             raise ValueError(f"{len(values)} values for a key of {len(key)} tokens")
         self.clock += 1
-        node = self.root(namespace)
-        pos = 0
-        existing: list[int] = []
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + ps])
-            if child is None:
-                break
-            common = self._common_len(child.key, key, pos)
-            if common < len(child.key):
-                # Diverges (or ends) inside the child: the next probe finds no child and stops.
-                child = self.split(child, common)
-            child.last_access = self.clock
-            if child.value is not None:
-                existing.extend(child.value)
-            pos += common
-            node = child
-        num_existing = pos
+        node, pos, existing = self._walk(key, namespace)
         if pos < len(key):
             new = RadixNode(
                 key[pos:], None if values is None else list(values[pos:]), node, namespace
@@ -158,7 +125,7 @@ class RadixTree:
             new.last_access = self.clock
             node.children[key[pos : pos + ps]] = new
             node = new
-        return TreeInsert(node, num_existing, existing)
+        return TreeInsert(node, pos, existing)
 
     def split(self, node: RadixNode, num_tokens: int) -> RadixNode:
         """Cut ``node`` after ``num_tokens``; returns the new upper node, ``node`` keeps the rest.
@@ -251,6 +218,31 @@ class RadixTree:
             assert node.value is None or len(node.value) == len(node.key), (
                 f"{len(node.value)} values for {len(node.key)} tokens"
             )
+
+    def _walk(self, key: tuple[int, ...], namespace: str) -> TreeMatch:
+        """Follow ``key`` page by page from the root of ``namespace`` as far as the tree holds
+        it, touching each node passed (``last_access = clock``) and collecting its values.
+
+        Where the key diverges or ends inside a node, that node is split, so the returned
+        node ends exactly at the returned length; the next probe then finds no child and stops.
+        """
+        ps = self.page_size
+        node = self.root(namespace)
+        pos = 0
+        values: list[int] = []
+        while pos + ps <= len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            if common < len(child.key):
+                child = self.split(child, common)
+            child.last_access = self.clock
+            if child.value is not None:
+                values.extend(child.value)
+            pos += common
+            node = child
+        return TreeMatch(node, pos, values)
 
     def _common_len(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
         """Leading tokens of ``key`` equal to ``tokens[pos:]``, rounded down to whole pages."""

@@ -58,23 +58,24 @@ _SERVER_COUNTERS = {
 }
 
 
+def _latency(name: str, help_: str, registry: CollectorRegistry) -> Histogram:
+    """A histogram of seconds: every latency metric shares ``_LATENCY_BUCKETS``."""
+    return Histogram(name, help_, registry=registry, buckets=_LATENCY_BUCKETS)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram(
-            "pd_time_to_first_token_seconds", "Request arrival to first output token.",
-            registry=r, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.tpot = Histogram(
+        self.ttft = _latency(
+            "pd_time_to_first_token_seconds", "Request arrival to first output token.", r
+        )
+        self.tpot = _latency(
             "pd_time_per_output_token_seconds",
             "Per request: (last token - first token) / (output tokens - 1).",
-            registry=r, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "pd_e2e_request_latency_seconds", "Request arrival to finish.",
-            registry=r, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
+            r,
+        )
+        self.e2e = _latency("pd_e2e_request_latency_seconds", "Request arrival to finish.", r)
         self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens.", registry=r)
         self.cached_prompt_tokens = Counter(
             "pd_cached_prompt_tokens", "Prompt tokens served from a prefix cache.", registry=r
@@ -90,10 +91,9 @@ class ServerMetrics:
         self.queued = Gauge(
             "pd_server_queued_requests", "Requests waiting for admission (FIFO).", registry=r
         )
-        self.queue_wait = Histogram(
-            "pd_server_queue_wait_seconds", "Time admitted requests waited in the queue.",
-            registry=r, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
+        self.queue_wait = _latency(
+            "pd_server_queue_wait_seconds", "Time admitted requests waited in the queue.", r
+        )
         self.rejected = Counter(
             "pd_server_rejected_requests",
             "Requests the server refused or cut off, by reason (queue_full, not_ready, "
