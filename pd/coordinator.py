@@ -24,8 +24,12 @@ Conditional disaggregation (any policy, off with ``local_prefill_tokens=-1``): t
 to the chosen decode node alone (``Route.prefill`` is None), which prefills it itself, when what
 that node would have to compute is short (prompt tokens beyond the prefix it holds <=
 ``local_prefill_tokens``), or when it holds at least ``local_prefill_min_held`` of the prompt
-and no prefill node is expected to hold more (the next turn of a conversation). Either way no
-KV moves and no second hop is paid; decode nodes prefill in chunks between their decode steps.
+and no prefill node is expected to hold more (the next turn of a conversation), or, with
+``local_prefill_balance``, when the prefill side is busy enough that the decode node would get
+through the prompt sooner: the tokens it would compute plus those of the local prefills it has
+queued are fewer than the chosen prefill node's (its queue plus its part of this prompt), so a
+burst of cold prompts is prefilled on both sides at once. Either way no KV moves and no second
+hop is paid; decode nodes prefill in chunks between their decode steps.
 What a decode node holds counts only once its cache events say so (a prompt it is still working
 on is not there yet).
 A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
@@ -60,6 +64,8 @@ class CoordinatorConfig:
     local_prefill_tokens: int = 128
     # ... or when it holds at least this fraction of the prompt, as much as any prefill node
     local_prefill_min_held: float = 0.5
+    # ... or when the decode node would get through its prefill sooner than the prefill side
+    local_prefill_balance: bool = True
     page_size: int = 1
     seed: int = 0
 
@@ -117,6 +123,8 @@ class _Decode:
     num_slots: int
     index: PrefixIndex
     reserved: int = 0
+    local: dict[str, int] = field(default_factory=dict)  # request -> tokens it prefills here
+    local_load: int = 0  # their sum, until each one's first token
     draining: bool = False
 
 
@@ -231,14 +239,21 @@ class Coordinator:
         decode = self._pick_decode(members, need, len(prompt_ids), match)
         decode_node = self._decode[decode]
         held = match.held_len(decode_node.index.bit)
-        if allow_local and self._is_local(members, len(prompt_ids), held, match):
+        local = allow_local and self._is_local(members, len(prompt_ids), held, match)
+        if not local:
+            prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
+            node = self._prefill[prefill]
+            load = len(prompt_ids) - matched
+            local = allow_local and self._is_sooner_local(
+                decode_node, len(prompt_ids) - held, node, load
+            )
+        if local:
             self.num_local_routes += 1
             decode_node.reserved += need
+            decode_node.local[request_id] = len(prompt_ids) - held
+            decode_node.local_load += len(prompt_ids) - held
             self._requests[request_id] = _Booking(None, decode_node, need)
             return Route(None, decode, held)
-        prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
-        node = self._prefill[prefill]
-        load = len(prompt_ids) - matched
         self._add_load(node, load)
         node.inflight[request_id] = _InFlight(key, namespace, load)
         self._mirror.add_pending(prefill, key, namespace, after=match)
@@ -253,6 +268,7 @@ class Coordinator:
             return
         node = booking.prefill
         if node is None:
+            booking.decode.local_load -= booking.decode.local.pop(request_id, 0)
             return
         inflight = node.inflight.pop(request_id, None)
         if inflight is not None:
@@ -283,6 +299,8 @@ class Coordinator:
             assert decode.reserved == booked, (
                 f"{node_id} reserved {decode.reserved}, booked {booked}"
             )
+            assert decode.local_load == sum(decode.local.values()), (node_id, decode.local)
+            assert all(self._requests[r].decode is decode for r in decode.local)
         self._mirror.check_integrity(
             (node_id, f.key, f.namespace)
             for node_id, node in self._prefill.items()
@@ -301,6 +319,15 @@ class Coordinator:
         if held < self.cfg.local_prefill_min_held * prompt_len:
             return False
         return held >= match.longest_expected(members.prefill_bits)[1]
+
+    def _is_sooner_local(
+        self, decode: _Decode, num_local: int, prefill: _Prefill, num_remote: int
+    ) -> bool:
+        """The balance part of the rule: the decode node's queue of local prefills and this
+        prompt's part there, against the prefill node's queue and this prompt's part there."""
+        if not self.cfg.local_prefill_balance or self.cfg.local_prefill_tokens < 0:
+            return False
+        return decode.local_load + num_local < prefill.load + num_remote
 
     def _pick_decode(
         self, members: _Members, need: int, prompt_len: int, match: PrefixMatch

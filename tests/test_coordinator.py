@@ -465,9 +465,12 @@ LOCAL_TOKENS = 64  # local_prefill_tokens in these tests
 MIN_HELD = 0.5
 
 
-def _local_coordinator(**kw: float) -> Coordinator:
+def _local_coordinator(balance: bool = False, **kw: float) -> Coordinator:
     return _make_coordinator(
-        local_prefill_tokens=LOCAL_TOKENS, local_prefill_min_held=MIN_HELD, **kw
+        local_prefill_tokens=LOCAL_TOKENS,
+        local_prefill_min_held=MIN_HELD,
+        local_prefill_balance=balance,
+        **kw,
     )
 
 
@@ -547,3 +550,30 @@ def test_a_prompt_shorter_than_a_page_books_and_releases(namespace: str) -> None
     coord.on_finished("r")
     coord.check_integrity()
     assert coord.load(route.prefill) == 0
+
+
+def test_a_burst_of_cold_prompts_is_prefilled_on_both_sides() -> None:
+    """Balance: the decode node takes a prompt when its queue of local prefills plus the prompt
+    is shorter than the prefill node's queue plus its part of the prompt."""
+    coord = _local_coordinator(balance=True, num_prefill=1)
+    cold = [_tokens(1000 * (i + 1), 640) for i in range(4)]
+    routes = [coord.route(f"c{i}", p, 32).prefill for i, p in enumerate(cold)]
+    assert routes == ["p0", None, "p0", None]  # 640 vs 0+640; 640 vs 640+640; 1280 vs 1280; ...
+    coord.check_integrity()
+    # a follower whose prefix the prefill node is computing: 20 tokens there beat 660 here
+    # (the decode node's queue of 1280 aside)
+    assert coord.route("f", cold[0] + _tokens(90_000, 20), 32).prefill == "p0"
+    for rid in ("c0", "c1", "c2", "c3", "f"):
+        coord.on_prefilled(rid)
+    coord.check_integrity()
+    # both queues empty again: a cold prompt goes to the prefill node (a tie is not sooner)
+    assert coord.route("c4", _tokens(50_000, 640), 32).prefill == "p0"
+    for rid in ("c0", "c1", "c2", "c3", "f", "c4"):
+        coord.on_finished(rid)
+    coord.check_integrity()
+
+
+def test_balance_off_keeps_cold_prompts_on_the_prefill_side() -> None:
+    coord = _local_coordinator(balance=False, num_prefill=1)
+    routes = [coord.route(f"c{i}", _tokens(1000 * (i + 1), 640), 32).prefill for i in range(4)]
+    assert routes == ["p0"] * 4

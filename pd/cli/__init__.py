@@ -221,6 +221,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "prefill node holds more (a conversation's next turn)",
     )
     parser.add_argument(
+        "--local-prefill-balance",
+        action=argparse.BooleanOptionalAction,
+        default=CoordinatorConfig.local_prefill_balance,
+        help="... or when the decode node would get through the prompt sooner than the "
+        "prefill node (their queued prefill tokens counted): bursts of cold prompts use both",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="serve one in-process engine (prefill and decode together, no Ray) instead",
