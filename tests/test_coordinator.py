@@ -577,3 +577,24 @@ def test_balance_off_keeps_cold_prompts_on_the_prefill_side() -> None:
     coord = _local_coordinator(balance=False, num_prefill=1)
     routes = [coord.route(f"c{i}", _tokens(1000 * (i + 1), 640), 32).prefill for i in range(4)]
     assert routes == ["p0"] * 4
+
+
+def test_only_short_local_prefills_while_the_decode_node_decodes() -> None:
+    """Held-most and balance need an idle decode node (a long prefill there would stretch its
+    streams' TPOT); the short rule does not."""
+    coord = _local_coordinator(balance=True, num_prefill=1)
+    history = _tokens(0, 500)
+    _insert(coord, "d0", history)
+    coord.route("running", _tokens(70_000, 10), 32)  # short: local
+    coord.on_prefilled("running")  # its first token: d0 now decodes it
+    turn = history + _tokens(1000, 100)
+    assert coord.route("turn", turn, 16).prefill == "p0"  # held-most, but d0 is busy
+    assert coord.route("cold", _tokens(80_000, 640), 16).prefill == "p0"  # balance: same
+    assert coord.route("short", _tokens(90_000, 20), 16).prefill is None
+    coord.check_integrity()
+    coord.on_finished("running")
+    coord.on_finished("short")
+    assert coord.route("turn-again", turn, 16).prefill is None  # idle again: held-most
+    for rid in ("turn", "cold", "turn-again"):
+        coord.on_finished(rid)
+    coord.check_integrity()
