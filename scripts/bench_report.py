@@ -217,7 +217,7 @@ def write_plots(rows: list[tuple[str, dict[str, Any]]], plot_dir: str | Path) ->
     bars = ax.bar([x + 0.2 for x in xs], [s["goodput"] for _, s in rows], width=0.4)
     bars.set_label("within the objectives")
     ax.bar_label(bars, labels=[f"{s['slo_attainment']:.0%}" for _, s in rows])
-    ax.set_xticks(list(xs), [label for label, _ in rows])
+    ax.set_xticks(list(xs), [label for label, _ in rows], rotation=20, ha="right")
     ax.set_ylim(0, 1.2 * max(served) or 1.0)
     ax.set(
         ylabel="requests/s",
