@@ -27,8 +27,9 @@ that node would have to compute is short (prompt tokens beyond the prefix it hol
 and no prefill node is expected to hold more (the next turn of a conversation), or, with
 ``local_prefill_balance``, when the prefill side is busy enough that the decode node would get
 through the prompt sooner: the tokens it would compute plus those of the local prefills it has
-queued are fewer than the chosen prefill node's (its queue plus its part of this prompt), so a
-burst of cold prompts is prefilled on both sides at once. The last two apply only while the
+queued are fewer, by more than ``local_prefill_tokens``, than the chosen prefill node's (its
+queue plus its part of this prompt), so a burst of cold prompts is prefilled on both sides at
+once. The last two apply only while the
 decode node decodes nothing: a long prefill there would stretch every running stream's TPOT
 (measured: 1.9 s instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV moves and no second
 hop is paid; decode nodes prefill in chunks between their decode steps.
@@ -338,7 +339,9 @@ class Coordinator:
             return False
         if decode.started:
             return False
-        return decode.local_load + num_local < prefill.load + num_remote
+        # sooner by more than a short prefill: a near-tie stays disaggregated
+        margin = self.cfg.local_prefill_tokens
+        return decode.local_load + num_local + margin < prefill.load + num_remote
 
     def _pick_decode(
         self, members: _Members, need: int, prompt_len: int, match: PrefixMatch

@@ -598,3 +598,11 @@ def test_only_short_local_prefills_while_the_decode_node_decodes() -> None:
     for rid in ("turn", "cold", "turn-again"):
         coord.on_finished(rid)
     coord.check_integrity()
+
+
+def test_balance_keeps_a_near_tie_disaggregated() -> None:
+    """Idle nodes, the decode node holding a few more tokens of a long prompt (a chat
+    template's opening): sooner by less than LOCAL_TOKENS is not sooner."""
+    coord = _local_coordinator(balance=True, num_prefill=1)
+    _insert(coord, "d0", _tokens(0, 5))
+    assert coord.route("r", _tokens(0, 640), 32).prefill == "p0"
