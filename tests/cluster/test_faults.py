@@ -25,7 +25,7 @@ from pd.sampling_params import SamplingParams
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
 from transfer import TransferConfig
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the live cluster's start-up is counted too
 HEARTBEAT_S = 4.0
 MAX_TOKENS = 12
 LONG = 460  # + a prompt of at most 40 tokens: within the tiny model's 512 positions
