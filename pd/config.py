@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pd.model.quant import check_quantization
+from pd.model.quant import check_quantization, resolve_linear_backend
 
 
 def _opt(default: Any, help: str) -> Any:  # "help": argparse's name
@@ -28,6 +28,11 @@ class EngineConfig:
     )
     quantization: str = _opt(
         "none", "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py)"
+    )
+    linear_backend: str = _opt(
+        "auto",
+        "matmuls of unquantized weights: onednn (cpu, packed once at load) | aten (torch's "
+        "default GEMM); auto: onednn where it runs (see pd/model/quant.py)",
     )
     attention_backend: str = _opt("auto", "attention kernels: torch (auto)")
     page_size: int = _opt(1, "tokens per KV page (1: token-level prefix reuse)")
@@ -73,6 +78,7 @@ class EngineConfig:
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
         check_quantization(self.quantization, self.torch_device)
+        resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
 
     @property
     def torch_device(self) -> torch.device:

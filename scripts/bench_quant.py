@@ -3,9 +3,10 @@
 Per format: decode ms/token at batch 1, decode tokens/s at batch 16, prefill tokens/s at 512
 tokens (best of ``--rounds``, formats taking turns); greedy agreement with fp32 over chat
 prompts (identical tokens position by position, and prompts identical in full); perplexity on
-a fixed licence text that ships with Debian.
+a fixed licence text that ships with Debian. ``fp32`` and ``bf16`` run oneDNN's packed matmuls
+(the default where they run); ``-aten`` rows run torch's default GEMM on the same weights.
 
-    python scripts/bench_quant.py [--formats fp32,bf16,int8,int4,fp16] [--threads 2]
+    python scripts/bench_quant.py [--formats fp32,fp32-aten,bf16,int8,int4,fp16] [--threads 2]
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from pd.engine.kv_pool import SlotAllocator
 from pd.model.tokenizer import encode_chat, encode_prompt
 from pd.sampling_params import SamplingParams
 
-# name -> (dtype, quantization)
-FORMATS = {
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
-    "fp16": ("float32", "fp16"),
+FORMATS = {  # name -> dtype, quantization, linear_backend
+    "fp32": ("float32", "none", "auto"),
+    "fp32-aten": ("float32", "none", "aten"),
+    "bf16": ("bfloat16", "none", "auto"),
+    "bf16-aten": ("bfloat16", "none", "aten"),
+    "int8": ("float32", "int8", "auto"),
+    "int4": ("float32", "int4", "auto"),
+    "fp16": ("float32", "fp16", "auto"),
 }
 PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 QUESTIONS = (
@@ -78,8 +80,14 @@ def perplexity(engine: Engine, ids: list[int], window: int) -> float:
 
 
 def make_engine(name: str, model: str | None) -> Engine:
-    dtype, quantization = FORMATS[name]
-    cfg = EngineConfig(model=model, dtype=dtype, quantization=quantization, max_total_tokens=4096)
+    dtype, quantization, linear_backend = FORMATS[name]
+    cfg = EngineConfig(
+        model=model,
+        dtype=dtype,
+        quantization=quantization,
+        linear_backend=linear_backend,
+        max_total_tokens=4096,
+    )
     return Engine(cfg)
 
 

@@ -17,7 +17,7 @@ from pd.engine.sampler import SampledRow, sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
-from pd.model.quant import quantize_linears
+from pd.model.quant import quantize_linears, resolve_linear_backend
 
 
 class ModelRunner:
@@ -52,7 +52,10 @@ class ModelRunner:
         model.to_empty(device=self.device)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
         model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
-        return quantize_linears(model.to(self.dtype).eval(), self.cfg.quantization)
+        backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
+        return quantize_linears(
+            model.to(self.dtype).eval(), self.cfg.quantization, linear_backend=backend
+        )
 
     def forward(
         self,

@@ -17,8 +17,10 @@ from pd.model.quant import (
     INT4_GROUP_SIZE,
     INT8_DEQUANT_MIN_TOKENS,
     Fp16Linear,
+    OneDNNLinear,
     QuantLinear,
     quantize_linears,
+    resolve_linear_backend,
 )
 from pd.model.tokenizer import encode_chat, encode_prompt
 from pd.sampling_params import SamplingParams
@@ -86,6 +88,76 @@ def test_matmul_within_the_bound_of_its_quantization_step(
 def test_int4_rejects_in_features_off_the_group_size() -> None:
     with pytest.raises(ValueError, match="divisible by 32, got 100"):
         quantize_linears(nn.Sequential(nn.Linear(100, 8)), "int4")
+
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn"
+)
+
+
+@needs_onednn
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 4, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_equals_aten_within_accumulation_order(
+    dtype: torch.dtype, num_rows: int, bias: bool
+) -> None:
+    linear = _make_linear(96, 200, bias).to(dtype)
+    packed = quantize_linears(nn.Sequential(linear), "none", linear_backend="onednn")[0]
+    assert isinstance(packed, OneDNNLinear)
+    x = torch.randn(num_rows, linear.in_features).to(dtype)
+    with torch.no_grad():
+        out = packed(x)
+        exact = x.double() @ linear.weight.double().T
+        if bias:
+            exact += linear.bias.double()
+    assert out.shape == exact.shape and out.dtype == dtype
+    # the weights are not rounded: only the sum's order and the output's rounding differ
+    # from an exact product (bound: K roundings of the largest partial sum, and the output's)
+    eps = torch.finfo(dtype).eps
+    scale = x.double().abs() @ linear.weight.double().abs().T
+    bound = linear.in_features * eps * scale / 4 + eps * exact.abs()
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+    # the bound has teeth: bf16-rounded weights in fp32 break it
+    if dtype == torch.float32:
+        rounded = x.double() @ linear.weight.bfloat16().double().T
+        assert ((rounded - (exact - (linear.bias.double() if bias else 0))).abs() > bound).any()
+
+
+@pytest.mark.timeout(20)
+def test_linear_backend_choice() -> None:
+    cpu = torch.device("cpu")
+    want = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+    assert resolve_linear_backend("auto", cpu, torch.float32) == want
+    assert resolve_linear_backend("auto", cpu, torch.float16) == "aten"
+    assert resolve_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "aten"
+    assert resolve_linear_backend("aten", cpu, torch.float32) == "aten"
+    with pytest.raises(ValueError, match="needs a cpu, float32 or bfloat16"):
+        resolve_linear_backend("onednn", torch.device("cuda"), torch.bfloat16)
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert quantize_linears(model, "none", linear_backend="aten") is model
+    assert isinstance(model[0], nn.Linear)
+
+
+@needs_onednn
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fixture", ["tiny_llama_tied_dir", "tiny_qwen2_dir"])
+def test_onednn_engine_logits_near_aten(fixture: str, request) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    aten = Engine(EngineConfig(model=str(model_dir), max_total_tokens=512, linear_backend="aten"))
+    onednn = Engine(
+        EngineConfig(model=str(model_dir), max_total_tokens=512, linear_backend="onednn")
+    )
+    assert not any(isinstance(m, nn.Linear) for m in onednn.runner.model.modules())
+    assert any(isinstance(m, nn.Linear) for m in aten.runner.model.modules())
+    g = torch.Generator().manual_seed(1)
+    vocab = aten.runner.model_config.vocab_size
+    prompt = torch.randint(100, vocab, (40,), generator=g).tolist()
+    ref, out = _all_logits(aten, prompt), _all_logits(onednn, prompt)
+    assert _rel_error(out, ref) < 1e-5
+    assert _argmax_agreement(out, ref) == 1.0
 
 
 def _all_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -216,6 +288,8 @@ def test_smollm2_bf16_greedy_agreement(smollm2_dir: Path, smol_fp32: Engine) -> 
             "quantization must be one of none, int8, int4, fp16, got 'int3'",
         ),
         ({"quantization": "int8", "device": "cuda"}, "runs on cpu only, got device cuda"),
+        ({"linear_backend": "mkl"}, "linear_backend must be one of auto, onednn, aten, got 'mkl'"),
+        ({"linear_backend": "onednn", "dtype": "float16"}, "needs a cpu, float32 or bfloat16"),
     ],
 )
 def test_bad_quantization_settings_are_refused(kw: dict[str, str], message: str) -> None:
