@@ -9,7 +9,8 @@ a request whose prompt KV comes from a prefill node lives as:
    to take), slots for the rest of the prompt are allocated and the remainder is promised. Else
    None ("no room"; the sender asks again).
 2. ``incoming``: the KV lands in those slots (the node's transfer agent writes them).
-3. ``admit_prefilled``: the first token arrives -> ``running``, decoded with the rest (and, like
+3. ``admit_prefilled``: the first token arrives -> ``running`` (its prompt cached, as a
+   request prefilled here is at its first token), decoded with the rest (and, like
    any running request, retracted if the pool runs out: it then resumes here by recomputing
    what was evicted). The batch is bounded by the KV pool (step 1), not by
    ``max_running_requests``: refusing KV that fits would only make the prefill node's handshake
@@ -73,6 +74,7 @@ class DecodeScheduler(Scheduler):
         req = inc.req
         req.output_ids = [first_token]
         self.running.append(req)
+        self._cache_prompt(req)  # the transfer is over: no one writes these slots any more
         return req
 
     def release_incoming(self, request_id: str) -> Req | None:

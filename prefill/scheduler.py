@@ -3,7 +3,8 @@
 The life of a request on it:
 
 1. ``waiting`` -> admitted as in ``Scheduler``, but reserving only its prompt: a prefill node
-   never decodes, so max_tokens costs it nothing.
+   never decodes, so max_tokens costs it nothing. A request sharing an uncached prefix with a
+   prompt being prefilled or sent waits for it to be cached.
 2. ``running``: the unmatched suffix is prefilled in chunks under the token budget.
 3. The first token is sampled. If that ends the request (EOS, max_tokens=1) it is released like
    any finished request. Otherwise the request moves to ``sending`` with its slots as they are
@@ -66,7 +67,13 @@ class PrefillScheduler(Scheduler):
     def _expected_len(self, req: Req) -> int:
         return req.num_prompt_tokens
 
+    def _pending_prompts(self) -> list[tuple[str, list[int]]]:
+        # a sent prompt is cached when its transfer ends
+        sent = [(r.namespace, r.prompt_ids) for r in self._sending.values()]
+        return super()._pending_prompts() + sent
+
     def _on_first_token(self, req: Req) -> None:
+        # not cached yet: a transfer may still read the request's slots (see finish_sending)
         self.running.remove(req)
         self._sending[req.request_id] = req
         self._prefilled.append(req)

@@ -6,11 +6,16 @@ The life of a request:
    the tokens it is expected to need (``_expected_len``: its prompt, plus ``new_token_ratio`` of
    its max_tokens, less the cached prefix) must fit in free + evictable slots after what every
    running request is expected to still take. Admission matches the prompt in the prefix cache
-   and locks the match, so those slots cannot be evicted under it.
+   and locks the match, so those slots cannot be evicted under it. A request that shares at
+   least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt still being prefilled
+   here (``_pending_prompts``) waits, and others go ahead of it, until that prompt is cached:
+   it then computes only its own part instead of the shared one a second time.
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
-3. ``running`` and decoding: one token per step; every decoding request is in every step.
+3. ``running`` and decoding: one token per step; every decoding request is in every step. At
+   its first token the prompt goes into the prefix cache (locked while the request runs), so
+   requests that share it match it while it decodes.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
    handed to the prefix cache, which keeps the page-aligned part and frees the rest.
 
@@ -52,6 +57,9 @@ CLIP_MAX_TOKENS_ESTIMATE = 4096
 # decode steps without a retraction.
 MIN_RATIO_FACTOR = 0.2
 DECAY_STEPS = 600
+# A waiting request defers to a prompt being prefilled when they share this many tokens that
+# the cache does not hold yet (SGLang's in-batch prefix check uses 32 too).
+MIN_DEFERRED_SHARED_TOKENS = 32
 
 
 class ScheduledBatch(NamedTuple):
@@ -218,12 +226,37 @@ class Scheduler:
         )
 
     def _admit(self) -> None:
+        deferred: list[Req] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
+            if self._should_defer(req):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self._lock_prefix(req, self._expected_len(req)):
                 break
             self.waiting.popleft()
             self.running.append(req)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _should_defer(self, req: Req) -> bool:
+        """``req`` shares enough uncached tokens with a pending prompt to wait for it."""
+        tokens = req.all_ids[: req.fill_len]
+        shared = max(
+            (
+                _common_prefix_len(tokens, prompt)
+                for ns, prompt in self._pending_prompts()
+                if ns == req.namespace
+            ),
+            default=0,
+        )
+        if shared < MIN_DEFERRED_SHARED_TOKENS:
+            return False
+        cached = self.cache.match_prompt(tokens, req.namespace).num_tokens
+        return shared - cached >= MIN_DEFERRED_SHARED_TOKENS
+
+    def _pending_prompts(self) -> list[tuple[str, list[int]]]:
+        """(namespace, tokens) of prompts being computed here that the cache will hold soon."""
+        return [(r.namespace, r.all_ids[: r.fill_len]) for r in self.running if r.is_prefilling]
 
     def _lock_prefix(self, req: Req, expected_len: int) -> bool:
         """Match ``req``'s tokens in the cache and lock the match if ``expected_len`` tokens
@@ -318,7 +351,18 @@ class Scheduler:
         return list(batch.reqs)
 
     def _on_first_token(self, req: Req) -> None:
-        """A running request sampled its first token (a role may hand it off here)."""
+        """A running request sampled its first token: its prompt goes into the prefix cache
+        now, not when it finishes (a role may hand the request off here instead)."""
+        self._cache_prompt(req)
+
+    def _cache_prompt(self, req: Req) -> None:
+        """Cache the request's computed tokens and keep running on the cache's slots for them
+        (pages another request cached first are freed: no one but this node reads them)."""
+        n = req.num_computed
+        match = self.cache.cache_unfinished(
+            req.all_ids[:n], req.slots, req.cache_node, req.namespace
+        )
+        req.slots, req.cache_node = match.slots, match.last_node
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         p = req.params
@@ -358,3 +402,13 @@ class Scheduler:
         """Cache invariants, and every slot free, cached, or held by exactly one request."""
         self.cache.check_integrity()
         self.cache.check_slot_ownership(self.held_slots())
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix (compared in blocks, then token by token)."""
+    n, block, i = min(len(a), len(b)), 64, 0
+    while i + block <= n and a[i : i + block] == b[i : i + block]:
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

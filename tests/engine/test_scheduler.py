@@ -347,3 +347,91 @@ def test_a_request_without_max_tokens_does_not_lower_the_batch() -> None:
     assert n > 32768 // ctx  # more than reserving prompt + max_tokens allows
     assert num_running(32, 0.7) == n
     assert num_running(ctx - prompt_len, 0.7) == n
+
+
+def _sharing(rid: str, leader: Req, num_shared: int, n_own: int, **kw: object) -> Req:
+    """A request whose prompt is ``leader``'s first ``num_shared`` tokens, then its own."""
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    own = list(range(900, 900 + n_own))
+    return Req(rid, leader.prompt_ids[:num_shared] + own, sp, **kw)  # type: ignore[arg-type]
+
+
+def test_a_request_sharing_an_uncached_prefix_waits_for_it_and_others_go_first() -> None:
+    s = _make_scheduler(budget=512)
+    leader = _req("a", 100, max_tokens=4)
+    s.add(leader)
+    s.add(_sharing("b", leader, 80, 20))  # 80 shared tokens, none cached yet
+    s.add(_req("c", 30, base=5000))  # unrelated: goes ahead of b
+    s.add(_sharing("short", leader, 31, 20))  # one token short of MIN_DEFERRED_SHARED_TOKENS
+    batch, _ = _run(s)
+    assert [r.request_id for r in batch.reqs] == ["a", "c", "short"]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    # a's prompt went into the cache at its first token: b now computes only its own 20
+    batch, _ = _run(s)
+    b = next(r for r in batch.reqs if r.request_id == "b")
+    assert b.num_cached_tokens == 80
+    assert len(batch.seqs[batch.reqs.index(b)].new_token_ids) == 20
+    assert sorted(_drain(s)) == ["a", "b", "c", "short"]
+    _assert_idle_and_whole(s)
+
+
+def test_a_prompt_is_cached_at_its_first_token_and_matched_while_it_decodes() -> None:
+    s = _make_scheduler(page_size=4)
+    a = _req("a", 14, max_tokens=20)
+    s.add(a)
+    _run(s)  # a's prefill and first token
+    assert s.cache.num_cached_tokens == 12  # its aligned prompt, locked while it runs
+    assert s.cache.num_evictable_tokens == 0
+    s.check_integrity()
+    _run(s)
+    s.add(_sharing("b", a, 14, 6))
+    batch, _ = _run(s)
+    assert [r.request_id for r in batch.reqs] == ["a", "b"]  # a still decodes
+    assert batch.reqs[1].num_cached_tokens == 12
+    s.check_integrity()
+    assert sorted(_drain(s)) == ["a", "b"]
+    _assert_idle_and_whole(s)
+
+
+def test_another_namespace_neither_waits_nor_matches() -> None:
+    s = _make_scheduler(budget=512)
+    leader = _req("a", 100)
+    s.add(leader)
+    s.add(_sharing("b", leader, 80, 20, namespace="tenant-2"))
+    batch, _ = _run(s)
+    assert [r.request_id for r in batch.reqs] == ["a", "b"]
+    assert batch.reqs[1].num_cached_tokens == 0
+    assert sorted(_drain(s)) == ["a", "b"]
+    _assert_idle_and_whole(s)
+
+
+def test_prefill_role_defers_to_a_prompt_being_sent_until_its_transfer_ends() -> None:
+    s = _make_scheduler(PrefillScheduler, budget=512)
+    leader = _req("a", 100)
+    s.add(leader)
+    _run(s)
+    assert [r.request_id for r in s.take_prefilled()] == ["a"]
+    s.add(_sharing("b", leader, 80, 20))
+    assert s.schedule() is None  # a's slots may be on the wire: not cached, b waits
+    assert [r.request_id for r in s.waiting] == ["b"]
+    s.finish_sending("a")
+    batch, _ = _run(s)
+    assert [r.request_id for r in batch.reqs] == ["b"] and batch.reqs[0].num_cached_tokens == 80
+    s.finish_sending("b")
+    _assert_idle_and_whole(s)
+
+
+def test_decode_role_caches_a_transferred_prompt_when_it_is_admitted() -> None:
+    s = _make_scheduler(DecodeScheduler, num_slots=64, page_size=4)
+    assert isinstance(s, DecodeScheduler)
+    a = _req("a", 14, max_tokens=6)
+    assert s.reserve_incoming(a, 14) is not None
+    assert s.cache.num_cached_tokens == 0
+    s.admit_prefilled("a", 7)
+    assert s.cache.num_cached_tokens == 12 and s.cache.num_evictable_tokens == 0
+    s.add(_sharing("b", a, 14, 3))
+    batch, _ = _run(s)
+    assert [r.request_id for r in batch.reqs] == ["a", "b"]
+    assert batch.reqs[1].num_cached_tokens == 12
+    assert sorted(_drain(s)) == ["a", "b"]
+    _assert_idle_and_whole(s)
