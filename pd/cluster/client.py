@@ -475,6 +475,8 @@ class ClusterClient:
             self._reroute(flight, f"node {node_id}: {why}")
         elif flight.num_received == 0 or node_id == flight.decode:
             error = f"node {node_id} failed: {why}"
+            if flight.num_attempts > 1:
+                error += f" (re-routed {flight.num_attempts - 1} time(s) before: no more)"
             flight.queue.put_nowait(TokenMsg(flight.wire_id, [], True, "abort", 0, 0, error))
         # else it decodes on a live node that has its KV already: leave it be
 

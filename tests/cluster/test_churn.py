@@ -220,6 +220,8 @@ def test_churn_under_load_leaks_nothing(local, tiny_llama_dir) -> None:
         if o.error is None:
             assert o.tokens == reference[o.prompt], o
             num_ok += 1
-        else:  # only a request that had started on a node that was killed may fail
-            assert o.tokens and "failed" in o.error, o
+        else:  # only a request that had started on a node that was killed may fail, or one
+            # that lost its node a second time (re-routed once already: say, its transfer was
+            # refused by a leaving node, then its new prefill node was killed)
+            assert "failed" in o.error and (o.tokens or "re-routed 1 time(s)" in o.error), o
     assert num_ok >= len(outcomes) * 0.9 and num_ok >= 20, (num_ok, len(outcomes))

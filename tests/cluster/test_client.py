@@ -310,7 +310,9 @@ async def test_a_request_is_rerouted_only_once() -> None:
         assert (await p1.recv_until(PrefillReqMsg)).request_id == "r~1"
         h.client.fail_node("prefill-1", "second death")
         await h.wait_done("r")
-        assert "node prefill-1 failed: second death" in str(h.errors["r"])
+        assert "node prefill-1 failed: second death (re-routed 1 time(s) before: no more)" in str(
+            h.errors["r"]
+        )
         assert d.node_id in h.client.nodes
 
 
