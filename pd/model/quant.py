@@ -4,8 +4,8 @@ Every format runs torch's own CPU matmul op on weights packed at load; none is a
 Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN where torch has it
 (``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout, matmuls by
 oneDNN's AVX-512 kernels with fp32 accumulation. On an AMD CPU torch's default GEMM (MKL) runs
-its AVX2 code; oneDNN measured 1.4x (1 row) to 2.3x (4 rows) faster on a layer's weights, and
-2x on a 512-token prefill, at fp32's precision (``scripts/bench_engine.py``).
+its AVX2 code; with oneDNN SmolLM2 decoded 1.5x (batch 1) and 2.0x (batch 16) faster and
+prefilled 1.8x faster, at fp32's precision (``scripts/bench_quant.py``, ``-aten`` rows).
 
 The quantized methods are weight-only. Per linear ``y = x W^T + b`` with ``W: [N, K]``:
 
