@@ -18,7 +18,20 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
 pip=($VENV/bin/python -m pip install -q --disable-pip-version-check)
-# GGML_NATIVE: tune for this CPU (AVX512 where it has it), as a local llama.cpp build would.
-CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 "${pip[@]}" "$SPEC"
+# Tuned for this CPU as a local build would be: each x86 extension it has (AVX-512 and its
+# VNNI/BF16 parts where present), but not AMX: with -march=native (GGML_NATIVE) on a Xeon with
+# AMX, ggml's AMX path crashed the server on its first request (general protection fault in
+# libggml-cpu.so), so the extensions are named one by one instead.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+args="-DGGML_NATIVE=OFF"
+for pair in avx:AVX avx2:AVX2 bmi2:BMI2 fma:FMA f16c:F16C avx_vnni:AVX_VNNI avx512f:AVX512 \
+    avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+  case "$flags" in *" ${pair%%:*} "*) args+=" -DGGML_${pair#*:}=ON" ;; *) args+=" -DGGML_${pair#*:}=OFF" ;; esac
+done
+echo "llama.cpp build: $args"
+# An earlier build (other flags) is replaced; --no-cache-dir: never a wheel built with others.
+$VENV/bin/python -m pip uninstall -y -q llama-cpp-python 2>/dev/null || true
+CMAKE_ARGS="$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+  nice -n 19 "${pip[@]}" --no-cache-dir "$SPEC"
 $VENV/bin/python -c "import llama_cpp.server, llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 echo "$want" > "$stamp"
