@@ -152,8 +152,8 @@ def _serve_colocated(
     from pd.engine.engine import Engine
     from pd.outputs import ClusterStats
 
-    engine = Engine(engine_cfg)
-    client = AsyncEngine(engine)
+    client = AsyncEngine(lambda: Engine(engine_cfg))  # built on its own thread: see there
+    engine = client.engine
     app = build_app(
         client,
         tokenizer=engine.tokenizer,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -21,8 +22,9 @@ PROMPT = [1000 + 37 * i for i in range(30)]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir):
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
-    client = AsyncEngine(engine)
+    client = AsyncEngine(
+        lambda: Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
+    )
     yield client
     client.shutdown()
 
@@ -105,8 +107,10 @@ def test_http_over_the_colocated_engine(client, tiny_llama_dir):
 
 
 def test_request_larger_than_the_kv_pool_is_a_400(tiny_llama_dir):
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=64))
-    client = AsyncEngine(engine)
+    client = AsyncEngine(
+        lambda: Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=64))
+    )
+    engine = client.engine
     app = build_app(
         client, tokenizer=engine.tokenizer, model_name="tiny", max_model_len=engine.max_model_len
     )
@@ -121,5 +125,26 @@ def test_request_larger_than_the_kv_pool_is_a_400(tiny_llama_dir):
         assert r.status_code == 400, r.text
         assert "needs 129 KV slots, the pool has 64" in r.json()["error"]["message"]
         _idle(client)
+    finally:
+        client.shutdown()
+
+
+def test_a_failed_build_raises_in_the_constructor(tiny_llama_dir):
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=0)))
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_llama_dir):
+    # one OpenMP team per process: see pd/engine/async_engine.py
+    built_on = []
+
+    def build() -> Engine:
+        built_on.append(threading.current_thread())
+        return Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256))
+
+    client = AsyncEngine(build)
+    try:
+        assert built_on == [client.call(lambda e: threading.current_thread())]
+        assert built_on[0] is not threading.main_thread()
     finally:
         client.shutdown()

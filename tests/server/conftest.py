@@ -86,8 +86,8 @@ def colocated_app(
     from pd.engine.async_engine import AsyncEngine
     from pd.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(model_dir), **engine_kwargs))
-    client = AsyncEngine(engine)
+    client = AsyncEngine(lambda: Engine(EngineConfig(model=str(model_dir), **engine_kwargs)))
+    engine = client.engine
     app = build_app(
         client,
         tokenizer=engine.tokenizer,

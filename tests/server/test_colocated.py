@@ -25,8 +25,9 @@ PROMPT = [1000 + 37 * i for i in range(40)]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir: Path) -> Iterator[AsyncEngine]:
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
-    client = AsyncEngine(engine)
+    client = AsyncEngine(
+        lambda: Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048))
+    )
     yield client
     client.shutdown()
 
