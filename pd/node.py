@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
-import torch
 import zmq
 
 from pd.cluster.addresses import node_addrs
@@ -49,6 +48,7 @@ from pd.config import EngineConfig
 from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.request import Req
 from pd.engine.scheduler import Scheduler, StepResult
+from pd.engine.torch_thread import TorchThread
 from pd.messages import NodeInfo, NodeMsg, PeerGoneMsg, ServerMsg, TokenMsg
 from pd.model.llama import DecoderLayer
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
@@ -103,7 +103,11 @@ class BaseNode:
         )
         self.node_cfg = node_cfg
         self.node_id = node_cfg.node_id
-        self.core = EngineCore(engine_cfg, node_cfg.node_id, self.scheduler_cls)
+        # built on the thread that will step it (pd.engine.torch_thread: one OpenMP team)
+        self._thread = TorchThread(f"{node_cfg.node_id}-loop")
+        self.core = self._thread.run(
+            lambda: EngineCore(engine_cfg, node_cfg.node_id, self.scheduler_cls)
+        )
         pool = self.core.runner.pool
         self.transfer = TransferAgent(
             node_cfg.transfer, pool.k + pool.v, pool.num_layers, slot_owner=slot_owner
@@ -129,7 +133,7 @@ class BaseNode:
         self.transfer_counters = TransferCounters()
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._is_started = False
         for module in self.core.runner.model.modules():
             if isinstance(module, DecoderLayer):
                 module.register_forward_hook(self._on_layer)
@@ -147,11 +151,9 @@ class BaseNode:
 
     def start(self) -> NodeInfo:
         """Start the event loop; return where to reach this node."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._loop, name=f"{self.node_id}-loop", daemon=True
-            )
-            self._thread.start()
+        if not self._is_started:
+            self._is_started = True
+            self._thread.start(self._loop)
         return self.info()
 
     def info(self) -> NodeInfo:
@@ -220,8 +222,7 @@ class BaseNode:
 
     def shutdown(self) -> None:
         self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._thread.join(timeout=10)
         self.transfer.close()
         for sock in (self._pull, self._push, *(p[0] for p in self._peers.values())):
             sock.close(linger=0)
@@ -230,8 +231,6 @@ class BaseNode:
     # -- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        # OpenMP keeps its thread count per OS thread: apply the runner's setting here too
-        torch.set_num_threads(torch.get_num_threads())
         while not self._stopped.is_set():
             try:
                 self.run_once()

@@ -4,10 +4,7 @@ The engine is built and steps on its own thread (torch releases the GIL in its k
 HTTP event loop stays responsive); requests and aborts reach it through a queue, outputs come
 back to each request's asyncio queue.
 
-Built on that thread, not handed over: OpenMP keeps a team of worker threads per thread that
-runs parallel torch ops, and once a process holds more of them than it has cores, libgomp stops
-spinning between parallel regions and every op pays a futex wake. A model loaded on the main
-thread and run on another decoded 2.4x slower at batch 1 on 2 cores (40 vs 17 ms per token).
+Built on that thread, not handed over (``pd.engine.torch_thread``: one OpenMP team per process).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pd.engine.engine import Engine
+from pd.engine.torch_thread import TorchThread
 from pd.messages import NodeStatsMsg
 from pd.outputs import RequestOutput
 from pd.sampling_params import SamplingParams
@@ -32,22 +30,16 @@ _STATS_INTERVAL_S = 0.2
 
 class AsyncEngine:
     def __init__(self, build: Callable[[], Engine]) -> None:
-        """Start the engine thread, which calls ``build()`` and then steps what it returns;
-        return once it is built (re-raising what ``build`` raised)."""
+        """Build the engine with ``build()`` on the engine thread, which then steps it; what
+        ``build`` raises is raised here."""
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stopped = threading.Event()
         self._next_stats = 0.0
-        built: queue.SimpleQueue[Engine | BaseException] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, args=(build, built), name="pd-engine", daemon=True
-        )
-        self._thread.start()
-        engine = built.get()
-        if isinstance(engine, BaseException):
-            raise engine
-        self.engine = engine
-        self._stats = engine.stats()
+        self._thread = TorchThread("pd-engine")
+        self.engine = self._thread.run(build)
+        self._stats = self.engine.stats()
+        self._thread.start(self._loop)
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
@@ -119,15 +111,6 @@ class AsyncEngine:
                 done.put(fn(self.engine))
             except Exception as e:  # handed back to the caller
                 done.put(e)
-
-    def _run(self, build: Callable[[], Engine], built: queue.SimpleQueue[Any]) -> None:
-        try:
-            self.engine = build()
-        except BaseException as e:  # handed to the constructor, which raises it
-            built.put(e)
-            return
-        built.put(self.engine)
-        self._loop()
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
