@@ -5,26 +5,35 @@ tokens (best of ``--rounds``, formats taking turns); greedy agreement with fp32 
 prompts (identical tokens position by position, and prompts identical in full); perplexity on
 a fixed licence text that ships with Debian. ``fp32`` and ``bf16`` run oneDNN's packed matmuls
 (the default where they run); ``-aten`` rows run torch's default GEMM on the same weights.
+With ``--llamacpp`` the CPU peer joins as a row: llama.cpp (llama-cpp-python, built by
+``scripts/setup_llamacpp.sh``) on the Q4_1 GGUF that pd's fp32 weights are dequantized from,
+given the same token ids (``scripts/llamacpp_quality.py``, run by the side venv); its batch-16
+column is empty (one sequence at a time).
 
     python scripts/bench_quant.py [--formats fp32,fp32-aten,bf16,int8,int4,fp16] [--threads 2]
+        [--llamacpp]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from bench_engine import pd_decode, pd_prefill
+from bench_launch import LLAMACPP_PYTHON
 
 from pd.config import EngineConfig
 from pd.engine.batch import SeqInput
 from pd.engine.engine import Engine
 from pd.engine.kv_pool import SlotAllocator
+from pd.model.loader import default_gguf_path
 from pd.model.tokenizer import encode_chat, encode_prompt
 from pd.sampling_params import SamplingParams
 
@@ -58,8 +67,12 @@ QUESTIONS = (
 )
 
 
+def chat_prompts(tokenizer: Any) -> list[list[int]]:
+    return [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
 def greedy_tokens(engine: Engine, num_tokens: int) -> list[list[int]]:
-    prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = chat_prompts(engine.tokenizer)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, params)]
 
@@ -99,6 +112,36 @@ def measure_speed(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def llamacpp_results(
+    tokenizer: Any, ppl_ids: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The peer's row: the same measures, by llama.cpp in its own venv and process."""
+    if not LLAMACPP_PYTHON.is_file():
+        raise SystemExit(f"--llamacpp: no {LLAMACPP_PYTHON}; run scripts/setup_llamacpp.sh")
+    job = {
+        "model": str(default_gguf_path()),
+        "threads": args.threads,
+        "prompts": chat_prompts(tokenizer),
+        "num_tokens": args.greedy_tokens,
+        "ppl_ids": ppl_ids,
+        "window": 512,
+        "decode_prompt_len": 128,
+        "decode_steps": args.decode_steps,
+        "prefill_len": 512,
+        "rounds": args.rounds,
+    }
+    script = Path(__file__).with_name("llamacpp_quality.py")
+    out = subprocess.run(
+        [str(LLAMACPP_PYTHON), str(script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
 def _agreement(ours: list[list[int]], ref: list[list[int]]) -> str:
     same = sum(a == b for x, y in zip(ours, ref) for a, b in zip(x, y))
     total = sum(len(y) for y in ref)
@@ -118,6 +161,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=2048)
+    ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp's Q4_1 as a row")
     args = ap.parse_args()
     names = args.formats.split(",")
     if unknown := [n for n in names if n not in FORMATS]:
@@ -142,6 +186,11 @@ def main() -> None:
         ids = encode_prompt(engine.tokenizer, text_bytes.decode())[: args.ppl_tokens]
         results[name]["greedy"] = greedy_tokens(engine, args.greedy_tokens)
         results[name]["ppl"] = perplexity(engine, ids, 512)
+    if args.llamacpp:
+        tokenizer = engines["fp32"].tokenizer
+        ids = encode_prompt(tokenizer, text_bytes.decode())[: args.ppl_tokens]
+        del engines  # the peer gets the memory and the cores to itself
+        results["llama.cpp Q4_1"] = llamacpp_results(tokenizer, ids, args)
     base = results["fp32"]
     print(
         f"threads={args.threads} perplexity text={PPL_TEXT} "
@@ -156,10 +205,14 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        b16 = (
+            f"{r['decode16']:,.0f} | {r['decode16'] / base['decode16']:.2f}x"
+            if "decode16" in r
+            else "- | -"
+        )
         print(
             f"| {name} | {r['decode1_ms']:.1f} | {base['decode1_ms'] / r['decode1_ms']:.2f}x "
-            f"| {r['decode16']:,.0f} | {r['decode16'] / base['decode16']:.2f}x "
-            f"| {r['prefill512']:,.0f} | {r['prefill512'] / base['prefill512']:.2f}x "
+            f"| {b16} | {r['prefill512']:,.0f} | {r['prefill512'] / base['prefill512']:.2f}x "
             f"| {_agreement(r['greedy'], base['greedy'])} | {r['ppl']:.3f} |"
         )
 

@@ -14,8 +14,8 @@ from pd.engine.batch import SeqInput
 from pd.engine.engine import Engine
 from pd.engine.kv_pool import SlotAllocator
 from pd.model.quant import (
+    DEQUANT_MIN_TOKENS,
     INT4_GROUP_SIZE,
-    INT8_DEQUANT_MIN_TOKENS,
     Fp16Linear,
     OneDNNLinear,
     QuantLinear,
@@ -58,7 +58,7 @@ def _weight_error_bound(w: torch.Tensor, method: str) -> torch.Tensor:
 
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [5, INT8_DEQUANT_MIN_TOKENS])  # int8: kernel, dense GEMM
+@pytest.mark.parametrize("num_rows", [5, DEQUANT_MIN_TOKENS])  # kernel, dense GEMM
 @pytest.mark.parametrize("method", ["int8", "int4", "fp16"])
 def test_matmul_within_the_bound_of_its_quantization_step(
     method: str, num_rows: int, bias: bool
@@ -82,6 +82,22 @@ def test_matmul_within_the_bound_of_its_quantization_step(
     # the bound has teeth: a wrong layout (inputs taken in reverse order) breaks it
     assert ((x @ w.flip(1).T - x @ w.T).abs() > bound).any()
     assert err.max() > 0  # the weights really were quantized
+
+
+@pytest.mark.timeout(20)
+def test_int4_dense_path_multiplies_by_the_kernels_weights() -> None:
+    # the kernel applied to the identity reads its weights back: the prefill path's dequantized
+    # copy must hold the same ones (bf16: the kernel's output rounding, <= 2^-9 of a weight)
+    linear = _make_linear(96, 4 * INT4_GROUP_SIZE, bias=False)
+    quant = quantize_linears(nn.Sequential(linear), "int4")[0]
+    eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
+    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        eye, quant.qweight, quant.group_size, quant.scales_zeros
+    ).T.float()
+    dense_w = quant.dequantized().float()
+    assert dense_w.shape == linear.weight.shape
+    assert torch.allclose(dense_w, kernel_w, rtol=BF16_EPS, atol=1e-6)
+    assert not torch.allclose(dense_w, kernel_w.flip(1), rtol=BF16_EPS, atol=1e-6)
 
 
 @pytest.mark.timeout(20)
@@ -239,7 +255,7 @@ def _text_logits(engine: Engine) -> torch.Tensor:
         pytest.skip(f"{TEXT} absent")
     return _all_logits(
         engine,
-        encode_prompt(engine.tokenizer, TEXT.read_text()[:2000])[: INT8_DEQUANT_MIN_TOKENS - 1],
+        encode_prompt(engine.tokenizer, TEXT.read_text()[:2000])[: DEQUANT_MIN_TOKENS - 1],
     )
 
 
