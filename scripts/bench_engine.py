@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--linear-backend", default="auto", help="pd's, for unquantized weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -96,6 +97,7 @@ def main() -> None:
             max_total_tokens=16384,
             max_running_requests=64,
             enable_prefix_cache=False,
+            linear_backend=args.linear_backend,
         )
     )
     hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=torch.float32).eval()
@@ -114,7 +116,10 @@ def main() -> None:
         )
         decode1 = decode1 or ours
         rows.append((f"decode batch {b}", ours, base))
-    print(f"threads={args.threads} model={engine.runner.model_dir.name}\n")
+    print(
+        f"threads={args.threads} model={engine.runner.model_dir.name} "
+        f"linear_backend={args.linear_backend}\n"
+    )
     print("| measure | pd tokens/s | HF tokens/s | pd / HF | pd / pd batch 1 |")
     print("|---|---|---|---|---|")
     for name, ours, base in rows:
