@@ -250,13 +250,14 @@ def _smol_engine(model_dir: Path, fmt: str | None = None) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), max_total_tokens=1024, **kw))
 
 
-def _text_logits(engine: Engine) -> torch.Tensor:
+def _text_logits(engine: Engine, num_tokens: int = DEQUANT_MIN_TOKENS - 1) -> torch.Tensor:
+    """All logits of the licence text's first tokens (fewer than ``DEQUANT_MIN_TOKENS``: the
+    quantized kernels; more: int8 and int4 dequantize for a dense GEMM)."""
     if not TEXT.is_file():
         pytest.skip(f"{TEXT} absent")
-    return _all_logits(
-        engine,
-        encode_prompt(engine.tokenizer, TEXT.read_text()[:2000])[: DEQUANT_MIN_TOKENS - 1],
-    )
+    ids = encode_prompt(engine.tokenizer, TEXT.read_text()[:4000])
+    assert len(ids) >= num_tokens
+    return _all_logits(engine, ids[:num_tokens])
 
 
 def _greedy(engine: Engine) -> list[list[int]]:
@@ -277,6 +278,20 @@ def smol_fp32(smollm2_dir: Path) -> Engine:
 @pytest.mark.parametrize("fmt", list(SMOL_TOL))
 def test_smollm2_logits_near_fp32(fmt: str, smollm2_dir: Path, smol_fp32: Engine) -> None:
     ref, out = _text_logits(smol_fp32), _text_logits(_smol_engine(smollm2_dir, fmt))
+    max_error, min_agreement = SMOL_TOL[fmt]
+    assert _rel_error(out, ref) < max_error
+    assert _argmax_agreement(out, ref) > min_agreement
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_smollm2_dense_prefill_path_near_fp32(
+    fmt: str, smollm2_dir: Path, smol_fp32: Engine
+) -> None:
+    # 2x the threshold: every linear takes the dequantize-then-GEMM path, with its tolerances
+    n = 2 * DEQUANT_MIN_TOKENS
+    ref, out = _text_logits(smol_fp32, n), _text_logits(_smol_engine(smollm2_dir, fmt), n)
     max_error, min_agreement = SMOL_TOL[fmt]
     assert _rel_error(out, ref) < max_error
     assert _argmax_agreement(out, ref) > min_agreement
