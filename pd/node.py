@@ -133,7 +133,6 @@ class BaseNode:
         self.transfer_counters = TransferCounters()
         self.num_bad_msgs = 0
         self._stopped = threading.Event()
-        self._is_started = False
         for module in self.core.runner.model.modules():
             if isinstance(module, DecoderLayer):
                 module.register_forward_hook(self._on_layer)
@@ -151,8 +150,7 @@ class BaseNode:
 
     def start(self) -> NodeInfo:
         """Start the event loop; return where to reach this node."""
-        if not self._is_started:
-            self._is_started = True
+        if not self._thread.has_loop:
             self._thread.start(self._loop)
         return self.info()
 

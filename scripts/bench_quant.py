@@ -182,13 +182,12 @@ def main() -> None:
             for key, value in measure_speed(engine, args).items():
                 better = min if key == "decode1_ms" else max
                 results[name][key] = better(results[name].get(key, value), value)
+    tokenizer = engines["fp32"].tokenizer  # one model, one tokenizer for every format
+    ids = encode_prompt(tokenizer, text_bytes.decode())[: args.ppl_tokens]
     for name, engine in engines.items():
-        ids = encode_prompt(engine.tokenizer, text_bytes.decode())[: args.ppl_tokens]
         results[name]["greedy"] = greedy_tokens(engine, args.greedy_tokens)
         results[name]["ppl"] = perplexity(engine, ids, 512)
     if args.llamacpp:
-        tokenizer = engines["fp32"].tokenizer
-        ids = encode_prompt(tokenizer, text_bytes.decode())[: args.ppl_tokens]
         del engines  # the peer gets the memory and the cores to itself
         results["llama.cpp Q4_1"] = llamacpp_results(tokenizer, ids, args)
     base = results["fp32"]

@@ -21,10 +21,13 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+# argmax sampling, as pd's temperature 0 (no top-p/min-p cut can change the argmax)
+_GREEDY: dict[str, Any] = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "reset": True}
+
 
 def greedy(llm: llama_cpp.Llama, prompt: list[int], num_tokens: int) -> list[int]:
     out: list[int] = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+    for token in llm.generate(prompt, **_GREEDY):
         out.append(int(token))
         if len(out) == num_tokens:
             break
@@ -49,7 +52,7 @@ def perplexity(llm: llama_cpp.Llama, ids: list[int], window: int) -> float:
 def decode_ms(llm: llama_cpp.Llama, prompt_len: int, steps: int) -> float:
     """ms per token of one request decoding ``steps`` tokens after a ``prompt_len`` prompt."""
     prompt = [100 + i % 1000 for i in range(prompt_len)]
-    gen = llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True)
+    gen = llm.generate(prompt, **_GREEDY)
     next(gen)  # the prompt's forward and the first token
     t0 = time.perf_counter()
     for _ in range(steps):

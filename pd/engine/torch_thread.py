@@ -39,6 +39,10 @@ class TorchThread:
             raise value
         return value
 
+    @property
+    def has_loop(self) -> bool:
+        return self._has_loop
+
     def start(self, loop: Callable[[], None]) -> None:
         """Hand the thread ``loop``: it runs there until it returns, and the thread ends."""
         assert not self._has_loop, f"{self.name} already runs its loop"
@@ -47,9 +51,6 @@ class TorchThread:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def is_current(self) -> bool:
-        return threading.current_thread() is self._thread
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the loop to return (a thread never given one ends now)."""
