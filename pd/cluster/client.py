@@ -138,6 +138,14 @@ class _Flight:
     ticket: Ticket = field(default_factory=Ticket)  # its place in the queue for room
 
 
+def _out_of_reroutes(flight: _Flight, error: str) -> str:
+    """The error of a request that fails where it could have been re-routed, saying why not
+    when it was re-routed before (its attempts are spent)."""
+    if flight.num_attempts > 1:
+        error += f" (re-routed {flight.num_attempts - 1} time(s) before: no more)"
+    return error
+
+
 class ClusterClient:
     def __init__(
         self,
@@ -474,9 +482,7 @@ class ClusterClient:
         if self._can_reroute(flight):
             self._reroute(flight, f"node {node_id}: {why}")
         elif flight.num_received == 0 or node_id == flight.decode:
-            error = f"node {node_id} failed: {why}"
-            if flight.num_attempts > 1:
-                error += f" (re-routed {flight.num_attempts - 1} time(s) before: no more)"
+            error = _out_of_reroutes(flight, f"node {node_id} failed: {why}")
             flight.queue.put_nowait(TokenMsg(flight.wire_id, [], True, "abort", 0, 0, error))
         # else it decodes on a live node that has its KV already: leave it be
 
@@ -517,6 +523,8 @@ class ClusterClient:
                     flight.is_retry_pending = True
                     self._spawn(self._retry_later(flight, msg.request_id, msg.error or ""))
                 return
+            if msg.can_retry and msg.error is not None:  # retryable, but not again
+                msg = msgspec.structs.replace(msg, error=_out_of_reroutes(flight, msg.error))
             flight.num_received += len(msg.token_ids)
             flight.queue.put_nowait(msg)  # first: the caller gets its tokens whatever follows
             self.coordinator.on_prefilled(msg.request_id)
