@@ -28,10 +28,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from decode.scheduler import DecodeScheduler
-from pd.config import EngineConfig
-from pd.engine.request import Req
+from pd.core.messages import (
+    AbortMsg,
+    DecodeReqMsg,
+    LocalReqMsg,
+    PeerGoneMsg,
+    PrefilledMsg,
+    TokenMsg,
+)
+from pd.core.request import Req
+from pd.engine.config import EngineConfig
 from pd.engine.scheduler import StepResult
-from pd.messages import AbortMsg, DecodeReqMsg, LocalReqMsg, PeerGoneMsg, PrefilledMsg, TokenMsg
 from pd.node import BaseNode, NodeConfig
 from transfer import BaseSlotOwner, KVPoll, SlotReservation
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pd.engine.request import Req
+from pd.core.request import Req
 from pd.engine.scheduler import HeldSlots, Scheduler
 from transfer import SlotReservation
 

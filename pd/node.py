@@ -44,12 +44,12 @@ import msgspec
 import zmq
 
 from pd.cluster.addresses import node_addrs
-from pd.config import EngineConfig
+from pd.core.messages import NodeInfo, NodeMsg, PeerGoneMsg, ServerMsg, TokenMsg
+from pd.core.request import Req
+from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore, TransferCounters
-from pd.engine.request import Req
 from pd.engine.scheduler import Scheduler, StepResult
 from pd.engine.torch_thread import TorchThread
-from pd.messages import NodeInfo, NodeMsg, PeerGoneMsg, ServerMsg, TokenMsg
 from pd.model.llama import DecoderLayer
 from transfer import BaseSlotOwner, TransferAgent, TransferConfig
 from transfer.auth import Opener, Sealer

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pd.config import EngineConfig
-from pd.engine.request import Req
+from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.request import Req
+from pd.engine.config import EngineConfig
 from pd.engine.scheduler import ScheduledBatch, StepResult
-from pd.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.node import BaseNode, NodeConfig
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.engine.request import Req
+from pd.core.request import Req
 from pd.engine.scheduler import HeldSlots, Scheduler
 
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pd.messages import CacheEventMsg, PrefillReqMsg, ServerMsg, TokenMsg
-from pd.sampling_params import SamplingParams
+from pd.core.messages import CacheEventMsg, PrefillReqMsg, ServerMsg, TokenMsg
+from pd.core.sampling_params import SamplingParams
 from transfer.auth import Opener, Sealer, new_secret
 
 SECRET = new_secret()

@@ -38,10 +38,10 @@ import torch
 from block_hash_cache import BlockHashCache  # scripts/ is on sys.path when run as a script
 
 from pd.cache.radix_cache import RadixCache
-from pd.config import EngineConfig
+from pd.core.kv_pool import SlotAllocator
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_pool import SlotAllocator
-from pd.sampling_params import SamplingParams
 
 VOCAB = 49152  # SmolLM2's vocabulary
 

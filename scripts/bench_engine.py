@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from pd.config import EngineConfig
-from pd.engine.batch import SeqInput
+from pd.core.batch import SeqInput
+from pd.core.kv_pool import SlotAllocator
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_pool import SlotAllocator
-from pd.sampling_params import SamplingParams
 
 
 def _best(fn, repeat: int) -> float:

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from bench_engine import pd_decode, pd_prefill
 from bench_launch import LLAMACPP_PYTHON
 
-from pd.config import EngineConfig
-from pd.engine.batch import SeqInput
+from pd.core.batch import SeqInput
+from pd.core.kv_pool import SlotAllocator
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_pool import SlotAllocator
 from pd.model.loader import default_gguf_path
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.sampling_params import SamplingParams
 
 FORMATS = {  # name -> dtype, quantization, linear_backend
     "fp32": ("float32", "none", "auto"),

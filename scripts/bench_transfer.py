@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pd.engine.kv_pool import KVPool, SlotAllocator
+from pd.core.kv_pool import KVPool, SlotAllocator
 from transfer import CallbackSlotOwner, KVPoll, TransferAgent, TransferConfig
 from transfer.layout import KVLayout
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pd.cache.base import BasePrefixCache, MatchResult, NoPrefixCache
 from pd.cache.prefix_index import PrefixIndex
 from pd.cache.radix_cache import RadixCache
-from pd.engine.kv_pool import SlotAllocator
+from pd.core.kv_pool import SlotAllocator
 
 
 def make_prefix_cache(enabled: bool, allocator: SlotAllocator, node_id: str) -> BasePrefixCache:

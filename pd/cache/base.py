@@ -24,8 +24,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from pd.engine.kv_pool import SlotAllocator
-from pd.messages import CacheEventMsg
+from pd.core.kv_pool import SlotAllocator
+from pd.core.messages import CacheEventMsg
 
 # A cache's node handle: opaque to callers, who only keep it and pass it back.
 NodeHandle = Any

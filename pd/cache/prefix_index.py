@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, Edge, HolderTree, Step, encode_tokens
-from pd.messages import CacheEventMsg
+from pd.core.messages import CacheEventMsg
 
 EVENT_KINDS = ("inserted", "evicted", "reset")
 

@@ -24,8 +24,8 @@ from pd.cache.base import (
     check_slot_count,
 )
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeInsert
-from pd.engine.kv_pool import SlotAllocator
-from pd.messages import CacheEventMsg
+from pd.core.kv_pool import SlotAllocator
+from pd.core.messages import CacheEventMsg
 
 
 class RadixCache(BasePrefixCache):

@@ -11,11 +11,11 @@ import json
 import sys
 from typing import TypeVar
 
-from pd import envs
 from pd.cluster.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
-from pd.config import EngineConfig
-from pd.coordinator import POLICIES, CoordinatorConfig
+from pd.cluster.coordinator import POLICIES, CoordinatorConfig
+from pd.core import envs
+from pd.engine.config import EngineConfig
 from pd.model.loader import ModelLoadError
 from pd.server.config import ServerConfig
 from transfer import TransferConfig

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from pd import envs
+from pd.core import envs
 
 _COLUMNS = ("id", "role", "state", "ray_node", "load", "queued_tokens", "kv_usage", "cached_tokens")
 

@@ -8,11 +8,11 @@ import sys
 import uuid
 from typing import Any
 
-from pd.config import EngineConfig
-from pd.detokenizer import TextStream
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.sampling_params import SamplingParams
+from pd.server.detokenizer import TextStream
 
 
 def generate(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:

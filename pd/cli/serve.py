@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from pd.cluster.admin import ClusterAdmin
 from pd.cluster.autoscaler import Autoscaler, AutoscalerConfig
 from pd.cluster.client import ClientConfig
+from pd.cluster.coordinator import CoordinatorConfig
 from pd.cluster.launcher import Cluster, ClusterConfig
-from pd.config import EngineConfig
-from pd.coordinator import CoordinatorConfig
+from pd.engine.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
@@ -148,9 +148,9 @@ def _serve_colocated(
     args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig
 ) -> int:
     """One process, no Ray: the colocated engine behind the same HTTP API (the baseline)."""
+    from pd.core.outputs import ClusterStats
     from pd.engine.async_engine import AsyncEngine
     from pd.engine.engine import Engine
-    from pd.outputs import ClusterStats
 
     client = AsyncEngine(lambda: Engine(engine_cfg))  # built on its own thread: see there
     engine = client.engine

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
 from pd.cluster.launcher import Cluster
-from pd.messages import NodeStatsMsg
+from pd.core.messages import NodeStatsMsg
 
 if TYPE_CHECKING:
     from pd.cluster.autoscaler import Autoscaler

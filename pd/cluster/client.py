@@ -46,13 +46,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pd.cluster.coordinator import Coordinator
 from pd.cluster.liveness import Liveness
 from pd.cluster.mirror import MirrorSync
 from pd.cluster.room import RoomQueue, Ticket
 from pd.cluster.slo import LatencyWindow
-from pd.config import _opt
-from pd.coordinator import Coordinator
-from pd.messages import (
+from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
@@ -64,8 +63,9 @@ from pd.messages import (
     ServerMsg,
     TokenMsg,
 )
-from pd.outputs import ClusterStats, RequestOutput
-from pd.sampling_params import SamplingParams
+from pd.core.options import option
+from pd.core.outputs import ClusterStats, RequestOutput
+from pd.core.sampling_params import SamplingParams
 from transfer.auth import Opener, Sealer
 from transfer.endpoint import parse_endpoint
 
@@ -84,8 +84,8 @@ class ClusterError(RuntimeError):
 class ClientConfig:
     """Deadlines and liveness of the cluster client."""
 
-    request_timeout_s: float = _opt(600.0, "a request's deadline, waits for room included")
-    heartbeat_timeout_s: float = _opt(
+    request_timeout_s: float = option(600.0, "a request's deadline, waits for room included")
+    heartbeat_timeout_s: float = option(
         10.0,
         "a node whose loop publishes nothing for this long is dead (its loop also beats between "
         "the layers of a forward pass)",

@@ -37,13 +37,13 @@ from typing import Any, TypeVar
 
 import ray
 
-from pd import envs
 from pd.cluster.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.cluster.client import ROLES, ClusterClient
 from pd.cluster.config import ClusterConfig, free_port, init_ray
-from pd.config import EngineConfig
-from pd.coordinator import Coordinator, CoordinatorConfig
-from pd.messages import NodeInfo
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core import envs
+from pd.core.messages import NodeInfo
+from pd.engine.config import EngineConfig
 from pd.node import NodeConfig, NodeSettings
 from transfer.auth import new_secret
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pd.coordinator import Coordinator
+from pd.cluster.coordinator import Coordinator
 
 logger = logging.getLogger(__name__)
 

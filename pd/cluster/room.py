@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from pd.coordinator import NoCapacityError
+from pd.cluster.coordinator import NoCapacityError
 
 T = TypeVar("T")
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pd.core.messages import NodeStatsMsg
+from pd.core.outputs import RequestOutput
+from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
 from pd.engine.torch_thread import TorchThread
-from pd.messages import NodeStatsMsg
-from pd.outputs import RequestOutput
-from pd.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,38 +1,16 @@
-"""Attention backends behind one interface. ``torch`` (SDPA) is the reference on CPU and GPU."""
+"""Attention backends behind ``pd.core.attention.BaseAttentionBackend``. ``torch`` (SDPA) is the
+reference on CPU and GPU."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from pd.engine.batch import ForwardBatch
-from pd.engine.kv_pool import KVPool
-
-
-class BaseAttentionBackend(ABC):
-    @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Build the per-batch index tensors once (stored in ``batch.attn_metadata``); every
-        layer's ``forward`` reuses them."""
-
-    @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        pool: KVPool,
-    ) -> torch.Tensor:
-        """Write ``k``/``v`` of the batch's new tokens into ``batch.out_slots`` of layer
-        ``layer``, then attend causally over each request's ``kv_slots``.
-
-        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns [T, num_heads, head_dim].
-        """
+from pd.core.attention import BaseAttentionBackend
+from pd.core.batch import ForwardBatch
+from pd.core.kv_pool import KVPool
 
 
 class _DecodeMeta(NamedTuple):

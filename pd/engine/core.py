@@ -15,15 +15,15 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pd.cache import make_prefix_cache
-from pd.config import EngineConfig
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.request import Req
+from pd.core.kv_pool import SlotAllocator
+from pd.core.messages import NodeStatsMsg
+from pd.core.request import Req
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
-from pd.messages import NodeStatsMsg
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
-from pd.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pd.cache.base import BasePrefixCache
-from pd.config import EngineConfig
+from pd.core.kv_pool import SlotAllocator
+from pd.core.messages import NodeStatsMsg
+from pd.core.outputs import RequestOutput
+from pd.core.request import Req
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.request import Req
 from pd.engine.runner import ModelRunner
 from pd.engine.scheduler import Scheduler
-from pd.messages import NodeStatsMsg
-from pd.outputs import RequestOutput
-from pd.sampling_params import SamplingParams
 
 
 class GenerateResult(NamedTuple):

@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pd import envs
-from pd.config import EngineConfig
+from pd.core import envs
+from pd.core.batch import ForwardBatch, SeqInput
+from pd.core.kv_pool import KVPool
+from pd.core.request import Req
 from pd.engine.attention import make_attention_backend
-from pd.engine.batch import ForwardBatch, SeqInput
-from pd.engine.kv_pool import KVPool
-from pd.engine.request import Req
+from pd.engine.config import EngineConfig
 from pd.engine.sampler import SampledRow, sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary

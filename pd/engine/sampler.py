@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from pd.sampling_params import SamplingParams
+from pd.core.sampling_params import SamplingParams
 
 
 class SampledRow(NamedTuple):

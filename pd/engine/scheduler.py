@@ -42,9 +42,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from pd.cache.base import BasePrefixCache
-from pd.engine.batch import SeqInput
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.request import Req
+from pd.core.batch import SeqInput
+from pd.core.kv_pool import SlotAllocator
+from pd.core.request import Req
 from pd.engine.sampler import SampledRow
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.

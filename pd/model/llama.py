@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pd.engine.attention import BaseAttentionBackend
-from pd.engine.batch import ForwardBatch
-from pd.engine.kv_pool import KVPool
+from pd.core.attention import BaseAttentionBackend
+from pd.core.batch import ForwardBatch
+from pd.core.kv_pool import KVPool
 from pd.model.config import ModelConfig
 
 

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pd import envs
+from pd.core import envs
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd.outputs import EngineClient
+from pd.core.outputs import EngineClient
 from pd.server.auth import ApiKeys
 from pd.server.config import ServerConfig
 from pd.server.errors import APIError, validation_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd.config import _opt
+from pd.core.options import option
 
 _MIB = 1 << 20
 
@@ -13,26 +13,26 @@ _MIB = 1 << 20
 class ServerConfig:
     """Defaults serve ordinary clients (the openai client, SGLang's and vLLM's benchmarks)."""
 
-    api_key: tuple[str, ...] = _opt(
+    api_key: tuple[str, ...] = option(
         (),
         "a key clients must send as `Authorization: Bearer <key>` (repeatable; also "
         "PD_API_KEY, comma-separated); none: the API is open",
     )
-    metrics_no_auth: bool = _opt(False, "serve /metrics without a key (for scrapers)")
-    isolate_cache_per_key: bool = _opt(
+    metrics_no_auth: bool = option(False, "serve /metrics without a key (for scrapers)")
+    isolate_cache_per_key: bool = option(
         False, "requests share cached prefixes only with requests of the same API key"
     )
-    max_inflight_requests: int = _opt(512, "requests generating at once; more wait in a queue")
-    max_queued_requests: int = _opt(4096, "requests waiting for admission; more get 429")
-    request_timeout: float = _opt(600.0, "seconds from arrival until a request is aborted")
-    max_body_bytes: int = _opt(8 * _MIB, "largest request body; larger gets 413")
-    max_messages: int = _opt(1024, "messages in one chat request")
-    max_stop_strings: int = _opt(32, "stop strings in one request")
-    max_stop_string_chars: int = _opt(1024, "characters in one stop string")
-    max_stop_token_ids: int = _opt(1024, "stop_token_ids in one request")
-    max_logit_bias: int = _opt(1024, "tokens in one request's logit_bias")
-    max_cache_salt_chars: int = _opt(1024, "characters in a cache_salt")
-    num_parse_threads: int = _opt(4, "threads that parse, template and tokenize requests")
+    max_inflight_requests: int = option(512, "requests generating at once; more wait in a queue")
+    max_queued_requests: int = option(4096, "requests waiting for admission; more get 429")
+    request_timeout: float = option(600.0, "seconds from arrival until a request is aborted")
+    max_body_bytes: int = option(8 * _MIB, "largest request body; larger gets 413")
+    max_messages: int = option(1024, "messages in one chat request")
+    max_stop_strings: int = option(32, "stop strings in one request")
+    max_stop_string_chars: int = option(1024, "characters in one stop string")
+    max_stop_token_ids: int = option(1024, "stop_token_ids in one request")
+    max_logit_bias: int = option(1024, "tokens in one request's logit_bias")
+    max_cache_salt_chars: int = option(1024, "characters in a cache_salt")
+    num_parse_threads: int = option(4, "threads that parse, template and tokenize requests")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", tuple(self.api_key))

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import anyio
 
-from pd.detokenizer import TextStream
-from pd.outputs import EngineClient, RequestOutput
-from pd.sampling_params import SamplingParams
+from pd.core.outputs import EngineClient, RequestOutput
+from pd.core.sampling_params import SamplingParams
+from pd.server.detokenizer import TextStream
 from pd.server.metrics import ServerMetrics
 
 # An abort that takes longer than this is given up on: the handler must not hang on a dead engine.

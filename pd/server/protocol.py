@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from pd.sampling_params import MAX_INT32, MAX_SEED
+from pd.core.sampling_params import MAX_INT32, MAX_SEED
 from pd.server.errors import APIError
 
 __all__ = [

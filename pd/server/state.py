@@ -19,9 +19,9 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from pd.core.outputs import EngineClient
+from pd.core.sampling_params import LogitBias, SamplingParams
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.outputs import EngineClient
-from pd.sampling_params import LogitBias, SamplingParams
 from pd.server.admission import Admission, Ticket
 from pd.server.auth import cache_namespace
 from pd.server.config import ServerConfig

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from pd.cache.holder_tree import encode_tokens
 from pd.cache.prefix_index import PrefixIndex, SharedPrefixIndex
 from pd.cache.radix_cache import RadixCache
-from pd.engine.kv_pool import SlotAllocator
-from pd.messages import CacheEventMsg
+from pd.core.kv_pool import SlotAllocator
+from pd.core.messages import CacheEventMsg
 
 
 def _make_cache(num_pages: int = 64, page_size: int = 1) -> RadixCache:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pd.cache.base import NoPrefixCache
 from pd.cache.radix_cache import RadixCache
 from pd.cache.radix_tree import RadixNode
-from pd.engine.kv_pool import SlotAllocator
+from pd.core.kv_pool import SlotAllocator
 
 
 def _make_cache(num_pages: int = 64, page_size: int = 1) -> tuple[RadixCache, SlotAllocator]:

@@ -57,9 +57,9 @@ def start_live_cluster(
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
+    from pd.cluster.coordinator import CoordinatorConfig
     from pd.cluster.launcher import Cluster, ClusterConfig
-    from pd.config import EngineConfig
-    from pd.coordinator import CoordinatorConfig
+    from pd.engine.config import EngineConfig
 
     engine_cfg = EngineConfig(
         model=model, max_total_tokens=8192, max_running_requests=48, page_size=page_size

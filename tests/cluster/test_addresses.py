@@ -13,8 +13,8 @@ from pd.cluster.addresses import (
     node_addrs,
     node_bind_host,
 )
-from pd.messages import PrefillReqMsg
-from pd.sampling_params import SamplingParams
+from pd.core.messages import PrefillReqMsg
+from pd.core.sampling_params import SamplingParams
 from transfer.endpoint import is_loopback, parse_endpoint
 
 BIND_HOSTS = ["auto", "0.0.0.0", "*", "::", "127.0.0.1", "127.0.1.1", "localhost", "10.1.2.3"]

@@ -18,7 +18,7 @@ from pd.cluster.autoscaler import (
     pressure,
 )
 from pd.cluster.slo import LatencyWindow
-from pd.messages import NodeStatsMsg
+from pd.core.messages import NodeStatsMsg
 
 pytestmark = pytest.mark.timeout(30)
 CFG = AutoscalerConfig(

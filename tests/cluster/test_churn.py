@@ -22,11 +22,11 @@ import pytest
 
 from decode.node import DecodeNode
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.config import EngineConfig
-from pd.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import BaseNode, NodeConfig
-from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from transfer import TransferConfig
 

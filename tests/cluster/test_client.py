@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
-from pd.coordinator import Coordinator, CoordinatorConfig
-from pd.messages import (
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
@@ -28,8 +28,8 @@ from pd.messages import (
     PrefillReqMsg,
     TokenMsg,
 )
-from pd.outputs import RequestOutput
-from pd.sampling_params import SamplingParams
+from pd.core.outputs import RequestOutput
+from pd.core.sampling_params import SamplingParams
 from pd.server.metrics import ServerMetrics
 from transfer.auth import Opener, Sealer, new_secret
 

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from pd.cluster.client import ClientConfig
-from pd.config import EngineConfig
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.sampling_params import SamplingParams
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
 from transfer import TransferConfig
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pd.messages import AbortMsg, CacheEventMsg, NodeStatsMsg
+from pd.core.messages import AbortMsg, CacheEventMsg, NodeStatsMsg
 from pd.model.tokenizer import encode_prompt, load_tokenizer
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
 from tests.hf_reference import hf_greedy

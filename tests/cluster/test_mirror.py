@@ -13,8 +13,8 @@ import pytest
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.coordinator import Coordinator, CoordinatorConfig
-from pd.messages import CacheEventMsg
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core.messages import CacheEventMsg
 from tests.cluster.test_client import SECRET, FakeNode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]

@@ -36,9 +36,9 @@ import httpx
 import pytest
 
 from pd.cli import main as pd_main
-from pd.config import EngineConfig
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]

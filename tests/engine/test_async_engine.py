@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
-from pd.config import EngineConfig
+from pd.core.sampling_params import SamplingParams
 from pd.engine.async_engine import AsyncEngine
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.sampling_params import SamplingParams
 from pd.server.app import build_app
 from tests.hf_reference import hf_greedy
 

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from pd.config import EngineConfig
-from pd.engine.batch import SeqInput
+from pd.core.batch import SeqInput
+from pd.core.kv_pool import SlotAllocator
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_pool import SlotAllocator
 from pd.model.loader import ModelLoadError
-from pd.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

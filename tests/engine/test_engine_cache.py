@@ -14,10 +14,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from pd.config import EngineConfig
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.model.tokenizer import encode_chat
-from pd.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 
 SYSTEM = (

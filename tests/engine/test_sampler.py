@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import torch
 
+from pd.core.messages import DecodeReqMsg
+from pd.core.sampling_params import MAX_SEED, SamplingParams
 from pd.engine.sampler import make_generator, sample
-from pd.messages import DecodeReqMsg
-from pd.sampling_params import MAX_SEED, SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -105,7 +105,7 @@ def test_banned_tokens_are_never_sampled() -> None:
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_until_reached(tiny_llama_dir) -> None:
-    from pd.config import EngineConfig
+    from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=512))

@@ -10,11 +10,11 @@ import pytest
 
 from decode.scheduler import DecodeScheduler
 from pd.cache import NoPrefixCache, RadixCache
-from pd.engine.kv_pool import SlotAllocator
-from pd.engine.request import Req
+from pd.core.kv_pool import SlotAllocator
+from pd.core.request import Req
+from pd.core.sampling_params import SamplingParams
 from pd.engine.sampler import SampledRow
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
-from pd.sampling_params import SamplingParams
 from prefill.scheduler import PrefillScheduler
 
 EOS = 2

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from pd.config import EngineConfig
-from pd.engine.batch import SeqInput
+from pd.core.batch import SeqInput
+from pd.core.kv_pool import SlotAllocator
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_pool import SlotAllocator
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
     INT4_GROUP_SIZE,
@@ -23,7 +24,6 @@ from pd.model.quant import (
     resolve_linear_backend,
 )
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.sampling_params import SamplingParams
 
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits: rounding moves a value by <= 2^-9 of it
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import zmq
 
-from pd.config import EngineConfig
+from pd.engine.config import EngineConfig
 from tests.node.harness import Server
 
 

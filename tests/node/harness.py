@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from decode.node import DecodeNode
-from pd.messages import (
+from pd.core.messages import (
     CacheEventMsg,
     DecodeReqMsg,
     NodeStatsMsg,
@@ -19,8 +19,8 @@ from pd.messages import (
     ServerMsg,
     TokenMsg,
 )
+from pd.core.sampling_params import SamplingParams
 from pd.node import BaseNode
-from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from transfer.auth import Opener, Sealer, new_secret
 

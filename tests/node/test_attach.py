@@ -14,11 +14,11 @@ import zmq
 
 from decode.node import DecodeNode
 from pd.cache.prefix_index import PrefixIndex
-from pd.config import EngineConfig
+from pd.core.messages import NodeStatsMsg
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.messages import NodeStatsMsg
 from pd.node import NodeConfig
-from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from tests.node.harness import GREEDY, PROMPTS, SECRET, Server, send_request
 from transfer import TransferConfig

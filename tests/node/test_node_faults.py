@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from decode.node import DecodeNode
-from pd.config import EngineConfig
-from pd.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.model.llama import DecoderLayer
 from pd.node import BaseNode, NodeConfig
-from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from tests.node.harness import PROMPTS, SECRET, Server, assert_idle, run_until, send_request
 from transfer import KVPoll, TransferConfig

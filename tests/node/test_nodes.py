@@ -9,11 +9,11 @@ import msgspec
 import pytest
 
 from decode.node import DecodeNode
-from pd.config import EngineConfig
+from pd.core.messages import AbortMsg, LocalReqMsg
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.messages import AbortMsg, LocalReqMsg
 from pd.node import NodeConfig
-from pd.sampling_params import SamplingParams
 from prefill.node import PrefillNode
 from tests.node.harness import (
     GREEDY,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd.cache.radix_cache import RadixCache
-from pd.engine.kv_pool import SlotAllocator
+from pd.core.kv_pool import SlotAllocator
 
 _SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path

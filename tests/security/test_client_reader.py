@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from pd.cluster.client import ClusterClient
-from pd.coordinator import Coordinator, CoordinatorConfig
-from pd.messages import CacheEventMsg, NodeInfo, NodeStatsMsg
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core.messages import CacheEventMsg, NodeInfo, NodeStatsMsg
 from transfer.auth import Sealer, new_secret
 
 pytestmark = pytest.mark.timeout(20)

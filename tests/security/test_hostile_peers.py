@@ -17,18 +17,18 @@ import pytest
 
 from decode.node import DecodeNode
 from pd.cluster.client import ClusterClient
-from pd.config import EngineConfig
-from pd.coordinator import Coordinator, CoordinatorConfig
-from pd.engine.engine import Engine
-from pd.messages import (
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
     NodeStatsMsg,
     PrefilledMsg,
     TokenMsg,
 )
+from pd.core.sampling_params import SamplingParams
+from pd.engine.config import EngineConfig
+from pd.engine.engine import Engine
 from pd.node import NodeConfig
-from pd.sampling_params import SamplingParams
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillNode
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned

@@ -82,8 +82,8 @@ def colocated_app(
 ) -> tuple[Any, Any]:
     """``(client, app)``: an AsyncEngine over ``model_dir`` and the server over it (the caller
     shuts the client down)."""
-    from pd.config import EngineConfig
     from pd.engine.async_engine import AsyncEngine
+    from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
 
     client = AsyncEngine(lambda: Engine(EngineConfig(model=str(model_dir), **engine_kwargs)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from pd.outputs import RequestOutput
-from pd.sampling_params import SamplingParams
+from pd.core.outputs import RequestOutput
+from pd.core.sampling_params import SamplingParams
 
 
 class FakeEngineClient:

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pd.messages import NodeStatsMsg
-from pd.outputs import ClusterStats
+from pd.core.messages import NodeStatsMsg
+from pd.core.outputs import ClusterStats
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, SCRIPT_TEXT
 from tests.server.fake_engine import FakeEngineClient
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pd import envs
+from pd.core import envs
 from pd.server import ServerConfig
 from pd.server.auth import cache_namespace
 from tests.server.conftest import MODEL_NAME, serve

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pd.config import EngineConfig
 from pd.engine.async_engine import AsyncEngine
+from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.server import ServerConfig, build_app
 from tests.server.conftest import check_idle

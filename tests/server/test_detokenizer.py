@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
-from pd.sampling_params import SamplingParams
+from pd.core.sampling_params import SamplingParams
+from pd.server.detokenizer import IncrementalDetokenizer, StopChecker, TextStream
 
 TEXTS = [
     "Hello 世界 🎉 café",

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pd.engine.kv_pool import KVPool, SlotAllocator
+from pd.core.kv_pool import KVPool, SlotAllocator
 from transfer import BaseSlotOwner, SlotReservation, TransferAgent
 
 NUM_LAYERS, NUM_SLOTS, NUM_HEADS, HEAD_DIM = 3, 64, 2, 4

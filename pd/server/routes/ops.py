@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pd.outputs import ClusterStats
+from pd.core.outputs import ClusterStats
 from pd.server.responses import ModelCard, ModelList
 from pd.server.routes.common import server_state
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import pytest
 
-from pd.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
-from pd.messages import CacheEventMsg
+from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
+from pd.core.messages import CacheEventMsg
 
 _SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
@@ -377,7 +377,7 @@ def test_invalid_router_config_raises(kw: dict, match: str) -> None:
 
 
 def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
-    from pd.messages import CacheEventMsg
+    from pd.core.messages import CacheEventMsg
 
     coord = Coordinator(CoordinatorConfig(policy="cache_aware"))
     coord.add_prefill("p0")

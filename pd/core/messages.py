@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pd.sampling_params import SamplingParams
+from pd.core.sampling_params import SamplingParams
 from transfer.endpoint import parse_endpoint
 
 

@@ -1,7 +1,7 @@
 """Per-request sampling parameters: validated once, and sent to nodes as they are.
 
 ``SamplingParams`` is the one shape of these fields everywhere: the HTTP layer builds it, the
-engine and the nodes read it, and msgspec encodes it inside the wire messages (``pd.messages``) and
+engine and the nodes read it, and msgspec encodes it inside the wire messages (``pd.core.messages``) and
 re-runs ``__post_init__`` when a node decodes it, so a node never trusts an unchecked value.
 Integer fields are bounded to what the wire (msgpack int64/uint64), torch's
 ``Generator.manual_seed`` and int32 index tensors can carry.

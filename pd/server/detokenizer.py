@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pd.sampling_params import SamplingParams
+from pd.core.sampling_params import SamplingParams
 
 # Ids of the prompt tail decoded along with the first output tokens, so tokenizers that merge
 # or strip leading spaces (sentencepiece) see the same context as a full decode would.

@@ -1,4 +1,4 @@
-"""pd.envs reads the environment at access time and rejects malformed values."""
+"""pd.core.envs reads the environment at access time and rejects malformed values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pd import envs
+from pd.core import envs
 
 
 def test_cache_dir_default_and_override(monkeypatch, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd.sampling_params import SamplingParams
+from pd.core.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """Every environment variable pd reads, in one place.
 
-Values are read when accessed (``pd.envs.PD_CACHE_DIR``), not at import, so tests can
+Values are read when accessed (``pd.core.envs.PD_CACHE_DIR``), not at import, so tests can
 monkeypatch the environment. Add a variable by adding one entry to ``_READERS`` and one
 annotation under ``TYPE_CHECKING``.
 """

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
-from pd.messages import CacheEventMsg
+from pd.core.messages import CacheEventMsg
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 

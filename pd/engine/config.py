@@ -2,57 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from pd.core.options import option
 from pd.model.quant import check_quantization, resolve_linear_backend
-
-
-def _opt(default: Any, help: str) -> Any:  # "help": argparse's name
-    """A field with its CLI help text (``pd.cli`` builds flags from these)."""
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One model runner with its KV pool and scheduler limits (a node or the colocated engine)."""
 
-    model: str | None = _opt(
+    model: str | None = option(
         None, "HF checkpoint dir or .gguf file; default: SmolLM2-135M-Instruct"
     )
-    device: str = _opt("auto", "cpu, cuda, cuda:N; auto: cuda if available")
-    dtype: str = _opt(
+    device: str = option("auto", "cpu, cuda, cuda:N; auto: cuda if available")
+    dtype: str = option(
         "auto", "float32 | bfloat16 | float16; auto: float32 on cpu, bfloat16 on cuda"
     )
-    quantization: str = _opt(
+    quantization: str = option(
         "none", "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py)"
     )
-    linear_backend: str = _opt(
+    linear_backend: str = option(
         "auto",
         "matmuls of unquantized weights: onednn (cpu, packed once at load) | aten (torch's "
         "default GEMM); auto: onednn where it runs (see pd/model/quant.py)",
     )
-    attention_backend: str = _opt("auto", "attention kernels: torch (auto)")
-    page_size: int = _opt(1, "tokens per KV page (1: token-level prefix reuse)")
-    max_total_tokens: int = _opt(32768, "KV slots in each pool")
-    max_running_requests: int = _opt(64, "requests in one running batch")
-    max_prefill_tokens: int = _opt(
+    attention_backend: str = option("auto", "attention kernels: torch (auto)")
+    page_size: int = option(1, "tokens per KV page (1: token-level prefix reuse)")
+    max_total_tokens: int = option(32768, "KV slots in each pool")
+    max_running_requests: int = option(64, "requests in one running batch")
+    max_prefill_tokens: int = option(
         2048, "token budget of a prefill batch; longer prompts are chunked"
     )
-    max_mixed_prefill_tokens: int = _opt(
+    max_mixed_prefill_tokens: int = option(
         512, "prefill tokens a step may run beside decoding requests (smaller keeps their TPOT)"
     )
-    new_token_ratio: float = _opt(
+    new_token_ratio: float = option(
         0.7,
         "admission expects a request to decode this fraction of its max_tokens (it decays while "
         "nothing is retracted); 1.0 reserves the worst case and never retracts",
     )
-    max_model_len: int | None = _opt(None, "context length; default: the model's")
-    enable_prefix_cache: bool = _opt(True, "RadixCache prefix reuse")
-    num_threads: int | None = _opt(None, "torch threads per process; default: torch's")
-    seed: int = _opt(0, "seed for requests that bring none")
+    max_model_len: int | None = option(None, "context length; default: the model's")
+    enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
+    num_threads: int | None = option(None, "torch threads per process; default: torch's")
+    seed: int = option(0, "seed for requests that bring none")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol
 
-from pd.messages import NodeStatsMsg
-from pd.sampling_params import SamplingParams
+from pd.core.messages import NodeStatsMsg
+from pd.core.sampling_params import SamplingParams
 
 
 class RequestOutput(NamedTuple):

@@ -1,0 +1,128 @@
+"""Imports only point down the layers. Every import in every module, including those inside
+functions and under ``TYPE_CHECKING``, is checked against this order (bottom first):
+
+    transfer   moves tensors named by a transfer id; imports nothing from pd
+    pd.core    the request and its status, batch, attention interface, KV pool, wire messages
+    pd.model   the Llama-family model, loaders, weight formats, tokenizer
+    pd.cache   the radix tree and cache, the coordinator's mirror of it
+    pd.engine  runner, attention backends, scheduler, engine core, colocated engine
+    pd.node    the node: its loop and parts (server link, peers, transfer, heartbeats)
+    prefill, decode   the two roles; they never import each other
+    pd.cluster coordinator, cluster client, launcher, admin, autoscaler
+    pd.server  the HTTP server
+    pd.cli     the command line
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (package, layer): a module may import its own package and packages of lower layers.
+LAYERS: list[tuple[str, int]] = [
+    ("transfer", 0),
+    ("pd.core", 1),
+    ("pd.model", 2),
+    ("pd.cache", 3),
+    ("pd.engine", 4),
+    ("pd.node", 5),
+    ("prefill", 6),
+    ("decode", 6),
+    ("pd.cluster", 7),
+    ("pd.server", 8),
+    ("pd.cli", 9),
+]
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    for package, layer in LAYERS:
+        if module == package or module.startswith(package + "."):
+            return package, layer
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every absolute import in the file; ``from a import b`` also yields
+    ``a.b`` (b may be a submodule: ``from pd import envs``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def upward_imports(path: Path, module: str | None = None) -> list[str]:
+    """What ``path`` (the module ``module``, by default its own name) imports against the
+    layer order, as readable lines."""
+    me = layer_of(module or module_name(path))
+    if me is None:
+        return []
+    package, layer = me
+    bad = []
+    for line, target in imported_modules(path):
+        other = layer_of(target)
+        if other is None or other[0] == package or other[1] < layer:
+            continue
+        bad.append(
+            f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports "
+            f"{target} ({other[0]}, layer {other[1]}) from {package} (layer {layer})"
+        )
+    return bad
+
+
+def source_files() -> list[Path]:
+    return sorted(
+        p for d in ("pd", "prefill", "decode", "transfer") for p in (ROOT / d).rglob("*.py")
+    )
+
+
+def test_every_runtime_module_is_in_a_layer() -> None:
+    # pd/__init__.py is the namespace itself; everything else sits in exactly one layer
+    loose = [
+        str(p.relative_to(ROOT))
+        for p in source_files()
+        if module_name(p) != "pd" and layer_of(module_name(p)) is None
+    ]
+    assert loose == [], f"modules outside every layer (add them to LAYERS or move them): {loose}"
+
+
+def test_imports_only_point_down() -> None:
+    bad = [line for p in source_files() for line in upward_imports(p)]
+    assert bad == [], "imports that run up the layers:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "is_bad"),
+    [
+        ("pd.cache.x", "from pd.engine.scheduler import Scheduler\n", True),
+        ("pd.core.x", "def f():\n    from pd.model import llama\n", True),
+        ("prefill.x", "import decode.node\n", True),
+        ("transfer.x", "from pd.core import envs\n", True),
+        ("pd.engine.x", "from pd import node\n", True),
+        ("pd.engine.x", "from pd.cache.base import BasePrefixCache\n", False),
+        ("pd.cluster.x", "from prefill.node import PrefillRole\n", False),
+    ],
+)
+def test_the_check_sees_an_upward_import(
+    tmp_path: Path, module: str, source: str, is_bad: bool
+) -> None:
+    """The checker itself: each deliberately upward import is caught, downward ones pass."""
+    fake = tmp_path / "x.py"
+    fake.write_text(source)
+    assert imported_modules(fake), "the parser found no import"
+    assert bool(upward_imports(fake, module)) is is_bad, (module, source)
