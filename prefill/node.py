@@ -1,4 +1,4 @@
-"""``PrefillNode``: prefills only what its RadixCache does not hold, then sends the KV.
+"""``PrefillRole``: a prefill node prefills only what its RadixCache does not hold, then sends the KV.
 
 The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
 
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.messages import AbortMsg, NodeMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.core.request import Req
-from pd.engine.config import EngineConfig
+from pd.engine.core import TransferCounters
 from pd.engine.scheduler import ScheduledBatch, StepResult
-from pd.node import BaseNode, NodeConfig
+from pd.node import BaseRole, NodeParts
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender
 
@@ -47,23 +47,25 @@ class _Transfer(NamedTuple):
     started: float
 
 
-class PrefillNode(BaseNode):
-    role = "prefill"
+class PrefillRole(BaseRole):
+    name = "prefill"
     scheduler_cls = PrefillScheduler
 
-    def __init__(self, engine_cfg: EngineConfig, node_cfg: NodeConfig) -> None:
-        super().__init__(engine_cfg, node_cfg)
+    def __init__(self, parts: NodeParts) -> None:
+        self.parts = parts
+        self.core = parts.core
         assert isinstance(self.core.scheduler, PrefillScheduler)
-        self.prefill_scheduler: PrefillScheduler = self.core.scheduler
-        self.core.before_run = self._start_transfers
+        self.scheduler: PrefillScheduler = self.core.scheduler
+        self.server = parts.server
         self._routes: dict[str, _Route] = {}
         self._transfers: dict[str, _Transfer] = {}
+        self._counters = TransferCounters()  # finished transfers
 
-    def _on_msg(self, msg: Any) -> None:
+    def handle(self, msg: NodeMsg) -> None:
         if isinstance(msg, PrefillReqMsg):
             self._on_request(msg)
         elif isinstance(msg, AbortMsg):
-            self._abort(msg.request_id)
+            self.abort(msg.request_id)
 
     def _on_request(self, msg: PrefillReqMsg) -> None:
         try:
@@ -72,22 +74,22 @@ class PrefillNode(BaseNode):
             )
             self.scheduler.add(req)
         except ValueError as e:
-            self.report_error(msg.request_id, str(e))
+            self.server.report_error(msg.request_id, str(e))
             return
         self._routes[msg.request_id] = _Route(msg.decode_addr, msg.decode_transfer_addr)
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         if (t := self._transfers.pop(request_id, None)) is not None:
             t.sender.abort("aborted by the server")
         self.scheduler.abort(request_id)
         self._routes.pop(request_id, None)
 
-    def _forget_peer(self, msg: PeerGoneMsg) -> None:
+    def forget_peer(self, msg: PeerGoneMsg) -> None:
         for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
-            self._abort(rid)
-            self.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
+            self.abort(rid)
+            self.server.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
 
-    def _start_transfers(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+    def before_run(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Before a forward: start the transfer of each request whose last chunk it computes."""
         senders = []
         for req, seq in zip(batch.reqs[batch.num_decode :], batch.seqs[batch.num_decode :]):
@@ -96,7 +98,7 @@ class PrefillNode(BaseNode):
                 seq.num_prefix + len(seq.new_token_ids) == req.fill_len
                 and req.params.max_tokens > 1
             ):
-                with self._guard(req.request_id):
+                with self.parts.guard(req.request_id):
                     senders.append(self._start_transfer(req))
         if not senders:
             return None
@@ -109,25 +111,27 @@ class PrefillNode(BaseNode):
 
     def _start_transfer(self, req: Req) -> KVSender:
         route = self._routes[req.request_id]
-        sender = self.transfer.sender(
+        sender = self.parts.transfer.sender(
             req.request_id, route.decode_transfer_addr, req.num_prompt_tokens, req.prompt_ids
         )
         self._transfers[req.request_id] = _Transfer(req, sender, time.monotonic())
         sender.send(req.slots, num_ready_layers=0)
         return sender
 
-    def _on_step(self, result: StepResult) -> None:
+    def after_step(self, result: StepResult) -> None:
         num_layers = self.core.runner.pool.num_layers
-        for req in self.prefill_scheduler.take_prefilled():
+        for req in self.scheduler.take_prefilled():
             t = self._transfers.get(req.request_id)
             if t is not None:
                 t.sender.set_ready_layers(num_layers)
-        self.publish_cache_events()  # what a finished request left here, before its answer
+        # what a finished request left in the cache goes out before its answer
+        self.server.send_all(self.core.cache.take_events())
         # the others' first token goes with their KV: the decode node streams it
         finished = [r for r in result.produced if r.is_finished]
-        self.report_step(result._replace(produced=finished))
+        self.server.report_step(result._replace(produced=finished))
         for req in finished + result.failed:  # done at its first token: D can forget it
             self._forget(req.request_id, "finished at prefill")
+        self._progress()
 
     def _forget(self, request_id: str, why: str) -> None:
         t = self._transfers.pop(request_id, None)
@@ -135,38 +139,46 @@ class PrefillNode(BaseNode):
             t.sender.abort(why)
         route = self._routes.pop(request_id, None)
         if route is not None:
-            self.send_peer(route.decode_addr, AbortMsg(request_id, why))
+            self.parts.peers.send(route.decode_addr, AbortMsg(request_id=request_id, reason=why))
 
     def _progress(self) -> None:
         if not self._transfers:
             return
-        self.transfer.progress()
+        self.parts.transfer.progress()
         for rid, t in list(self._transfers.items()):
             state = t.sender.poll()
             if not state.is_final:
                 continue
             del self._transfers[rid]
             try:
-                with self._guard(rid):
+                with self.parts.guard(rid):
                     self._finish_transfer(t, state == KVPoll.SUCCESS)
             finally:  # whatever happened, the slots go back
-                self.prefill_scheduler.finish_sending(rid)
+                self.scheduler.finish_sending(rid)
 
     def _finish_transfer(self, t: _Transfer, ok: bool) -> None:
         rid = t.req.request_id
         route = self._routes.pop(rid)
         if not ok:
             why = f"KV transfer to the decode node failed: {t.sender.failure}"
-            self.report_error(rid, why, can_retry=True)
+            self.server.report_error(rid, why, can_retry=True)
             return
         num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
-        pool = self.core.runner.pool
-        self.add_transfer(num_sent * pool.num_bytes_per_token, time.monotonic() - t.started)
-        first = PrefilledMsg(rid, t.req.output_ids[0], t.req.num_cached_tokens)
-        self.send_peer(route.decode_addr, first)
+        c, pool = self._counters, self.core.runner.pool
+        self._counters = c._replace(
+            num_bytes=c.num_bytes + num_sent * pool.num_bytes_per_token,
+            num_seconds=c.num_seconds + time.monotonic() - t.started,
+            num_done=c.num_done + 1,
+        )
+        first = PrefilledMsg(
+            request_id=rid,
+            first_token=t.req.output_ids[0],
+            num_cached_tokens=t.req.num_cached_tokens,
+        )
+        self.parts.peers.send(route.decode_addr, first)
 
-    def _num_transferring(self) -> int:
-        return len(self._transfers)
+    def transfer_counters(self) -> TransferCounters:
+        return self._counters._replace(num_transferring=len(self._transfers))
 
-    def _request_ids(self) -> set[str]:
-        return super()._request_ids() | set(self._routes)
+    def held_request_ids(self) -> set[str]:
+        return set(self._routes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.core.request import Req
+from pd.core.request import Req, ReqStatus
 from pd.engine.scheduler import HeldSlots, Scheduler
 
 
@@ -46,6 +46,7 @@ class PrefillScheduler(Scheduler):
         """The request's transfer is over: release its slots. None if it is not sending."""
         req = self._sending.pop(request_id, None)
         if req is not None:
+            req.set_status(ReqStatus.FINISHED)  # here; it goes on on its decode node
             self._release(req)
         return req
 
@@ -54,7 +55,7 @@ class PrefillScheduler(Scheduler):
         if req is None:
             return super().abort(request_id)
         self._prefilled = [r for r in self._prefilled if r is not req]
-        req.finish_reason = "abort"
+        req.finish("abort")
         self._release(req)
         return req
 
@@ -75,5 +76,6 @@ class PrefillScheduler(Scheduler):
     def _on_first_token(self, req: Req) -> None:
         # not cached yet: a transfer may still read the request's slots (see finish_sending)
         self.running.remove(req)
+        req.set_status(ReqStatus.SENDING)
         self._sending[req.request_id] = req
         self._prefilled.append(req)

@@ -18,7 +18,7 @@ class ClusterConfig:
     num_decode: int = 1
     address: str | None = None  # None: start a local Ray instance; "auto": join a running one
     # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
-    # (this machine's Ray IP); nodes are always told a routable one (pd.cluster.addresses)
+    # (this machine's Ray IP); nodes are always told a routable one (pd.core.addresses)
     host: str = "127.0.0.1"
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
     ready_timeout_s: float = 300.0

@@ -37,11 +37,12 @@ from typing import Any, TypeVar
 
 import ray
 
-from pd.cluster.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.cluster.client import ROLES, ClusterClient
 from pd.cluster.config import ClusterConfig, free_port, init_ray
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.node_actor import NodeActor
 from pd.core import envs
+from pd.core.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.core.messages import NodeInfo
 from pd.engine.config import EngineConfig
 from pd.node import NodeConfig, NodeSettings
@@ -345,11 +346,7 @@ class Cluster:
         return int(node_id.rsplit("-", 1)[1])
 
     def _spawn(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
-        from decode.node import DecodeNode
-        from prefill.node import PrefillNode
-
         node_id = f"{role}-{next(self._ids[role])}"
-        cls = PrefillNode if role == "prefill" else DecodeNode
         options: dict[str, Any] = {"max_concurrency": 4}
         options.update({"num_gpus": self._gpus, "num_cpus": 1} if self._gpus else {"num_cpus": 0})
         if resources := self.cfg.resources(role):
@@ -364,7 +361,7 @@ class Cluster:
             debug_checks=envs.PD_DEBUG,
             transfer=dataclasses.replace(self.cfg.transfer, secret=self._secret),
         )
-        handle = ray.remote(cls).options(**options).remote(engine_cfg, node_cfg)
+        handle = ray.remote(NodeActor).options(**options).remote(engine_cfg, node_cfg, role)
         self.actors[node_id] = handle
         self.starting[node_id] = role
         return node_id, handle.start.remote()

@@ -1,11 +1,55 @@
-"""A request's state inside one engine or node (plain Python)."""
+"""A request's state inside one engine or node (plain Python), and its status.
+
+The status says where the request is; ``Req.set_status`` is the one place that changes it and
+refuses a move the table below does not allow (``InvalidTransition``, with both states):
+
+    NEW -> WAITING     added to a scheduler's queue (the colocated engine, either role)
+    NEW -> EXPECTED    decode node: announced by the server, its KV still to come
+    WAITING -> RUNNING admitted: its slots locked or allocated; prefilling, then decoding
+    RUNNING -> WAITING retracted for want of slots (it resumes by recomputing what was evicted)
+    RUNNING -> SENDING prefill node: first token sampled, its KV on the wire to the decode node
+    EXPECTED -> INCOMING   decode node: slots reserved, the KV landing in them
+    INCOMING -> RUNNING    decode node: the KV is in and the first token came: it decodes
+    INCOMING -> RELEASING  decode node: aborted while its KV lands; its slots go back once no
+                           data thread can write them (-> FINISHED)
+    any but FINISHED -> FINISHED   done, aborted or failed (``finish_reason`` says which)
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from pd.core.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    NEW = "new"
+    WAITING = "waiting"
+    RUNNING = "running"
+    SENDING = "sending"
+    EXPECTED = "expected"
+    INCOMING = "incoming"
+    RELEASING = "releasing"
+    FINISHED = "finished"
+
+
+_S = ReqStatus
+ALLOWED_TRANSITIONS: dict[ReqStatus, frozenset[ReqStatus]] = {
+    _S.NEW: frozenset({_S.WAITING, _S.EXPECTED, _S.FINISHED}),
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED}),
+    _S.RUNNING: frozenset({_S.WAITING, _S.SENDING, _S.FINISHED}),
+    _S.SENDING: frozenset({_S.FINISHED}),
+    _S.EXPECTED: frozenset({_S.INCOMING, _S.FINISHED}),
+    _S.INCOMING: frozenset({_S.RUNNING, _S.RELEASING, _S.FINISHED}),
+    _S.RELEASING: frozenset({_S.FINISHED}),
+    _S.FINISHED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A request was moved to a status its current one does not lead to (a bookkeeping bug)."""
 
 
 @dataclass(eq=False)
@@ -24,9 +68,30 @@ class Req:
     num_new_outputs: int = 0  # outputs not yet reported to the caller
     fill_len: int = 0  # tokens to compute before sampling: the prompt, or all ids on a resume
     num_admissions: int = 0  # > 1: the request was retracted and resumed
+    status: ReqStatus = ReqStatus.NEW  # changed only by set_status
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)
+
+    def set_status(self, status: ReqStatus) -> None:
+        if status not in ALLOWED_TRANSITIONS[self.status]:
+            raise InvalidTransition(
+                f"request {self.request_id!r}: {self.status.value} -> {status.value} is not allowed"
+            )
+        self.status = status
+
+    def finish(self, reason: str) -> None:
+        """Done here, for ``reason`` ("stop", "length", "abort")."""
+        self.finish_reason = reason
+        self.set_status(ReqStatus.FINISHED)
+
+    def fail(self, error: str) -> None:
+        """Failed here (finish_reason "abort", ``error`` says why)."""
+        self.error = error
+        if self.status is not ReqStatus.FINISHED:
+            self.finish("abort")
+        else:
+            self.finish_reason = "abort"
 
     @property
     def all_ids(self) -> list[int]:
@@ -51,7 +116,4 @@ class Req:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def fail(self, error: str) -> None:
-        self.finish_reason, self.error = "abort", error
+        return self.status is ReqStatus.FINISHED

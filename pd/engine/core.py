@@ -45,6 +45,19 @@ _NO_TRANSFERS = TransferCounters()
 BatchHook = Callable[[ScheduledBatch], Callable[[int], None] | None]
 
 
+def _both(
+    first: Callable[[int], None] | None, second: Callable[[int], None] | None
+) -> Callable[[int], None] | None:
+    if first is None or second is None:
+        return first or second
+
+    def on_layer(layer: int) -> None:
+        first(layer)
+        second(layer)
+
+    return on_layer
+
+
 class EngineCore:
     def __init__(
         self,
@@ -68,7 +81,6 @@ class EngineCore:
             max_model_len=self.runner.max_model_len,
             eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
         )
-        self.before_run: BatchHook | None = None  # set by a role that acts on batches
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
 
@@ -96,14 +108,21 @@ class EngineCore:
         req.generator = make_generator(params, self._rng.randrange(2**31))
         return req
 
-    def step(self) -> StepResult:
+    def step(
+        self,
+        before_run: BatchHook | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """Schedule, run and postprocess one batch. ``before_run(batch)`` is a role's look at
+        the batch before its forward; what it returns, and ``on_layer_done`` (e.g. a node's
+        heartbeat), are called with i as layer i's K/V of the new tokens is in the pool."""
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult([], [])
         try:
-            on_layer_done = self.before_run(batch) if self.before_run is not None else None
+            on_layer = _both(before_run(batch) if before_run is not None else None, on_layer_done)
             banned = [self._banned(r) for r in batch.reqs]
-            rows = self.runner.run(batch.reqs, batch.seqs, on_layer_done, banned)
+            rows = self.runner.run(batch.reqs, batch.seqs, on_layer, banned)
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 from pd.cache.base import BasePrefixCache
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
-from pd.core.request import Req
+from pd.core.request import Req, ReqStatus
 from pd.engine.sampler import SampledRow
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
@@ -148,6 +148,7 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         self.check_request(req)
+        req.set_status(ReqStatus.WAITING)
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Req | None:
@@ -155,12 +156,12 @@ class Scheduler:
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                req.finish_reason = "abort"
+                req.finish("abort")
                 return req
         for req in self.running:
             if req.request_id == request_id:
-                req.finish_reason = "abort"
                 self.running.remove(req)
+                req.finish("abort")
                 self._release(req)
                 return req
         return None
@@ -235,6 +236,7 @@ class Scheduler:
             if not self._lock_prefix(req, self._expected_len(req)):
                 break
             self.waiting.popleft()
+            req.set_status(ReqStatus.RUNNING)
             self.running.append(req)
         self.waiting.extendleft(reversed(deferred))
 
@@ -317,6 +319,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.fill_len = len(req.all_ids)
+        req.set_status(ReqStatus.WAITING)
         self.waiting.appendleft(req)
         self._num_retracted += 1
         self.new_token_ratio = self.init_new_token_ratio
@@ -336,9 +339,9 @@ class Scheduler:
             req.output_ids.append(row.token)
             req.num_new_outputs += 1
             produced.append(req)
-            req.finish_reason = self._finish_reason(req, row.token)
-            if req.is_finished:
+            if (reason := self._finish_reason(req, row.token)) is not None:
                 self.running.remove(req)
+                req.finish(reason)
                 self._release(req)
             elif len(req.output_ids) == 1:
                 self._on_first_token(req)

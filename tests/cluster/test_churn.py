@@ -20,14 +20,14 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from decode.node import DecodeNode
+from decode.node import DecodeRole
 from pd.cluster.client import ClientConfig, ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.node import BaseNode, NodeConfig
-from prefill.node import PrefillNode
+from pd.node import Node, NodeConfig
+from prefill.node import PrefillRole
 from transfer import TransferConfig
 
 NUM_CYCLES = 50
@@ -54,7 +54,7 @@ class LocalCluster:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.nodes: dict[str, BaseNode] = {}
+        self.nodes: dict[str, Node] = {}
         self.dead: set[str] = set()
         self._ids = itertools.count()
         self.loop = asyncio.new_event_loop()
@@ -79,9 +79,11 @@ class LocalCluster:
 
     def add(self, role: str) -> str:
         node_id = f"{role}-{next(self._ids)}"
-        cls = PrefillNode if role == "prefill" else DecodeNode
-        node = cls(
-            self.engine_cfg, NodeConfig(node_id, self.client.pull_addr, transfer=self.transfer)
+        role_cls = PrefillRole if role == "prefill" else DecodeRole
+        node = Node(
+            self.engine_cfg,
+            NodeConfig(node_id, self.client.pull_addr, transfer=self.transfer),
+            role_cls,
         )
         self.nodes[node_id] = node
         self.client.add_node(node.start())

@@ -11,7 +11,7 @@ import pytest
 from decode.scheduler import DecodeScheduler
 from pd.cache import NoPrefixCache, RadixCache
 from pd.core.kv_pool import SlotAllocator
-from pd.core.request import Req
+from pd.core.request import Req, ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.engine.sampler import SampledRow
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -259,11 +259,13 @@ def test_decode_role_reserves_incoming_kv_and_decodes_it() -> None:
     s.add(_req("warm", 13, max_tokens=1))  # leaves 12 prompt tokens cached
     _drain(s)
     a = _req("a", 13, max_tokens=20)
+    s.expect(a)
     res = s.reserve_incoming(a, 13)
     assert res is not None and res.num_cached_tokens == 12 and len(res.slots) == 1
     assert s.num_incoming == 1 and s.num_unfinished == 1
     # a's 32 slots (prompt 13 + 19 to decode, in pages) are promised: b cannot fit beside it
     b = _req("b", 30, max_tokens=8, base=400)
+    s.expect(b)
     assert s.reserve_incoming(b, 30) is None
     assert s.cache.num_protected_tokens == 12, "a refused reservation must lock nothing"
     s.check_integrity()
@@ -276,12 +278,16 @@ def test_decode_role_reserves_incoming_kv_and_decodes_it() -> None:
 def test_decode_role_releases_a_reservation_whose_kv_never_comes() -> None:
     s = _make_scheduler(DecodeScheduler)
     a = _req("a", 10)
+    with pytest.raises(ValueError, match="'a' is new, not expected"):
+        s.reserve_incoming(a, 10)
+    s.expect(a)
     assert s.reserve_incoming(a, 10) is not None
     with pytest.raises(ValueError, match="already has a reservation"):
         s.reserve_incoming(a, 10)
     with pytest.raises(ValueError, match="transfer of 9 tokens for a 10-token prompt"):
         s.reserve_incoming(_req("b", 10), 9)
     assert s.release_incoming("a") is a and s.release_incoming("a") is None
+    assert a.status is ReqStatus.FINISHED and a.finish_reason == "abort"
     _assert_idle_and_whole(s)
 
 
@@ -425,6 +431,7 @@ def test_decode_role_caches_a_transferred_prompt_when_it_is_admitted() -> None:
     s = _make_scheduler(DecodeScheduler, num_slots=64, page_size=4)
     assert isinstance(s, DecodeScheduler)
     a = _req("a", 14, max_tokens=6)
+    s.expect(a)
     assert s.reserve_incoming(a, 14) is not None
     assert s.cache.num_cached_tokens == 0
     s.admit_prefilled("a", 7)

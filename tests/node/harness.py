@@ -1,5 +1,5 @@
 """In-process node harness: the server's sockets (a PULL for what nodes send, PUSHes to nodes)
-and helpers that drive a PrefillNode and a DecodeNode one loop iteration at a time."""
+and helpers that drive a Node and a Node one loop iteration at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from decode.node import DecodeNode
 from pd.core.messages import (
     CacheEventMsg,
     DecodeReqMsg,
@@ -20,8 +19,7 @@ from pd.core.messages import (
     TokenMsg,
 )
 from pd.core.sampling_params import SamplingParams
-from pd.node import BaseNode
-from prefill.node import PrefillNode
+from pd.node import Node
 from transfer.auth import Opener, Sealer, new_secret
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -48,10 +46,10 @@ class Server:
     def __post_init__(self) -> None:
         self.opener = Opener(SECRET, self.addr)
 
-    def send(self, node: BaseNode, msg: Any) -> None:
+    def send(self, node: Node, msg: Any) -> None:
         self.send_raw(node, msgspec.msgpack.encode(msg))
 
-    def send_raw(self, node: BaseNode, payload: bytes) -> None:
+    def send_raw(self, node: Node, payload: bytes) -> None:
         """A sealed (authentic) frame around ``payload``, whatever it holds."""
         if node.addr not in self.push:
             sock = self.ctx.socket(zmq.PUSH)
@@ -86,16 +84,14 @@ class Server:
                 self.num_stats += 1
 
 
-def send_request(server: Server, p: PrefillNode, d: DecodeNode, rid: str, prompt: list[int],
+def send_request(server: Server, p: Node, d: Node, rid: str, prompt: list[int],
                   params: SamplingParams = GREEDY) -> None:  # fmt: skip
     server.send(d, DecodeReqMsg(rid, prompt, params, "", p.node_id))
     info = d.info()
     server.send(p, PrefillReqMsg(rid, prompt, params, "", d.node_id, info.addr, info.transfer_addr))
 
 
-def run_until(
-    server: Server, nodes: tuple[BaseNode, ...], done: Any, max_iters: int = 20000
-) -> None:
+def run_until(server: Server, nodes: tuple[Node, ...], done: Any, max_iters: int = 20000) -> None:
     """Drive the nodes until ``done()``: at most ``max_iters`` iterations that did work, and at
     most 20 s; an idle iteration yields the CPU a moment to the pair workers' threads."""
     deadline = time.monotonic() + 20.0
@@ -112,7 +108,7 @@ def run_until(
     raise AssertionError(f"not done after {busy_iters} busy iterations: {server.finished}")
 
 
-def assert_idle(*nodes: BaseNode) -> None:
+def assert_idle(*nodes: Node) -> None:
     for node in nodes:
-        report = node._check_integrity()
+        report = node.integrity()
         assert report["unfinished"] == 0 and report["in_use"] == 0, (node.node_id, report)

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import zmq
 
-from decode.node import DecodeNode
+from decode.node import DecodeRole
 from pd.cache.prefix_index import PrefixIndex
 from pd.core.messages import NodeStatsMsg
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.node import NodeConfig
-from prefill.node import PrefillNode
+from pd.node import Node, NodeConfig
+from prefill.node import PrefillRole
 from tests.node.harness import GREEDY, PROMPTS, SECRET, Server, send_request
 from transfer import TransferConfig
 
@@ -41,10 +41,10 @@ def new_server() -> Iterator[Server]:
 
 
 @pytest.fixture
-def started(engine_cfg: EngineConfig, server: Server) -> Iterator[tuple[PrefillNode, DecodeNode]]:
+def started(engine_cfg: EngineConfig, server: Server) -> Iterator[tuple[Node, Node]]:
     """A pair running their own loops, reporting to ``server``."""
-    p = PrefillNode(engine_cfg, NodeConfig("prefill-7", server.addr, transfer=FAKE))
-    d = DecodeNode(engine_cfg, NodeConfig("decode-7", server.addr, transfer=FAKE))
+    p = Node(engine_cfg, NodeConfig("prefill-7", server.addr, transfer=FAKE), PrefillRole)
+    d = Node(engine_cfg, NodeConfig("decode-7", server.addr, transfer=FAKE), DecodeRole)
     p.start()
     d.start()
     yield p, d
@@ -112,15 +112,15 @@ def test_a_node_whose_server_stopped_reading_keeps_its_loop_running(engine_cfg, 
     port = gone.bind_to_random_port("tcp://127.0.0.1")
     addr = f"tcp://127.0.0.1:{port}"
     cfg = NodeConfig("prefill-9", addr, server_send_timeout_ms=100, transfer=FAKE)
-    node = PrefillNode(engine_cfg, cfg)
+    node = Node(engine_cfg, cfg, PrefillRole)
     node.start()
     try:
         gone.close(linger=0)  # the server exits: nobody reads, its queue fills up
         stats = NodeStatsMsg("prefill-9", "prefill", 0, 0, 0, 1, 1, 0, 0, 0, 0, 0.0, 0, 0)
         start = time.monotonic()
-        node.call(lambda: [node.send_server(stats) for _ in range(3000)], timeout=30)
+        node.call(lambda: [node.server.send(stats) for _ in range(3000)], timeout=30)
         assert time.monotonic() - start < 10  # one send waited 0.1 s; the rest were dropped
-        assert node.num_unsent_msgs >= 1000
+        assert node.server.num_unsent_msgs >= 1000
         node.attach(new_server.addr)  # the loop still answers: a new server can attach
         _until(new_server, lambda: "prefill-9" in new_server.stats)
     finally:

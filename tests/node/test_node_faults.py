@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from decode.node import DecodeNode
+from decode.node import DecodeRole
 from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.request import ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.model.llama import DecoderLayer
-from pd.node import BaseNode, NodeConfig
-from prefill.node import PrefillNode
+from pd.node import Node, NodeConfig
+from prefill.node import PrefillRole
 from tests.node.harness import PROMPTS, SECRET, Server, assert_idle, run_until, send_request
 from transfer import KVPoll, TransferConfig
 from transfer.backend import FakeTransferBackend
@@ -25,18 +26,18 @@ from transfer.backend import FakeTransferBackend
 pytestmark = pytest.mark.timeout(60)
 LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
-Pair = tuple[PrefillNode, DecodeNode]
+Pair = tuple[Node, Node]
 
 
 @pytest.fixture
 def make_pair(engine_cfg: EngineConfig, server: Server) -> Iterator[Callable[..., Pair]]:
-    made: list[BaseNode] = []
+    made: list[Node] = []
 
     def make(**transfer: Any) -> Pair:
         cfg = TransferConfig(backend="fake", secret=SECRET, **{"timeout_s": 5.0, **transfer})
         n = len(made)
-        p = PrefillNode(engine_cfg, NodeConfig(f"prefill-{n}", server.addr, transfer=cfg))
-        d = DecodeNode(engine_cfg, NodeConfig(f"decode-{n}", server.addr, transfer=cfg))
+        p = Node(engine_cfg, NodeConfig(f"prefill-{n}", server.addr, transfer=cfg), PrefillRole)
+        d = Node(engine_cfg, NodeConfig(f"decode-{n}", server.addr, transfer=cfg), DecodeRole)
         made.extend((p, d))
         return p, d
 
@@ -46,7 +47,7 @@ def make_pair(engine_cfg: EngineConfig, server: Server) -> Iterator[Callable[...
         node.shutdown()
 
 
-def _gone(node: BaseNode) -> PeerGoneMsg:
+def _gone(node: Node) -> PeerGoneMsg:
     info = node.info()
     return PeerGoneMsg(info.node_id, info.addr, info.transfer_addr)
 
@@ -60,41 +61,45 @@ def test_the_first_token_streams_from_the_decode_node(server, make_pair) -> None
     assert set(server.senders["via-decode"]) == {d.node_id}
     assert len(server.tokens["via-decode"]) == 6
     assert server.senders["at-prefill"] == [p.node_id]  # done at its first token: answered there
-    run_until(server, (p, d), lambda: d._num_unfinished() == 0)
+    run_until(server, (p, d), lambda: d.count_unfinished() == 0)
     assert_idle(p, d)
 
 
 @pytest.mark.parametrize("phase", ["expected", "reserved", "kv_landed"])
 def test_a_dead_prefill_node_leaves_nothing_on_the_decode_node(server, make_pair, phase) -> None:
     p, d = make_pair()
-    base = d._check_integrity()
+    base = d.integrity()
     rid = f"dead-prefill-{phase}"
     send_request(server, p, d, rid, PROMPTS[0], LONG)
     if phase == "expected":  # the prefill node dies before it asks for slots
-        run_until(server, (d,), lambda: rid in d._expected, max_iters=200)
+        run_until(
+            server, (d,), lambda: rid in d.role.incoming.ids(ReqStatus.EXPECTED), max_iters=200
+        )
     elif phase == "reserved":  # ... after the decode node reserved them
         run_until(server, (p, d), lambda: d.transfer.poll(rid) is not None, max_iters=2000)
     else:  # ... after the KV landed, before its PrefilledMsg was sent
         run_until(server, (p, d), lambda: d.transfer.poll(rid) == KVPoll.SUCCESS)
-    assert d._num_unfinished() == 1
+    assert d.count_unfinished() == 1
     server.send(d, _gone(p))  # p is never driven again: it is dead
     run_until(server, (d,), lambda: rid in server.finished, max_iters=2000)
     assert f"prefill node {p.node_id} is gone" in (server.finished[rid].error or "") or (
         "KV transfer from the prefill node failed" in (server.finished[rid].error or "")
     )
-    run_until(server, (d,), lambda: d._num_unfinished() == 0, max_iters=2000)
+    run_until(server, (d,), lambda: d.count_unfinished() == 0, max_iters=2000)
     assert_idle(d)
-    after = d._check_integrity()
+    after = d.integrity()
     assert after["pairs"] == 0 and after["sockets"] == base["sockets"], (base, after)
-    assert not d._prefill_of and not d._aborted
+    assert len(d.role.incoming) == 0
 
 
 def test_a_dead_decode_node_leaves_nothing_on_the_prefill_node(server, make_pair) -> None:
     p, d = make_pair(handshake_timeout_s=30.0)
-    base = p._check_integrity()
+    base = p.integrity()
     # one request in its transfer (d is frozen: never driven), one waiting to be prefilled
     send_request(server, p, d, "in-transfer", PROMPTS[0], LONG)
-    run_until(server, (p,), lambda: p._num_transferring() == 1, max_iters=2000)
+    run_until(
+        server, (p,), lambda: p.role.transfer_counters().num_transferring == 1, max_iters=2000
+    )
     send_request(server, p, d, "queued", PROMPTS[1], LONG)
     run_until(server, (p,), lambda: p.scheduler.num_unfinished == 2, max_iters=200)
     server.send(p, _gone(d))
@@ -102,7 +107,7 @@ def test_a_dead_decode_node_leaves_nothing_on_the_prefill_node(server, make_pair
     for rid in ("in-transfer", "queued"):
         assert f"decode node {d.node_id} is gone" in (server.finished[rid].error or "")
     assert_idle(p)
-    after = p._check_integrity()
+    after = p.integrity()
     assert after["pairs"] == 0 and after["transfers"] == 0, after
     assert after["sockets"] == base["sockets"], (base, after)  # no socket left to d
     # a late request routed to the gone node fails at once instead of waiting out a handshake
@@ -115,7 +120,9 @@ def test_a_dead_decode_node_leaves_nothing_on_the_prefill_node(server, make_pair
 def test_a_frozen_sender_that_wakes_up_cannot_reopen_a_pair(server, make_pair) -> None:
     p, d = make_pair(handshake_timeout_s=2.0)
     send_request(server, p, d, "before-freeze", PROMPTS[0], LONG)
-    run_until(server, (p,), lambda: p._num_transferring() == 1, max_iters=2000)
+    run_until(
+        server, (p,), lambda: p.role.transfer_counters().num_transferring == 1, max_iters=2000
+    )
     server.send(d, _gone(p))  # declared dead while frozen: d reads only its request socket
     for _ in range(2000):
         d._recv()
@@ -125,30 +132,30 @@ def test_a_frozen_sender_that_wakes_up_cannot_reopen_a_pair(server, make_pair) -
     assert "is gone" in (server.finished["before-freeze"].error or "")
     # ... then wakes up: its transfer request reaches d, which refuses it
     deadline = time.monotonic() + 10
-    while p._num_unfinished() and time.monotonic() < deadline:
+    while p.count_unfinished() and time.monotonic() < deadline:
         p.run_once(block=False)
         d.run_once(block=False)
     assert_idle(p, d)
-    assert d._check_integrity()["pairs"] == 0  # its requests were refused, no pair rebuilt
+    assert d.integrity()["pairs"] == 0  # its requests were refused, no pair rebuilt
 
 
 def test_a_reserve_that_raises_fails_that_request_alone(server, make_pair, monkeypatch) -> None:
     p, d = make_pair()
-    real = d.decode_scheduler.reserve_incoming
+    real = d.role.scheduler.reserve_incoming
 
     def reserve(req, num_tokens):
         if req.request_id == "bad-reserve":
             raise RuntimeError("injected reserve failure")
         return real(req, num_tokens)
 
-    monkeypatch.setattr(d.decode_scheduler, "reserve_incoming", reserve)
+    monkeypatch.setattr(d.role.scheduler, "reserve_incoming", reserve)
     send_request(server, p, d, "bad-reserve", PROMPTS[0])
     send_request(server, p, d, "good-reserve", PROMPTS[1])
     run_until(server, (p, d), lambda: {"bad-reserve", "good-reserve"} <= set(server.finished))
     assert "injected reserve failure" in (server.finished["bad-reserve"].error or "")
     assert server.finished["good-reserve"].error is None
     assert len(server.tokens["good-reserve"]) == 6
-    run_until(server, (p, d), lambda: p._num_unfinished() == d._num_unfinished() == 0)
+    run_until(server, (p, d), lambda: p.count_unfinished() == d.count_unfinished() == 0)
     assert_idle(p, d)
 
 
@@ -156,21 +163,21 @@ def test_a_prefill_post_processing_error_fails_that_request_alone(
     server, make_pair, monkeypatch
 ) -> None:
     p, d = make_pair()
-    real = p.send_peer
+    real = p.peers.send
 
     def send_peer(addr: str, msg: Any) -> None:
         if isinstance(msg, PrefilledMsg) and msg.request_id == "bad-post":
             raise RuntimeError("injected post-processing failure")
         real(addr, msg)
 
-    monkeypatch.setattr(p, "send_peer", send_peer)
+    monkeypatch.setattr(p.peers, "send", send_peer)
     send_request(server, p, d, "bad-post", PROMPTS[0])
     send_request(server, p, d, "good-post", PROMPTS[1])
     run_until(server, (p, d), lambda: {"bad-post", "good-post"} <= set(server.finished))
     assert "injected post-processing failure" in (server.finished["bad-post"].error or "")
     assert server.finished["good-post"].error is None
     server.send(d, AbortMsg("bad-post"))  # what the server does when a request fails
-    run_until(server, (p, d), lambda: p._num_unfinished() == d._num_unfinished() == 0)
+    run_until(server, (p, d), lambda: p.count_unfinished() == d.count_unfinished() == 0)
     assert_idle(p, d)
 
 
@@ -194,14 +201,14 @@ def test_abort_racing_a_failing_transfer_leaks_nothing(
     for node in (p, d):
         server.send(node, AbortMsg(rid))
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (p._num_unfinished() or d._num_unfinished()):
+    while time.monotonic() < deadline and (p.count_unfinished() or d.count_unfinished()):
         for node in (p, d):
             node.run_once(block=False)
         server.drain()
         time.sleep(0.01)
     assert_idle(p, d)
-    assert d._check_integrity()["transfers"] == 0
-    assert not d._aborted and not d._prefill_of
+    assert d.integrity()["transfers"] == 0
+    assert len(d.role.incoming) == 0
 
 
 def test_a_long_forward_beats_between_its_layers(server, make_pair) -> None:
@@ -224,10 +231,10 @@ def test_a_long_forward_beats_between_its_layers(server, make_pair) -> None:
         for h in handles:
             h.remove()
         server.send(p, AbortMsg("beats"))
-        run_until(server, (p,), lambda: p._num_unfinished() == 0, max_iters=100)
+        run_until(server, (p,), lambda: p.count_unfinished() == 0, max_iters=100)
 
 
-def _prefill_only(p: PrefillNode) -> PrefillReqMsg:
+def _prefill_only(p: Node) -> PrefillReqMsg:
     one = SamplingParams(max_tokens=1, temperature=0.0)
     return PrefillReqMsg(
         "beats", PROMPTS[0], one, "", "decode-x", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9"

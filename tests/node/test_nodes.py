@@ -1,4 +1,4 @@
-"""A PrefillNode and a DecodeNode in this process, over the fake transfer backend and a tiny
+"""A Node and a Node in this process, over the fake transfer backend and a tiny
 random model, driven one loop iteration at a time: no Ray, no sleeps."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from decode.node import DecodeNode
+from decode.node import DecodeRole
 from pd.core.messages import AbortMsg, LocalReqMsg
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.node import NodeConfig
-from prefill.node import PrefillNode
+from pd.node import Node, NodeConfig
+from prefill.node import PrefillRole
 from tests.node.harness import (
     GREEDY,
     PROMPTS,
@@ -30,10 +30,10 @@ pytestmark = pytest.mark.timeout(90)  # fixtures load models; each test runs in 
 
 
 @pytest.fixture(scope="module")
-def nodes(engine_cfg: EngineConfig, server: Server) -> Iterator[tuple[PrefillNode, DecodeNode]]:
+def nodes(engine_cfg: EngineConfig, server: Server) -> Iterator[tuple[Node, Node]]:
     fake = TransferConfig(backend="fake", timeout_s=5.0, handshake_timeout_s=5.0, secret=SECRET)
-    p = PrefillNode(engine_cfg, NodeConfig("prefill-0", server.addr, transfer=fake))
-    d = DecodeNode(engine_cfg, NodeConfig("decode-0", server.addr, transfer=fake))
+    p = Node(engine_cfg, NodeConfig("prefill-0", server.addr, transfer=fake), PrefillRole)
+    d = Node(engine_cfg, NodeConfig("decode-0", server.addr, transfer=fake), DecodeRole)
     yield p, d
     server.close()
     p.shutdown()
@@ -56,7 +56,7 @@ def test_disaggregated_greedy_equals_the_colocated_engine(server, nodes, referen
     assert server.finished["r0"].num_prompt_tokens == len(PROMPTS[0])
     assert any(e.node_id == "prefill-0" and e.kind == "inserted" for e in server.events)
     assert {"prefill-0", "decode-0"} <= set(server.stats)  # each loop published its stats
-    assert p.transfer_counters.num_done == len(PROMPTS)
+    assert p.role.transfer_counters().num_done == len(PROMPTS)
     assert_idle(p, d)
 
 
@@ -65,7 +65,7 @@ def test_a_request_done_at_its_first_token_frees_both_sides(server, nodes) -> No
     send_request(server, p, d, "one", PROMPTS[0], SamplingParams(max_tokens=1, temperature=0))
     run_until(server, nodes, lambda: "one" in server.finished)
     assert len(server.tokens["one"]) == 1
-    run_until(server, nodes, lambda: d._num_unfinished() == 0, max_iters=100)
+    run_until(server, nodes, lambda: d.count_unfinished() == 0, max_iters=100)
     assert_idle(p, d)
 
 
@@ -79,16 +79,16 @@ def test_abort_frees_both_nodes(server, nodes, when: str) -> None:
         run_until(server, nodes, lambda: len(server.tokens.get(rid, [])) >= 3)
     for node in nodes:
         server.send(node, AbortMsg(rid))
-    run_until(server, nodes, lambda: p._num_unfinished() == d._num_unfinished() == 0)
+    run_until(server, nodes, lambda: p.count_unfinished() == d.count_unfinished() == 0)
     assert_idle(p, d)
 
 
 def test_malformed_messages_are_counted_and_dropped(server, nodes) -> None:
     p, d = nodes
-    before = p.num_bad_msgs
+    before = p.inbox.num_bad_msgs
     server.send_raw(p, b"\x00garbage")  # authentic frames, malformed messages
     server.send_raw(p, msgspec.msgpack.encode({"type": "prefill_req", "request_id": 5}))
-    run_until(server, nodes, lambda: p.num_bad_msgs == before + 2, max_iters=2000)
+    run_until(server, nodes, lambda: p.inbox.num_bad_msgs == before + 2, max_iters=2000)
     send_request(server, p, d, "after-garbage", PROMPTS[2])
     run_until(server, nodes, lambda: "after-garbage" in server.finished)
     assert server.finished["after-garbage"].error is None

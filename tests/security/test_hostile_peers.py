@@ -1,7 +1,7 @@
 """A process without the cluster secret sends to every socket of a running cluster (the
 server's PULL, each node's PULL and transfer ROUTER) while requests are in flight.
 
-The cluster is the real ``ClusterClient`` and a ``PrefillNode`` + ``DecodeNode`` on their own
+The cluster is the real ``ClusterClient`` and a ``Node`` + ``Node`` on their own
 loop threads, in this process, over the fake transfer backend and a tiny model (no Ray). The
 decode node is held mid-decode while the stranger sends, so every request is in flight then.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from decode.node import DecodeNode
+from decode.node import DecodeRole
 from pd.cluster.client import ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
@@ -28,9 +28,9 @@ from pd.core.messages import (
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.node import NodeConfig
+from pd.node import Node, NodeConfig
 from pd.server.metrics import ServerMetrics
-from prefill.node import PrefillNode
+from prefill.node import PrefillRole
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer import TransferConfig
 from transfer.auth import new_secret, reply_audience
@@ -46,7 +46,7 @@ PROMPTS = [[5 + i, 17, 300 + i, 42, 9, 1000 + 7 * i, 77] * 3 for i in range(3)]
 class DecodeGate:
     """Holds the decode node's forward passes while ``closed`` (requests stay in flight)."""
 
-    def __init__(self, node: DecodeNode) -> None:
+    def __init__(self, node: Node) -> None:
         self.closed = False
         self.is_held = threading.Event()
         self._open = threading.Event()
@@ -109,8 +109,8 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
     )
     await client.start()
     fake = TransferConfig(backend="fake", timeout_s=30.0, handshake_timeout_s=30.0, secret=SECRET)
-    p = PrefillNode(engine_cfg, NodeConfig("prefill-0", client.addr, transfer=fake))
-    d = DecodeNode(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake))
+    p = Node(engine_cfg, NodeConfig("prefill-0", client.addr, transfer=fake), PrefillRole)
+    d = Node(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake), DecodeRole)
     gate = DecodeGate(d)
     try:
         client.add_node(p.start())
@@ -187,7 +187,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         )  # fmt: skip
         assert client._opener.drops.num_replayed == 1
         assert p._opener.drops.num_replayed == 1 and d._opener.drops.num_replayed == 1
-        assert client.num_bad_msgs == p.num_bad_msgs == d.num_bad_msgs == 0
+        assert client.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0
         assert p.transfer.num_dropped_msgs == d.transfer.num_dropped_msgs == 0
         assert client.coordinator.index("prefill-0").num_cached_tokens > 0  # no forged reset
         await _wait(lambda: client.node_stats["decode-0"].num_rejected_msgs == want_d, 10,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pd.cluster.addresses import (
+from pd.core.addresses import (
     SocketAddrs,
     choose_addrs,
     cluster_node_ip,
@@ -26,7 +26,7 @@ def _plan(bind_host: str, ray_ip: str, is_local: bool) -> tuple[SocketAddrs, lis
     node's (nodes on this machine and on others)."""
     server = choose_addrs(bind_host, cluster_node_ip(is_local, ray_ip))
     node_ips = [ray_ip] if is_local else [ray_ip, "10.0.0.8", "10.9.9.9"]
-    nodes = [node_addrs(node_bind_host(is_local), lambda ip=ip: ip) for ip in node_ips]
+    nodes = [node_addrs(node_bind_host(is_local), ip) for ip in node_ips]
     return server, nodes
 
 
@@ -63,12 +63,12 @@ def test_bind_and_advertised_hosts(bind_host: str, node_ip: str, want: tuple[str
     assert choose_addrs(bind_host, node_ip) == want
 
 
-def test_the_ray_ip_is_asked_only_for_auto_and_wildcards() -> None:
-    def ray_ip() -> str:
-        raise AssertionError("Ray asked for a concrete bind host")
-
-    assert node_addrs("127.0.0.1", ray_ip) == ("127.0.0.1", "127.0.0.1")
-    assert node_addrs("0.0.0.0", lambda: "10.0.0.7") == ("0.0.0.0", "10.0.0.7")
+def test_the_node_ip_counts_only_for_auto_and_wildcards() -> None:
+    assert node_addrs("127.0.0.1", "10.9.9.9") == ("127.0.0.1", "127.0.0.1")
+    assert node_addrs("127.0.0.1", "") == ("127.0.0.1", "127.0.0.1")
+    assert node_addrs("0.0.0.0", "10.0.0.7") == ("0.0.0.0", "10.0.0.7")
+    with pytest.raises(ValueError, match="needs the node's cluster IP"):
+        node_addrs("auto", "")  # whoever placed the node must say where it is
     with pytest.raises(ValueError, match="not a host to dial"):
         choose_addrs("auto", "0.0.0.0")  # a broken Ray IP is an error, not an address
 

@@ -17,7 +17,6 @@ own machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from transfer.endpoint import check_host, is_loopback, is_wildcard
@@ -59,9 +58,12 @@ def node_bind_host(is_local: bool) -> str:
     return LOCAL_NODE_IP if is_local else "auto"
 
 
-def node_addrs(bind_host: str, ray_node_ip: Callable[[], str]) -> SocketAddrs:
+def node_addrs(bind_host: str, node_ip: str) -> SocketAddrs:
     """A node's sockets. A concrete bind host is the node's own address; "auto" and wildcards
-    ask Ray (``ray_node_ip`` is called only then, inside the node's actor)."""
+    need ``node_ip``, the node's machine's cluster IP, which whoever placed the node looked up
+    (``pd.cluster.node_actor``: Ray's, inside the node's actor)."""
     if bind_host == "auto" or is_wildcard(bind_host):
-        return choose_addrs(bind_host, ray_node_ip())
+        if not node_ip:
+            raise ValueError(f"bind host {bind_host!r} needs the node's cluster IP (node_ip)")
+        return choose_addrs(bind_host, node_ip)
     return choose_addrs(bind_host, bind_host)

@@ -1,0 +1,346 @@
+"""``Node``: one loop thread that drives an engine core for a role, composed of parts.
+
+A node owns an ``EngineCore`` (model runner, KV pool, prefix cache, its role's scheduler), a
+``TransferAgent`` over the pool, its sockets (``Inbox``, ``ServerLink``, ``PeerLinks``) and a
+role object (``prefill.node.PrefillRole`` or ``decode.node.DecodeRole``, a ``BaseRole``).
+``start()`` runs its loop on a thread of its own; one iteration reads
+
+    recv() -> commands -> core.step() -> role.after_step() -> publish()
+
+and the Ray actor methods only talk to that loop through a command queue, so no engine state is
+touched from two threads. Nothing in one iteration can leave state that makes the next raise
+again: a failed forward fails its batch (``EngineCore.step``), and an error while handling one
+request fails that request alone (``guard``).
+
+The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
+for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers (the engine's
+layer callback), so a busy loop is told from a stuck one. When a peer dies or leaves
+(``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
+what it kept for the peer's requests.
+
+The node outlives the server it was started by (a detached Ray actor, ``pd.cluster.node_actor``):
+while no server reads, its messages are dropped after ``server_send_timeout_ms`` instead of
+blocking the loop, and a new server ``attach``es to it (the old server's requests are aborted,
+messages go to the new address) and rebuilds its mirror of the cache from ``resync_cache``: a
+``reset`` and the whole cache as ``inserted`` events, in the event stream itself, so nothing
+published before or after the snapshot can overtake it. The same call repairs a mirror that lost
+events (a seq gap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import msgspec
+import zmq
+
+from pd.core.addresses import node_addrs
+from pd.core.messages import NodeInfo, PeerGoneMsg
+from pd.engine.config import EngineConfig
+from pd.engine.core import EngineCore
+from pd.engine.scheduler import Scheduler
+from pd.engine.torch_thread import TorchThread
+from pd.node.config import NodeConfig, NodeSettings
+from pd.node.links import Inbox, PeerLinks, ServerLink
+from pd.node.role import BaseRole, NodeParts
+from transfer import TransferAgent
+
+logger = logging.getLogger(__name__)
+_PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
+
+
+class NodeResources(NamedTuple):
+    """What a node holds open; leak checks compare these with their idle level."""
+
+    num_pairs: int  # pair groups (as sender and as receiver)
+    num_sockets: int  # zmq sockets: inbox, server link, peer links, transfer control
+    num_threads: int  # Python threads of the process (pair workers and copiers among them)
+    num_transfers: int  # transfers not yet final
+
+
+class Node:
+    def __init__(
+        self, engine_cfg: EngineConfig, node_cfg: NodeConfig, role_cls: type[BaseRole]
+    ) -> None:
+        addrs = node_addrs(node_cfg.host, node_cfg.node_ip)
+        self.engine_cfg = engine_cfg
+        self.node_cfg = node_cfg
+        self.node_id = node_cfg.node_id
+        self.role_name = role_cls.name
+        # built on the thread that will step it (pd.engine.torch_thread: one OpenMP team)
+        self._thread = TorchThread(f"{node_cfg.node_id}-loop")
+        self.core = self._thread.run(
+            lambda: EngineCore(engine_cfg, node_cfg.node_id, role_cls.scheduler_cls)
+        )
+        secret = node_cfg.transfer.secret
+        self._ctx = zmq.Context()
+        # a message for a peer that is gone must never hold up closing (nor a collected context)
+        self._ctx.setsockopt(zmq.LINGER, 0)
+        self.inbox = Inbox(
+            self._ctx,
+            addrs.bind_host,
+            addrs.host,
+            secret,
+            node_cfg.transfer.max_msg_age_s,
+            self.node_id,
+        )
+        self.server = ServerLink(
+            self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
+        )
+        self.peers = PeerLinks(self._ctx, secret)
+        slot_owner = role_cls.make_slot_owner(self.core, self.server)
+        pool = self.core.runner.pool
+        self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
+            dataclasses.replace(node_cfg.transfer, host=addrs.host),
+            pool.k + pool.v,
+            pool.num_layers,
+            slot_owner=slot_owner,
+        )
+        self.role = role_cls(
+            NodeParts(
+                self.node_id,
+                self.core,
+                self.transfer,
+                self.server,
+                self.peers,
+                slot_owner,
+                self.guard,
+            )
+        )
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._next_stats = 0.0
+        self._stopped = threading.Event()
+
+    @property
+    def addr(self) -> str:
+        """The inbox: where the server and prefill nodes send this node messages."""
+        return self.inbox.addr
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def num_rejected_msgs(self) -> int:
+        """Frames that failed authentication, on the inbox and the transfer socket."""
+        return self.inbox.num_rejected_msgs + self.transfer.num_rejected_msgs
+
+    # -- called from the actor's thread -----------------------------------------------------
+
+    def start(self) -> NodeInfo:
+        """Start the event loop; return where to reach this node."""
+        if not self._thread.has_loop:
+            self._thread.start(self._loop)
+        return self.info()
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            role=self.role_name,
+            addr=self.addr,
+            transfer_addr=self.transfer.endpoint,
+            num_slots=self.core.allocator.num_slots,
+            max_model_len=self.core.max_model_len,
+            pid=os.getpid(),
+            ray_node_id=self.node_cfg.ray_node_id,
+        )
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn`` on the loop thread, between steps, and return its result."""
+        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands.put((fn, done))
+        result = done.get(timeout=timeout)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def check_integrity(self) -> dict[str, int]:
+        """Assert the slot pool and cache invariants; return the slot accounting."""
+        return self.call(self.integrity)
+
+    def num_unfinished(self) -> int:
+        return self.call(self.count_unfinished)
+
+    # -- a new server (the old one exited) ---------------------------------------------------
+
+    def settings(self) -> NodeSettings:
+        """What this node was started with, the cluster secret included (Ray hands it over as
+        it handed it in), for a server that attaches: it starts new nodes the same way (each
+        on its own machine, so without this one's address)."""
+        node = dataclasses.replace(self.node_cfg, node_ip="", ray_node_id="")
+        return NodeSettings(self.engine_cfg, node)
+
+    def attach(self, server_addr: str) -> NodeInfo:
+        """Serve the server at ``server_addr`` from now on; every request of the old server is
+        aborted (no one waits for its tokens), and its messages not sent yet are dropped."""
+
+        def repoint() -> NodeInfo:
+            for request_id in self.request_ids():
+                self.role.abort(request_id)
+            self.node_cfg = dataclasses.replace(self.node_cfg, server_addr=server_addr)
+            self.server.repoint(server_addr)
+            return self.info()
+
+        return self.call(repoint)
+
+    def resync_cache(self) -> int:
+        """Send the whole cache as events (a ``reset``, then ``inserted`` paths) down the event
+        stream; the server's mirror of this node is exact again once it reads them. Returns
+        how many were sent (0: this node keeps no prefix cache, and no events)."""
+
+        def send_snapshot() -> int:
+            snapshot = getattr(self.core.cache, "take_snapshot", None)
+            events = snapshot() if snapshot is not None else []
+            self.server.send_all(events)
+            return len(events)
+
+        return self.call(send_snapshot)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)
+        self.transfer.close()
+        self.inbox.close()
+        self.server.close()
+        self.peers.close()
+        self._ctx.term()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                logger.exception("%s: loop iteration failed", self.node_id)
+                time.sleep(0.05)
+
+    def run_once(self, block: bool = True) -> bool:
+        """One loop iteration; True if it ran a batch. ``block``: when idle, wait a little for
+        the next message (the loop's way to sleep); tests drive nodes with ``block=False``."""
+        self._recv()
+        self._run_commands()
+        result = self.core.step(before_run=self.role.before_run, on_layer_done=self._beat)
+        self.role.after_step(result)
+        self._publish()
+        busy = result.num_scheduled > 0
+        if not busy and block:
+            if self.node_cfg.debug_checks and self.count_unfinished() == 0:
+                self.integrity()
+            # transfers progress on the agent's own socket: look again soon while any is open
+            num_transferring = self.role.transfer_counters().num_transferring
+            self.inbox.wait(1 if num_transferring else self.node_cfg.idle_poll_ms)
+        return busy
+
+    def _recv(self) -> None:
+        while (msg := self.inbox.recv()) is not None:
+            with self.guard(getattr(msg, "request_id", "")):
+                if isinstance(msg, PeerGoneMsg):
+                    self._on_peer_gone(msg)
+                else:
+                    self.role.handle(msg)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put(fn())
+            except Exception as e:  # handed to the caller
+                done.put(e)
+
+    def _on_peer_gone(self, msg: PeerGoneMsg) -> None:
+        self.peers.close_peer(msg.addr)
+        self.transfer.close_peer(msg.transfer_addr)  # fails its transfers before the role looks
+        self.role.forget_peer(msg)
+
+    @contextmanager
+    def guard(self, request_id: str) -> Iterator[None]:
+        """Run a step of one request's handling: if it raises, that request fails alone."""
+        try:
+            yield
+        except Exception as e:
+            logger.exception("%s: handling request %s failed", self.node_id, request_id)
+            if request_id:
+                self.role.abort(request_id)
+                self.server.report_error(request_id, f"{type(e).__name__} on {self.node_id}: {e}")
+
+    # -- what the server hears: cache events, and stats as the heartbeat --------------------
+
+    def _publish(self) -> None:
+        self.server.send_all(self.core.cache.take_events())
+        if time.monotonic() >= self._next_stats:
+            self._publish_stats()
+
+    def _beat(self, layer: int) -> None:
+        """A decoder layer finished (the engine's layer callback): beat if it is time."""
+        if time.monotonic() >= self._next_stats:
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self._next_stats = time.monotonic() + self.node_cfg.stats_interval_s
+        counters = self.role.transfer_counters()._replace(
+            num_dropped_msgs=self.inbox.num_bad_msgs + self.transfer.num_dropped_msgs
+        )
+        res = self._resources()
+        stats = self.core.stats(self.role_name, counters)
+        self.server.send(
+            msgspec.structs.replace(
+                stats,
+                num_rejected_msgs=self.num_rejected_msgs,
+                num_pairs=res.num_pairs,
+                num_sockets=res.num_sockets,
+                num_threads=res.num_threads,
+            )
+        )
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def count_unfinished(self) -> int:
+        """Requests this node holds anything for (on the loop thread)."""
+        return self.scheduler.num_unfinished + self.role.num_expected
+
+    def request_ids(self) -> set[str]:
+        """Every request this node holds anything for (on the loop thread)."""
+        queued = {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)}
+        return queued | self.role.held_request_ids()
+
+    def integrity(self) -> dict[str, int]:
+        """Check the invariants and count what is held (on the loop thread; see
+        ``check_integrity``)."""
+        core = self.core
+        core.scheduler.check_integrity()
+        in_use = core.allocator.num_used_slots - core.cache.num_cached_tokens
+        res = self._resources()
+        return {
+            "total": core.allocator.num_slots,
+            "free": core.allocator.num_free_slots,
+            "cached": core.cache.num_cached_tokens,
+            "in_use": in_use,
+            "unfinished": self.count_unfinished(),
+            "pairs": res.num_pairs,
+            "sockets": res.num_sockets,
+            "threads": res.num_threads,
+            "pair_threads": sum(t.name.startswith(_PAIR_THREADS) for t in threading.enumerate()),
+            "transfers": res.num_transfers,
+        }
+
+    def _resources(self) -> NodeResources:
+        return NodeResources(
+            num_pairs=self.transfer.num_pairs,
+            num_sockets=2 + len(self.peers) + self.transfer.num_sockets,
+            num_threads=threading.active_count(),
+            num_transfers=self.transfer.num_open_transfers,
+        )
