@@ -1,1 +1,2 @@
-from __future__ import annotations
+"""The prefill role (layer 6): ``PrefillRole`` (``node.py``) and ``PrefillScheduler``
+(``scheduler.py``). It never imports ``decode``."""

@@ -1,4 +1,4 @@
-"""Prefix caching: the radix tree, the KV ``RadixCache`` every node and the colocated engine use,
+"""Prefix caching (layer 3, above ``pd.core`` and ``pd.model``): the radix tree, the KV ``RadixCache`` every node and the colocated engine use,
 the cache-off ``NoPrefixCache``, the ``BasePrefixCache`` seam between them and the scheduler, and
 the coordinator's ``PrefixIndex`` (a mirror of a node's tree rebuilt from its cache events)."""
 

@@ -1,4 +1,5 @@
-"""The model runtime: loading (HF dirs and GGUF) and tokenization."""
+"""The model (layer 2, above ``pd.core`` only): the Llama-family decoder, loading (HF dirs and
+GGUF), weight formats and tokenization."""
 
 from __future__ import annotations
 
