@@ -16,7 +16,7 @@ import zmq
 from pd.core.messages import NodeMsg, ServerMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
-from transfer.auth import Opener, Sealer
+from transfer.auth import AuthDrops, Opener, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,12 @@ class Inbox:
         self.num_bad_msgs = 0  # authentic frames that held no valid message
 
     @property
+    def drops(self) -> AuthDrops:
+        """Frames that failed authentication, by reason (forged, altered, replayed, stale)."""
+        return self._opener.drops
+
+    @property
     def num_rejected_msgs(self) -> int:
-        """Frames that failed authentication (forged, altered, replayed, stale)."""
         return self._opener.drops.total
 
     def recv(self) -> NodeMsg | None:

@@ -168,7 +168,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         await asyncio.to_thread(run_stranger, actions)
 
         await _wait(lambda: client.num_rejected_msgs == len(plan[client.addr]), 30, "the server")
-        await _wait(lambda: p._opener.drops.total == len(plan[p.addr]), 30, "the prefill node")
+        await _wait(lambda: p.inbox.drops.total == len(plan[p.addr]), 30, "the prefill node")
         gate.open()
         want_d = len(plan[d.addr]) + len(ctrl_plan[d_ctrl])
         await _wait(lambda: d.num_rejected_msgs == want_d, 30, "the decode node")
@@ -186,7 +186,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
             7, want_p, want_d
         )  # fmt: skip
         assert client._opener.drops.num_replayed == 1
-        assert p._opener.drops.num_replayed == 1 and d._opener.drops.num_replayed == 1
+        assert p.inbox.drops.num_replayed == 1 and d.inbox.drops.num_replayed == 1
         assert client.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0
         assert p.transfer.num_dropped_msgs == d.transfer.num_dropped_msgs == 0
         assert client.coordinator.index("prefill-0").num_cached_tokens > 0  # no forged reset
