@@ -49,7 +49,7 @@ import zmq.asyncio
 from pd.cluster.coordinator import Coordinator
 from pd.cluster.liveness import Liveness
 from pd.cluster.mirror import MirrorSync
-from pd.cluster.room import RoomQueue, Ticket
+from pd.cluster.room import RoomQueue, RoomTicket
 from pd.cluster.slo import LatencyWindow
 from pd.core.messages import (
     AbortMsg,
@@ -135,7 +135,7 @@ class _Flight:
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     is_aborted: bool = False
     is_retry_pending: bool = False
-    ticket: Ticket = field(default_factory=Ticket)  # its place in the queue for room
+    ticket: RoomTicket = field(default_factory=RoomTicket)  # its place in the queue for room
 
 
 def _out_of_reroutes(flight: _Flight, error: str) -> str:
