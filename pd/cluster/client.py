@@ -21,7 +21,7 @@ The life of a request (a *flight*) here:
    is released, and the next waiting request is woken.
 
 A server that attaches to running nodes (its predecessor exited) registers them with
-``add_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
+``register_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
 (``MirrorSync``, which also repairs a mirror that lost events). ``warm`` prefills a prompt into
 the cache of the prefill node it would be routed to, generating nothing beyond the first token.
 
@@ -219,14 +219,14 @@ class ClusterClient:
         """Frames from nodes (or anyone else) that failed authentication."""
         return self._opener.drops.total
 
-    def add_node(self, info: NodeInfo, attached: bool = False) -> None:
+    def register_node(self, info: NodeInfo, attached: bool = False) -> None:
         """``attached``: the node ran before this server (its cache snapshot is awaited)."""
         self._in_loop(lambda: self._add_node(info, attached))
 
     def drain_node(self, node_id: str) -> None:
         self._in_loop(lambda: self.coordinator.drain(node_id))
 
-    def remove_node(self, node_id: str) -> None:
+    def unregister_node(self, node_id: str) -> None:
         """The node leaves (after draining): survivors close what they share with it."""
         self._in_loop(lambda: self._drop_node(node_id, "removed", is_dead=False))
 

@@ -96,7 +96,7 @@ class Harness:
 
     def add(self, node_id: str, slots: int = 1000) -> FakeNode:
         node = self.nodes[node_id] = FakeNode(self.ctx, node_id, self.client.pull_addr, slots)
-        self.client.add_node(node.info)
+        self.client.register_node(node.info)
         node.beat()
         return node
 

@@ -113,8 +113,8 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
     d = DecodeNode(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake))
     gate = DecodeGate(d)
     try:
-        client.add_node(p.start())
-        client.add_node(d.start())
+        client.register_node(p.start())
+        client.register_node(d.start())
         outputs: dict[str, list[int]] = {}
 
         async def run(rid: str, prompt: list[int]) -> None:
