@@ -75,7 +75,16 @@ class FakeNode:
 
     def tokens(self, rid: str, ids: list[int], finished: bool = False) -> None:
         reason = "length" if finished else None
-        self.send(TokenMsg(rid, ids, finished, reason, len(PROMPT), 0, None, self.node_id))
+        msg = TokenMsg(
+            request_id=rid,
+            token_ids=ids,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=len(PROMPT),
+            num_cached_tokens=0,
+            node_id=self.node_id,
+        )
+        self.send(msg)
 
     def beat(self) -> None:
         role = self.info.role
@@ -175,8 +184,26 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         p.send(CacheEventMsg("prefill-0", 7, "inserted", "", [1, 2]))  # its handler raises
         p.send(CacheEventMsg("prefill-0", 9, "inserted", "", [1, 2, 3]))  # out of order
         p.send(CacheEventMsg("prefill-9", 0, "inserted", "", [1]))  # unknown node
-        p.send(TokenMsg("nobody", [1], True, "stop", 1, 0, None, "decode-0"))  # unknown id
-        d.send(TokenMsg("r1", [98], False, None, 10, 0, None, "decode-7"))  # not its node
+        unknown_id = TokenMsg(
+            request_id="nobody",
+            token_ids=[1],
+            finished=True,
+            finish_reason="stop",
+            num_prompt_tokens=1,
+            num_cached_tokens=0,
+            node_id="decode-0",
+        )
+        p.send(unknown_id)
+        not_its_node = TokenMsg(
+            request_id="r1",
+            token_ids=[98],
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=10,
+            num_cached_tokens=0,
+            node_id="decode-7",
+        )
+        d.send(not_its_node)
         d.tokens("r1", [5])
         d.tokens("r1", [6, 7], finished=True)
         await h.wait_done("r1")
@@ -376,7 +403,18 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 
         def transfer_failed(node: FakeNode, rid: str) -> None:
             why = f"KV transfer failed on {node.node_id}"
-            node.send(TokenMsg(rid, [], True, "abort", 0, 0, why, node.node_id, True))
+            msg = TokenMsg(
+                request_id=rid,
+                token_ids=[],
+                finished=True,
+                finish_reason="abort",
+                num_prompt_tokens=0,
+                num_cached_tokens=0,
+                error=why,
+                node_id=node.node_id,
+                can_retry=True,
+            )
+            node.send(msg)
 
         transfer_failed(p, "r")  # both sides report it: one retry
         transfer_failed(d, "r")
@@ -390,7 +428,17 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         )
         h.request("own-error")  # an error of the request itself is not retried
         await p.recv_until(PrefillReqMsg)
-        p.send(TokenMsg("own-error", [], True, "abort", 0, 0, "sampling failed", "prefill-0"))
+        own_error = TokenMsg(
+            request_id="own-error",
+            token_ids=[],
+            finished=True,
+            finish_reason="abort",
+            num_prompt_tokens=0,
+            num_cached_tokens=0,
+            error="sampling failed",
+            node_id="prefill-0",
+        )
+        p.send(own_error)
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
         assert h.client.num_rerouted == 1
