@@ -26,6 +26,9 @@ The life of a request (a *flight*, ``pd.cluster.flight``), by its status:
    releases its booking and wakes the next waiting request; unless it finished, its nodes are
    told to forget the attempt.
 
+Membership calls (``register_node``, ``fail_node``, ...) may come from any thread: they run on
+the client's event loop, handed over explicitly when they come from elsewhere (``_on_loop``).
+
 A server that attaches to running nodes (its predecessor exited) registers them with
 ``register_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
 (``MirrorSync``, which also repairs a mirror that lost events). ``warm`` prefills a prompt into
@@ -167,7 +170,7 @@ class ClusterClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ServerMsg)
 
-    # -- membership (the launcher calls these, from any thread) -----------------------------
+    # -- membership: from any thread, and before start() (``_on_loop``) ---------------------
 
     def listen_at(self, pull_addr: str, addr: str) -> None:
         """Bind the PULL socket at ``pull_addr`` (e.g. every interface) and tell nodes ``addr``
@@ -196,30 +199,30 @@ class ClusterClient:
 
     def register_node(self, info: NodeInfo, attached: bool = False) -> None:
         """``attached``: the node ran before this server (its cache snapshot is awaited)."""
-        self._in_loop(lambda: self._register_node(info, attached))
+        self._on_loop(lambda: self._register_node(info, attached))
 
     def drain_node(self, node_id: str) -> None:
-        self._in_loop(lambda: self.coordinator.drain(node_id))
+        self._on_loop(lambda: self.coordinator.drain(node_id))
 
     def unregister_node(self, node_id: str) -> None:
         """The node leaves (after draining): survivors close what they share with it."""
-        self._in_loop(lambda: self._drop_node(node_id, "removed", is_dead=False))
+        self._on_loop(lambda: self._drop_node(node_id, "removed", is_dead=False))
 
     def fail_node(self, node_id: str, why: str) -> None:
         """The node died: re-route or fail its requests (module docstring, step 5)."""
-        self._in_loop(lambda: self._drop_node(node_id, why, is_dead=True))
+        self._on_loop(lambda: self._drop_node(node_id, why, is_dead=True))
 
     def num_routed_to(self, node_id: str) -> int:
         """Requests in flight that this node serves (or is about to receive)."""
         flights = self._flights.values()
-        return self._in_loop(lambda: sum(node_id in (f.prefill, f.decode) for f in flights))
+        return self._on_loop(lambda: sum(node_id in (f.prefill, f.decode) for f in flights))
 
     def begin_start(self, role: str) -> None:
         """A node of ``role`` is being started: requests may wait for it (``is_ready``)."""
-        self._in_loop(lambda: self._count_starting(role, +1))
+        self._on_loop(lambda: self._count_starting(role, +1))
 
     def end_start(self, role: str) -> None:
-        self._in_loop(lambda: self._count_starting(role, -1))
+        self._on_loop(lambda: self._count_starting(role, -1))
 
     # -- EngineClient -----------------------------------------------------------------------
 
@@ -555,15 +558,22 @@ class ClusterClient:
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-    def _in_loop(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the client's event loop, from any thread (membership changes come
-        from the launcher's threads; zmq sockets and these dicts are the loop's alone)."""
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, a membership change or read, where the client's state (these dicts, the
+        coordinator, the zmq sockets) may be touched, and return its result. That state is
+        the event loop's once ``start()`` ran, and a call comes
+        - on that loop (the watchdog, the launcher's tasks): ``fn`` runs at once;
+        - from another thread while the loop runs: ``fn`` is handed to the loop
+          (``call_soon_threadsafe``) and this thread waits for its result;
+        - before ``start()``: see ``_before_start``.
+        After the loop stopped, nothing can run there: RuntimeError."""
         loop = self._loop
-        if loop is None or not loop.is_running():
+        if loop is None:
+            return self._before_start(fn)
+        if _running_loop() is loop:
             return fn()
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                return fn()
+        if not loop.is_running():
+            raise RuntimeError("the cluster client's event loop has stopped")
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -574,3 +584,17 @@ class ClusterClient:
 
         loop.call_soon_threadsafe(run)
         return done.result(timeout=60)
+
+    def _before_start(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the caller's thread, before ``start()`` (the launcher registers its
+        first nodes so): no loop, reader or watchdog exists yet, so nothing else touches the
+        state."""
+        assert self._pull is None and not self._tasks, "started, but no loop is recorded"
+        return fn()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # none on this thread
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -442,3 +443,34 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
         assert h.client.num_rerouted == 1
+
+
+async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:
+    async with _harness() as h:
+        threads: list[threading.Thread] = []
+        real_add = h.client.coordinator.add_prefill
+
+        def add_prefill(node_id: str) -> None:
+            threads.append(threading.current_thread())
+            real_add(node_id)
+
+        monkeypatch.setattr(h.client.coordinator, "add_prefill", add_prefill)
+        node = h.nodes["prefill-0"] = FakeNode(h.ctx, "prefill-0", h.client.pull_addr, 1000)
+        await asyncio.to_thread(h.client.register_node, node.info)
+        assert threads == [threading.current_thread()]  # the loop's, not the caller's
+        assert list(h.client.nodes) == ["prefill-0"]
+        assert await asyncio.to_thread(h.client.num_routed_to, "prefill-0") == 0
+
+
+def test_membership_calls_before_start_run_here_and_after_the_loop_stopped_raise() -> None:
+    client = ClusterClient(Coordinator(CoordinatorConfig()), "tcp://127.0.0.1:*", secret=SECRET)
+    client.begin_start("decode")  # no loop yet: done at once, on this thread
+    assert client._num_starting["decode"] == 1
+
+    async def start_and_close() -> None:
+        await client.start()
+        await client.close()
+
+    asyncio.run(start_and_close())
+    with pytest.raises(RuntimeError, match="event loop has stopped"):
+        client.end_start("decode")
