@@ -76,16 +76,21 @@ class FakeNode:
 
     def tokens(self, rid: str, ids: list[int], finished: bool = False) -> None:
         reason = "length" if finished else None
-        msg = TokenMsg(
-            request_id=rid,
-            token_ids=ids,
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=len(PROMPT),
-            num_cached_tokens=0,
-            node_id=self.node_id,
+        self.send(_token_msg(rid, ids, node_id=self.node_id, finished=finished, reason=reason))
+
+    def fails(self, rid: str, error: str, can_retry: bool = False) -> None:
+        """``rid`` failed here: ``can_retry`` when its KV transfer did, not the request."""
+        self.send(
+            _token_msg(
+                rid,
+                [],
+                node_id=self.node_id,
+                finished=True,
+                reason="abort",
+                error=error,
+                can_retry=can_retry,
+            )
         )
-        self.send(msg)
 
     def beat(self) -> None:
         role = self.info.role
@@ -94,6 +99,29 @@ class FakeNode:
     def close(self) -> None:
         self.pull.close(linger=0)
         self.push.close(linger=0)
+
+
+def _token_msg(
+    rid: str,
+    ids: list[int],
+    *,
+    node_id: str,
+    finished: bool,
+    reason: str | None,
+    error: str | None = None,
+    can_retry: bool = False,
+) -> TokenMsg:
+    return TokenMsg(
+        request_id=rid,
+        token_ids=ids,
+        finished=finished,
+        finish_reason=reason,
+        num_prompt_tokens=len(PROMPT),
+        num_cached_tokens=0,
+        error=error,
+        node_id=node_id,
+        can_retry=can_retry,
+    )
 
 
 class Harness:
@@ -185,25 +213,9 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         p.send(CacheEventMsg("prefill-0", 7, "inserted", "", [1, 2]))  # its handler raises
         p.send(CacheEventMsg("prefill-0", 9, "inserted", "", [1, 2, 3]))  # out of order
         p.send(CacheEventMsg("prefill-9", 0, "inserted", "", [1]))  # unknown node
-        unknown_id = TokenMsg(
-            request_id="nobody",
-            token_ids=[1],
-            finished=True,
-            finish_reason="stop",
-            num_prompt_tokens=1,
-            num_cached_tokens=0,
-            node_id="decode-0",
-        )
+        unknown_id = _token_msg("nobody", [1], node_id="decode-0", finished=True, reason="stop")
+        not_its_node = _token_msg("r1", [98], node_id="decode-7", finished=False, reason=None)
         p.send(unknown_id)
-        not_its_node = TokenMsg(
-            request_id="r1",
-            token_ids=[98],
-            finished=False,
-            finish_reason=None,
-            num_prompt_tokens=10,
-            num_cached_tokens=0,
-            node_id="decode-7",
-        )
         d.send(not_its_node)
         d.tokens("r1", [5])
         d.tokens("r1", [6, 7], finished=True)
@@ -404,18 +416,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 
         def transfer_failed(node: FakeNode, rid: str) -> None:
             why = f"KV transfer failed on {node.node_id}"
-            msg = TokenMsg(
-                request_id=rid,
-                token_ids=[],
-                finished=True,
-                finish_reason="abort",
-                num_prompt_tokens=0,
-                num_cached_tokens=0,
-                error=why,
-                node_id=node.node_id,
-                can_retry=True,
-            )
-            node.send(msg)
+            node.fails(rid, why, can_retry=True)
 
         transfer_failed(p, "r")  # both sides report it: one retry
         transfer_failed(d, "r")
@@ -429,17 +430,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         )
         h.request("own-error")  # an error of the request itself is not retried
         await p.recv_until(PrefillReqMsg)
-        own_error = TokenMsg(
-            request_id="own-error",
-            token_ids=[],
-            finished=True,
-            finish_reason="abort",
-            num_prompt_tokens=0,
-            num_cached_tokens=0,
-            error="sampling failed",
-            node_id="prefill-0",
-        )
-        p.send(own_error)
+        p.fails("own-error", "sampling failed")
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
         assert h.client.num_rerouted == 1
