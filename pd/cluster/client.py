@@ -1,27 +1,36 @@
 """``ClusterClient``: the cluster behind the ``EngineClient`` interface, in the server process.
 
-The life of a request (a *flight*) here:
+The life of a request (a *flight*, ``pd.cluster.flight``), by its status:
 
-1. ``generate`` books a (prefill, decode) pair with the coordinator. When no node has room (or a
-   pool is empty while its replacement starts), the request waits in a FIFO queue, woken when
-   a request finishes or a node joins, until its deadline (``request_timeout_s``).
-2. The decode node is told what to expect, the prefill node what to compute, under the
+1. ``WAITING``: ``generate`` books a (prefill, decode) pair with the coordinator under the
    attempt's *wire id* (the request id, then ``id~1`` for a re-route), so messages of an
-   abandoned attempt are recognised and dropped.
-3. Tokens stream back from the decode node once the KV is there (one PULL socket receives
-   tokens, cache events fed to the coordinator, and stats, which are also the heartbeats).
-4. A node is dead when its Ray actor is gone or its heartbeat stops for ``heartbeat_timeout_s``.
-   A request it held that has streamed nothing is re-routed once (2.), waiting for room or for
-   a replacement node as in 1.; one that streamed tokens from the dead decode node ends with an
-   error; one already decoding elsewhere is not touched. Every surviving node hears
-   ``PeerGoneMsg`` and frees what it kept for the dead node. A request that streamed nothing
-   and whose KV transfer failed is re-routed the same way, after ``retry_delay_s`` (a node
-   death that caused the failure is usually found first: then it moves off that node at once).
-5. Finish, error, abort or deadline: both nodes are told to forget the attempt, its booking
-   is released, and the next waiting request is woken.
+   attempt given up are recognised and dropped. When no node has room (or a pool is empty while
+   its replacement starts), it waits in a FIFO queue, woken when a request finishes or a node
+   joins, until its deadline (``request_timeout_s``).
+2. ``ROUTED``: the decode node is told what to expect, the prefill node what to compute (or
+   the decode node prefills it itself: conditional disaggregation).
+3. ``STREAMING``: tokens stream back from the decode node once the KV is there. One PULL
+   socket receives tokens, cache events fed to the coordinator, and stats (which are also the
+   heartbeats); the reader turns each ``TokenMsg`` into a ``FlightEvent`` in the flight's
+   mailbox, which its stream reads.
+4. ``RETRY_PENDING``: its KV transfer failed before anything streamed; it is re-routed (5.)
+   after ``retry_delay_s`` (a node death that caused the failure is usually found first: then
+   it moves off that node at once).
+5. ``REROUTING``: a node is dead when its Ray actor is gone or its heartbeat stops for
+   ``heartbeat_timeout_s``. A request it held that has streamed nothing is re-routed once,
+   back to 1. (waiting for room or for a replacement node); one that streamed tokens from the
+   dead decode node fails; one already decoding elsewhere is not touched. Every surviving node
+   hears ``PeerGoneMsg`` and frees what it kept for the dead node.
+6. Over: ``FINISHED`` (its last tokens came), ``FAILED`` (an error, its deadline) or
+   ``ABORTED`` (``abort``, or its caller stopped reading). Leaving an attempt (for 5., or over)
+   releases its booking and wakes the next waiting request; unless it finished, its nodes are
+   told to forget the attempt.
+
+Membership calls (``register_node``, ``fail_node``, ...) may come from any thread: they run on
+the client's event loop, handed over explicitly when they come from elsewhere (``_on_loop``).
 
 A server that attaches to running nodes (its predecessor exited) registers them with
-``add_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
+``register_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
 (``MirrorSync``, which also repairs a mirror that lost events). ``warm`` prefills a prompt into
 the cache of the prefill node it would be routed to, generating nothing beyond the first token.
 
@@ -39,7 +48,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -47,9 +56,10 @@ import zmq
 import zmq.asyncio
 
 from pd.cluster.coordinator import Coordinator
+from pd.cluster.flight import EventKind, Flight, FlightEvent, FlightStatus
 from pd.cluster.liveness import Liveness
 from pd.cluster.mirror import MirrorSync
-from pd.cluster.room import RoomQueue, Ticket
+from pd.cluster.room import RoomQueue
 from pd.cluster.slo import LatencyWindow
 from pd.core.messages import (
     AbortMsg,
@@ -108,42 +118,10 @@ class ClientConfig:
             )
 
 
-class _Reroute(NamedTuple):
-    why: str
-
-
 class WarmResult(NamedTuple):
     node_id: str  # the prefill node whose cache holds the prompt now
     num_tokens: int
     num_cached_tokens: int  # of them, held there already
-
-
-@dataclass(eq=False)
-class _Flight:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    namespace: str
-    deadline: float  # time.monotonic()
-    queue: asyncio.Queue[TokenMsg | _Reroute] = field(default_factory=asyncio.Queue)
-    wire_id: str = ""  # the id the nodes know the current attempt by ("" between attempts)
-    prefill: str = ""  # "" also while the decode node prefills it (conditional disaggregation)
-    decode: str = ""
-    last_prefill: str = ""  # the prefill node of the latest attempt (kept after it ends)
-    is_warmup: bool = False  # warm a prefill node's cache: never prefilled on a decode node
-    num_attempts: int = 0
-    num_received: int = 0  # tokens received (so maybe streamed to the caller)
-    is_aborted: bool = False
-    is_retry_pending: bool = False
-    ticket: Ticket = field(default_factory=Ticket)  # its place in the queue for room
-
-
-def _out_of_reroutes(flight: _Flight, error: str) -> str:
-    """The error of a request that fails where it could have been re-routed, saying why not
-    when it was re-routed before (its attempts are spent)."""
-    if flight.num_attempts > 1:
-        error += f" (re-routed {flight.num_attempts - 1} time(s) before: no more)"
-    return error
 
 
 class ClusterClient:
@@ -171,8 +149,8 @@ class ClusterClient:
         self.num_bad_msgs = 0  # node messages dropped: malformed, or a handler raised
         self.num_reader_restarts = 0
         self.num_rerouted = 0
-        self._flights: dict[str, _Flight] = {}  # by request id
-        self._by_wire: dict[str, _Flight] = {}  # by the wire id of its current attempt
+        self._flights: dict[str, Flight] = {}  # by request id
+        self._by_wire: dict[str, Flight] = {}  # by the wire id of its current attempt
         self._room = RoomQueue()
         self._num_starting = dict.fromkeys(ROLES, 0)  # nodes being started, per role
         c = self.cfg
@@ -192,7 +170,7 @@ class ClusterClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ServerMsg)
 
-    # -- membership (the launcher calls these, from any thread) -----------------------------
+    # -- membership: from any thread, and before start() (``_on_loop``) ---------------------
 
     def listen_at(self, pull_addr: str, addr: str) -> None:
         """Bind the PULL socket at ``pull_addr`` (e.g. every interface) and tell nodes ``addr``
@@ -219,32 +197,32 @@ class ClusterClient:
         """Frames from nodes (or anyone else) that failed authentication."""
         return self._opener.drops.total
 
-    def add_node(self, info: NodeInfo, attached: bool = False) -> None:
+    def register_node(self, info: NodeInfo, attached: bool = False) -> None:
         """``attached``: the node ran before this server (its cache snapshot is awaited)."""
-        self._in_loop(lambda: self._add_node(info, attached))
+        self._on_loop(lambda: self._register_node(info, attached))
 
     def drain_node(self, node_id: str) -> None:
-        self._in_loop(lambda: self.coordinator.drain(node_id))
+        self._on_loop(lambda: self.coordinator.drain(node_id))
 
-    def remove_node(self, node_id: str) -> None:
+    def unregister_node(self, node_id: str) -> None:
         """The node leaves (after draining): survivors close what they share with it."""
-        self._in_loop(lambda: self._drop_node(node_id, "removed", is_dead=False))
+        self._on_loop(lambda: self._drop_node(node_id, "removed", is_dead=False))
 
     def fail_node(self, node_id: str, why: str) -> None:
-        """The node died: re-route or fail its requests (module docstring, step 4)."""
-        self._in_loop(lambda: self._drop_node(node_id, why, is_dead=True))
+        """The node died: re-route or fail its requests (module docstring, step 5)."""
+        self._on_loop(lambda: self._drop_node(node_id, why, is_dead=True))
 
     def num_routed_to(self, node_id: str) -> int:
         """Requests in flight that this node serves (or is about to receive)."""
-        flights = self._in_loop(lambda: list(self._flights.values()))
-        return sum(node_id in (f.prefill, f.decode) for f in flights)
+        flights = self._flights.values()
+        return self._on_loop(lambda: sum(node_id in (f.prefill, f.decode) for f in flights))
 
     def begin_start(self, role: str) -> None:
         """A node of ``role`` is being started: requests may wait for it (``is_ready``)."""
-        self._in_loop(lambda: self._num_starting.__setitem__(role, self._num_starting[role] + 1))
+        self._on_loop(lambda: self._count_starting(role, +1))
 
     def end_start(self, role: str) -> None:
-        self._in_loop(lambda: self._num_starting.__setitem__(role, self._num_starting[role] - 1))
+        self._on_loop(lambda: self._count_starting(role, -1))
 
     # -- EngineClient -----------------------------------------------------------------------
 
@@ -264,19 +242,18 @@ class ClusterClient:
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
-        return self._generate(_Flight(request_id, list(prompt_ids), params, namespace, 0.0))
+        return self._generate(Flight(request_id, list(prompt_ids), params, namespace))
 
     async def warm(self, request_id: str, prompt_ids: list[int], namespace: str = "") -> WarmResult:
         """Prefill ``prompt_ids`` into the cache of the prefill node the coordinator routes it
         to (as it would a request with this prompt), generating nothing."""
-        flight = _Flight(request_id, list(prompt_ids), _WARM_PARAMS, namespace, 0.0)
-        flight.is_warmup = True
+        flight = Flight(request_id, list(prompt_ids), _WARM_PARAMS, namespace, is_warmup=True)
         num_cached = 0
         async for out in self._generate(flight):
             num_cached = out.num_cached_tokens
         return WarmResult(flight.last_prefill, len(flight.prompt_ids), num_cached)
 
-    async def _generate(self, flight: _Flight) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, flight: Flight) -> AsyncIterator[RequestOutput]:
         await self.start()
         request_id, prompt_ids = flight.request_id, flight.prompt_ids
         if request_id in self._flights:
@@ -288,46 +265,51 @@ class ClusterClient:
         arrival = time.monotonic()
         flight.deadline = arrival + self.cfg.request_timeout_s
         self._flights[request_id] = flight
-        finished = False
         first_token = 0.0
+        num_cached: int | None = None  # the prefill node's hit (the first output's)
         try:
             await self._dispatch(flight)
-            num_cached: int | None = None  # the prefill node's hit (the first message's)
-            while not finished:
-                msg = await self._next(flight)
-                if isinstance(msg, _Reroute):
-                    logger.warning("re-routing %s: %s", request_id, msg.why)
+            while True:
+                event = await self._next(flight)
+                if event.kind is EventKind.REROUTE:
+                    logger.warning("re-routing %s: %s", request_id, event.why)
                     await self._dispatch(flight)
                     continue
-                if msg.error is not None:  # the partner node may still hold it: abort below
-                    raise ClusterError(msg.error)
+                if event.kind is EventKind.ERROR:  # its nodes were told to drop it
+                    raise ClusterError(event.why)
+                # TOKENS, or ABORT: a last output without tokens
                 if num_cached is None:
-                    num_cached = msg.num_cached_tokens
+                    num_cached = event.num_cached_tokens
                     first_token = time.monotonic()
                     self.ttft.add(first_token - arrival, first_token)
-                finished = msg.finished
-                if finished and flight.num_received > 1:
+                if event.finished and flight.num_received > 1:
                     now = time.monotonic()
                     self.tpot.add((now - first_token) / (flight.num_received - 1), now)
                 yield RequestOutput(
                     request_id,
-                    msg.token_ids,
-                    finished,
-                    msg.finish_reason,
+                    event.token_ids,
+                    event.finished,
+                    event.finish_reason,
                     len(prompt_ids),
                     num_cached,
                 )
+                if event.finished:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):  # its caller stopped reading
+            self._end_flight(flight, FlightStatus.ABORTED)
+            raise
+        except BaseException:  # its deadline, or a node could not be reached
+            self._end_flight(flight, FlightStatus.FAILED)
+            raise
         finally:
             self._flights.pop(request_id, None)
-            self._end_attempt(flight, abort=not finished)  # cancelled (client gone) or failed
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
-        if flight is None:
+        if flight is None or flight.is_over:
             return
-        flight.is_aborted = True
-        self._end_attempt(flight, abort=True)
-        flight.queue.put_nowait(TokenMsg(request_id, [], True, "abort", 0, 0))
+        self._end_attempt(flight, FlightStatus.ABORTED, abort_nodes=True)
+        flight.mailbox.put_nowait(FlightEvent.abort())
         flight.ticket.cancel()  # stop waiting for room
 
     async def is_ready(self) -> bool:
@@ -364,15 +346,12 @@ class ClusterClient:
 
     # -- a request's attempts ---------------------------------------------------------------
 
-    async def _dispatch(self, flight: _Flight) -> None:
+    async def _dispatch(self, flight: Flight) -> None:
         """Book nodes for the next attempt, waiting in FIFO order while none has room (until
         the deadline), and send the request to them."""
-        if flight.is_aborted:
+        if flight.status is FlightStatus.ABORTED:  # while re-routing: ABORT is next
             return
-        flight.num_attempts += 1
-        flight.is_retry_pending = False
-        n = flight.num_attempts - 1
-        wire = flight.wire_id = flight.request_id if n == 0 else f"{flight.request_id}~{n}"
+        wire = flight.begin_attempt()
         prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
         try:
             route = await self._room.wait(
@@ -381,15 +360,14 @@ class ClusterClient:
                 ),
                 flight.deadline,
                 flight.ticket,
-                first=n > 0,  # a re-routed request came before those waiting
+                first=flight.num_attempts > 1,  # a re-routed request came before those waiting
             )
         except TimeoutError as e:
             limit = self.cfg.request_timeout_s
             raise TimeoutError(f"request {flight.request_id}: {e} ({limit} s)") from None
-        if route is None:  # aborted while waiting: the abort message is queued
+        if route is None:  # aborted while waiting: ABORT is in its mailbox
             return
-        flight.prefill, flight.decode = route.prefill or "", route.decode
-        flight.last_prefill = flight.prefill
+        flight.route(route.prefill, route.decode)
         self._by_wire[wire] = flight
         d = self.nodes[route.decode]
         try:
@@ -402,36 +380,42 @@ class ClusterClient:
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
 
-    async def _next(self, flight: _Flight) -> TokenMsg | _Reroute:
-        if not flight.queue.empty():
-            return flight.queue.get_nowait()
+    async def _next(self, flight: Flight) -> FlightEvent:
+        if not flight.mailbox.empty():
+            return flight.mailbox.get_nowait()
         left = flight.deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(flight.queue.get(), max(left, 0.0))
+            return await asyncio.wait_for(flight.mailbox.get(), max(left, 0.0))
         except TimeoutError:
             raise TimeoutError(
                 f"request {flight.request_id} passed its deadline ({self.cfg.request_timeout_s} s)"
             ) from None
 
-    def _end_attempt(self, flight: _Flight, abort: bool) -> None:
-        """The current attempt is over: forget its wire id and its booking, and (``abort``)
-        tell its nodes to drop it."""
-        wire = flight.wire_id
-        if not wire:
+    def _end_attempt(self, flight: Flight, status: FlightStatus, abort_nodes: bool) -> None:
+        """Move the flight to ``status`` (re-routing, or over). The attempt it held (if any)
+        is over: forget its wire id and its booking, and (``abort_nodes``) tell its nodes to
+        drop it."""
+        attempt = flight.end_attempt(status)
+        if attempt is None:
             return
-        self._by_wire.pop(wire, None)
-        if abort:
-            for node_id in (flight.prefill, flight.decode):
+        self._by_wire.pop(attempt.wire_id, None)
+        if abort_nodes:
+            for node_id in (attempt.prefill, attempt.decode):
                 if node_id in self.nodes:
                     with contextlib.suppress(zmq.ZMQError):
-                        self._send(node_id, AbortMsg(wire))
-        self.coordinator.on_finished(wire)
-        flight.wire_id, flight.prefill, flight.decode = "", "", ""
+                        self._send(node_id, AbortMsg(attempt.wire_id))
+        self.coordinator.on_finished(attempt.wire_id)
         self._room.wake()
+
+    def _end_flight(self, flight: Flight, status: FlightStatus) -> None:
+        """Its stream ends before the flight is over (``status``: failed or aborted): its
+        nodes drop the attempt."""
+        if not flight.is_over:
+            self._end_attempt(flight, status, abort_nodes=True)
 
     # -- membership, on the loop ------------------------------------------------------------
 
-    def _add_node(self, info: NodeInfo, attached: bool) -> None:
+    def _register_node(self, info: NodeInfo, attached: bool) -> None:
         self.nodes[info.node_id] = info
         self.liveness.watch(info.node_id)
         if attached:
@@ -465,25 +449,31 @@ class ClusterClient:
         if is_dead and self._on_node_failed is not None:
             self._on_node_failed(node_id)
 
-    def _can_reroute(self, flight: _Flight) -> bool:
-        return flight.num_received == 0 and flight.num_attempts <= self.cfg.max_reroutes
+    def _count_starting(self, role: str, delta: int) -> None:
+        self._num_starting[role] += delta
 
-    def _reroute(self, flight: _Flight, why: str) -> None:
-        self._end_attempt(flight, abort=True)  # its nodes (the live ones) forget it
+    def _reroute(self, flight: Flight, why: str) -> None:
+        self._end_attempt(flight, FlightStatus.REROUTING, abort_nodes=True)  # the live ones
         self.num_rerouted += 1
-        flight.queue.put_nowait(_Reroute(why))
+        flight.mailbox.put_nowait(FlightEvent.reroute(why))
 
-    async def _retry_later(self, flight: _Flight, wire_id: str, error: str) -> None:
+    def _fail(self, flight: Flight, error: str) -> None:
+        """It failed in the cluster: its stream raises ``ClusterError(error)``, and its nodes
+        (the partner may still hold it) drop the attempt."""
+        flight.mailbox.put_nowait(FlightEvent.error(error))
+        self._end_attempt(flight, FlightStatus.FAILED, abort_nodes=True)
+
+    async def _retry_later(self, flight: Flight, wire_id: str, error: str) -> None:
         await asyncio.sleep(self.cfg.retry_delay_s)
-        if flight.wire_id == wire_id:  # no node death moved it meanwhile, and it is not over
+        # no node death moved it meanwhile, and it is not over
+        if flight.status is FlightStatus.RETRY_PENDING and flight.wire_id == wire_id:
             self._reroute(flight, error)
 
-    def _on_node_lost(self, flight: _Flight, node_id: str, why: str) -> None:
-        if self._can_reroute(flight):
+    def _on_node_lost(self, flight: Flight, node_id: str, why: str) -> None:
+        if flight.can_reroute(self.cfg.max_reroutes):
             self._reroute(flight, f"node {node_id}: {why}")
-        elif flight.num_received == 0 or node_id == flight.decode:
-            error = _out_of_reroutes(flight, f"node {node_id} failed: {why}")
-            flight.queue.put_nowait(TokenMsg(flight.wire_id, [], True, "abort", 0, 0, error))
+        elif flight.status is not FlightStatus.STREAMING or node_id == flight.decode:
+            self._fail(flight, flight.out_of_reroutes(f"node {node_id} failed: {why}"))
         # else it decodes on a live node that has its KV already: leave it be
 
     # -- the reader and the watchdog --------------------------------------------------------
@@ -515,19 +505,7 @@ class ClusterClient:
 
     def _on_node_msg(self, msg: ServerMsg) -> None:
         if isinstance(msg, TokenMsg):
-            flight = self._by_wire.get(msg.request_id)
-            if flight is None or msg.node_id not in (flight.prefill, flight.decode):
-                return  # an attempt that was abandoned, or a node that was dropped
-            if msg.can_retry and self._can_reroute(flight):
-                if not flight.is_retry_pending:  # each side may report the same failure
-                    flight.is_retry_pending = True
-                    self._spawn(self._retry_later(flight, msg.request_id, msg.error or ""))
-                return
-            if msg.can_retry and msg.error is not None:  # retryable, but not again
-                msg = msgspec.structs.replace(msg, error=_out_of_reroutes(flight, msg.error))
-            flight.num_received += len(msg.token_ids)
-            flight.queue.put_nowait(msg)  # first: the caller gets its tokens whatever follows
-            self.coordinator.on_prefilled(msg.request_id)
+            self._on_tokens(msg)
         elif msg.node_id not in self.nodes:
             return  # a dead or removed node's late event or stats
         elif isinstance(msg, CacheEventMsg):
@@ -537,6 +515,31 @@ class ClusterClient:
         elif isinstance(msg, NodeStatsMsg):
             self.node_stats[msg.node_id] = msg
             self.liveness.heard(msg.node_id)
+
+    def _on_tokens(self, msg: TokenMsg) -> None:
+        """Tokens, a finish or an error of an attempt, into its flight's mailbox."""
+        wire = msg.request_id
+        flight = self._by_wire.get(wire)
+        if flight is None or msg.node_id not in (flight.prefill, flight.decode):
+            return  # an attempt that was given up, or a node that was dropped
+        if msg.can_retry and flight.can_reroute(self.cfg.max_reroutes):
+            if flight.status is not FlightStatus.RETRY_PENDING:  # each side may report it
+                flight.set_status(FlightStatus.RETRY_PENDING)
+                self._spawn(self._retry_later(flight, wire, msg.error or ""))
+            return
+        flight.receive(len(msg.token_ids))
+        if msg.error is not None:
+            self.coordinator.on_prefilled(wire)
+            retried = msg.can_retry  # retryable, but not again
+            self._fail(flight, flight.out_of_reroutes(msg.error) if retried else msg.error)
+            return
+        event = FlightEvent.tokens(
+            msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens
+        )
+        flight.mailbox.put_nowait(event)  # first: the caller gets its tokens whatever follows
+        self.coordinator.on_prefilled(wire)
+        if msg.finished:
+            self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -555,15 +558,22 @@ class ClusterClient:
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-    def _in_loop(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the client's event loop, from any thread (membership changes come
-        from the launcher's threads; zmq sockets and these dicts are the loop's alone)."""
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, a membership change or read, where the client's state (these dicts, the
+        coordinator, the zmq sockets) may be touched, and return its result. That state is
+        the event loop's once ``start()`` ran, and a call comes
+        - on that loop (the watchdog, the launcher's tasks): ``fn`` runs at once;
+        - from another thread while the loop runs: ``fn`` is handed to the loop
+          (``call_soon_threadsafe``) and this thread waits for its result;
+        - before ``start()``: see ``_before_start``.
+        After the loop stopped, nothing can run there: RuntimeError."""
         loop = self._loop
-        if loop is None or not loop.is_running():
+        if loop is None:
+            return self._before_start(fn)
+        if _running_loop() is loop:
             return fn()
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                return fn()
+        if not loop.is_running():
+            raise RuntimeError("the cluster client's event loop has stopped")
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -574,3 +584,17 @@ class ClusterClient:
 
         loop.call_soon_threadsafe(run)
         return done.result(timeout=60)
+
+    def _before_start(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the caller's thread, before ``start()`` (the launcher registers its
+        first nodes so): no loop, reader or watchdog exists yet, so nothing else touches the
+        state."""
+        assert self._pull is None and not self._tasks, "started, but no loop is recorded"
+        return fn()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # none on this thread
+        return None

@@ -111,7 +111,7 @@ class Cluster:
         finally:
             self.starting.clear()
         for info in infos:
-            self.client.add_node(info)
+            self.client.register_node(info)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -160,7 +160,7 @@ class Cluster:
         infos = ray.get([a.attach.remote(self.client.addr) for a in running.values()])
         for node_id, info in zip(running, infos):
             self.actors[node_id] = running[node_id]
-            self.client.add_node(info, attached=True)
+            self.client.register_node(info, attached=True)
             self.attached.append(node_id)
         for role in ROLES:
             indexes = [int(m[2]) for n in running if (m := _NODE_NAME.match(n)) and m[1] == role]
@@ -236,7 +236,7 @@ class Cluster:
         finally:
             self.starting.pop(node_id, None)
             self.client.end_start(role)
-        self.client.add_node(info)
+        self.client.register_node(info)
         if self._num_replacing[role]:
             self._num_replacing[role] -= 1
             self.replacements.append(node_id)
@@ -257,7 +257,7 @@ class Cluster:
                     except Exception:  # died meanwhile: the watchdog drops it
                         break
                 await asyncio.sleep(0.05)
-            self.client.remove_node(node_id)  # the others close their pair groups to it
+            self.client.unregister_node(node_id)  # the others close their pair groups to it
             await self._stop(node_id)
         finally:
             self.draining.pop(node_id, None)

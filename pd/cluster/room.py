@@ -21,7 +21,7 @@ from pd.cluster.coordinator import NoCapacityError
 T = TypeVar("T")
 
 
-class Ticket:
+class RoomTicket:
     """One request's place in the queue; ``cancel()`` ends its wait (``wait`` returns None)."""
 
     def __init__(self) -> None:
@@ -40,7 +40,7 @@ class RoomQueue:
         self.num_waiting = 0  # requests in wait(), the one trying included
 
     async def wait(
-        self, book: Callable[[], T], deadline: float, ticket: Ticket, first: bool = False
+        self, book: Callable[[], T], deadline: float, ticket: RoomTicket, first: bool = False
     ) -> T | None:
         """``book()``'s result once there is room; ``first``: queue at the head (a re-routed
         request came before the others)."""

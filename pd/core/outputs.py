@@ -40,11 +40,13 @@ class ClusterStats(NamedTuple):
 
 
 class EngineClient(Protocol):
-    async def generate(
+    def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until one with ``finished=True``. Stop strings are the caller's
-        job (they need detokenized text); stop token ids, EOS and max_tokens are the engine's.
+        """Stream outputs until one with ``finished=True``: the call returns the iterator itself
+        (an async generator function is one such), never an awaitable. Stop strings are the
+        caller's job (they need detokenized text); stop token ids, EOS and max_tokens are the
+        engine's.
         ``namespace`` scopes prefix-cache sharing (requests share cached prefixes only within
         one). A request that fails inside the engine raises (with the reason).
         Cancelling the iterator (client gone) must abort the request and free its slots."""

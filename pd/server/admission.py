@@ -1,6 +1,6 @@
 """Admission control: a limit on requests in flight and a bounded FIFO queue in front of it.
 
-1. A request arrives: a free place -> it is admitted at once (``Ticket``).
+1. A request arrives: a free place -> it is admitted at once (``AdmissionTicket``).
 2. No free place -> it waits in the queue, in arrival order; a full queue -> 429 at once.
 3. A finishing request hands its place straight to the oldest waiter (no polling).
 4. A waiter that leaves (client gone) or reaches its deadline leaves the queue; if a place
@@ -19,7 +19,7 @@ from pd.server.metrics import ServerMetrics
 RETRY_AFTER_S = 1
 
 
-class Ticket:
+class AdmissionTicket:
     """One admitted request's place; ``release()`` gives it back (idempotent)."""
 
     def __init__(self, admission: Admission) -> None:
@@ -44,13 +44,13 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, timeout_s: float) -> Ticket:
+    async def admit(self, timeout_s: float) -> AdmissionTicket:
         """A place, now or after waiting in line; 429 when the line is full, 504 when
         ``timeout_s`` passes first."""
         if self.num_inflight < self.max_inflight and not self._waiters:
             self.num_inflight += 1
             self._update_gauges()
-            return Ticket(self)
+            return AdmissionTicket(self)
         if len(self._waiters) >= self.max_queued:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise APIError(
@@ -84,7 +84,7 @@ class Admission:
                 code="request_timeout",
             )
         self.metrics.queue_wait.observe(time.perf_counter() - start)
-        return Ticket(self)
+        return AdmissionTicket(self)
 
     def _release(self) -> None:
         while self._waiters:

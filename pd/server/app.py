@@ -57,8 +57,8 @@ def build_app(
     admin: ClusterAdmin | None = None,
 ) -> FastAPI:
     """The HTTP app. ``extra_health()`` adds keys to GET /health's body; ``stats_fn()`` fills
-    the cluster gauges on each GET /metrics (a ``ClusterStats``). Either may be
-    sync or async. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
+    the cluster gauges on each GET /metrics (a ``ClusterStats``). Both are plain functions,
+    called on the event loop. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
     config = config or ServerConfig()
     metrics = metrics or ServerMetrics()
     app = FastAPI(title="pd", version="0.1.0")

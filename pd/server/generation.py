@@ -7,7 +7,6 @@ still working on the request (stop string, client gone, error) aborts it.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,14 +56,12 @@ class Generation:
         first_token: float | None = None
         last_token: float | None = None
         outcome = "abort"
-        outputs: Any = None
+        outputs: AsyncIterator[RequestOutput] | None = None
         self.metrics.running.inc()
         try:
             outputs = self.client.generate(
                 self.request_id, self.prompt_ids, self.params, namespace=self.namespace
             )
-            if inspect.isawaitable(outputs):  # an `async def` returning an iterator
-                outputs = await outputs
             async for out in outputs:
                 now = time.perf_counter()
                 if out.new_token_ids:

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from pd.core.outputs import EngineClient
 from pd.core.sampling_params import LogitBias, SamplingParams
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.server.admission import Admission, Ticket
+from pd.server.admission import Admission, AdmissionTicket
 from pd.server.auth import cache_namespace
 from pd.server.config import ServerConfig
 from pd.server.errors import APIError, internal_error
@@ -78,7 +78,7 @@ class ServerState:
 
     # -- on the event loop -------------------------------------------------------------------
 
-    async def admit(self, timeout_s: float) -> Ticket:
+    async def admit(self, timeout_s: float) -> AdmissionTicket:
         """An admission place: 503 while the engine is not ready, 429 when the queue is full."""
         try:
             ready = bool(await self.client.is_ready())

@@ -86,7 +86,7 @@ class LocalCluster:
             role_cls,
         )
         self.nodes[node_id] = node
-        self.client.add_node(node.start())
+        self.client.register_node(node.start())
         return node_id
 
     def remove(self, node_id: str) -> None:
@@ -97,7 +97,7 @@ class LocalCluster:
         while self.client.num_routed_to(node_id) or node.num_unfinished():
             assert time.monotonic() < deadline, f"{node_id} did not drain"
             time.sleep(0.01)
-        self.client.remove_node(node_id)
+        self.client.unregister_node(node_id)
         node.shutdown()
 
     def kill(self, node_id: str) -> None:

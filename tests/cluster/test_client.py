@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -75,7 +76,21 @@ class FakeNode:
 
     def tokens(self, rid: str, ids: list[int], finished: bool = False) -> None:
         reason = "length" if finished else None
-        self.send(TokenMsg(rid, ids, finished, reason, len(PROMPT), 0, None, self.node_id))
+        self.send(_token_msg(rid, ids, node_id=self.node_id, finished=finished, reason=reason))
+
+    def fails(self, rid: str, error: str, can_retry: bool = False) -> None:
+        """``rid`` failed here: ``can_retry`` when its KV transfer did, not the request."""
+        self.send(
+            _token_msg(
+                rid,
+                [],
+                node_id=self.node_id,
+                finished=True,
+                reason="abort",
+                error=error,
+                can_retry=can_retry,
+            )
+        )
 
     def beat(self) -> None:
         role = self.info.role
@@ -84,6 +99,29 @@ class FakeNode:
     def close(self) -> None:
         self.pull.close(linger=0)
         self.push.close(linger=0)
+
+
+def _token_msg(
+    rid: str,
+    ids: list[int],
+    *,
+    node_id: str,
+    finished: bool,
+    reason: str | None,
+    error: str | None = None,
+    can_retry: bool = False,
+) -> TokenMsg:
+    return TokenMsg(
+        request_id=rid,
+        token_ids=ids,
+        finished=finished,
+        finish_reason=reason,
+        num_prompt_tokens=len(PROMPT),
+        num_cached_tokens=0,
+        error=error,
+        node_id=node_id,
+        can_retry=can_retry,
+    )
 
 
 class Harness:
@@ -96,7 +134,7 @@ class Harness:
 
     def add(self, node_id: str, slots: int = 1000) -> FakeNode:
         node = self.nodes[node_id] = FakeNode(self.ctx, node_id, self.client.pull_addr, slots)
-        self.client.add_node(node.info)
+        self.client.register_node(node.info)
         node.beat()
         return node
 
@@ -175,8 +213,10 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         p.send(CacheEventMsg("prefill-0", 7, "inserted", "", [1, 2]))  # its handler raises
         p.send(CacheEventMsg("prefill-0", 9, "inserted", "", [1, 2, 3]))  # out of order
         p.send(CacheEventMsg("prefill-9", 0, "inserted", "", [1]))  # unknown node
-        p.send(TokenMsg("nobody", [1], True, "stop", 1, 0, None, "decode-0"))  # unknown id
-        d.send(TokenMsg("r1", [98], False, None, 10, 0, None, "decode-7"))  # not its node
+        unknown_id = _token_msg("nobody", [1], node_id="decode-0", finished=True, reason="stop")
+        not_its_node = _token_msg("r1", [98], node_id="decode-7", finished=False, reason=None)
+        p.send(unknown_id)
+        d.send(not_its_node)
         d.tokens("r1", [5])
         d.tokens("r1", [6, 7], finished=True)
         await h.wait_done("r1")
@@ -376,7 +416,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 
         def transfer_failed(node: FakeNode, rid: str) -> None:
             why = f"KV transfer failed on {node.node_id}"
-            node.send(TokenMsg(rid, [], True, "abort", 0, 0, why, node.node_id, True))
+            node.fails(rid, why, can_retry=True)
 
         transfer_failed(p, "r")  # both sides report it: one retry
         transfer_failed(d, "r")
@@ -390,7 +430,38 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         )
         h.request("own-error")  # an error of the request itself is not retried
         await p.recv_until(PrefillReqMsg)
-        p.send(TokenMsg("own-error", [], True, "abort", 0, 0, "sampling failed", "prefill-0"))
+        p.fails("own-error", "sampling failed")
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
         assert h.client.num_rerouted == 1
+
+
+async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:
+    async with _harness() as h:
+        threads: list[threading.Thread] = []
+        real_add = h.client.coordinator.add_prefill
+
+        def add_prefill(node_id: str) -> None:
+            threads.append(threading.current_thread())
+            real_add(node_id)
+
+        monkeypatch.setattr(h.client.coordinator, "add_prefill", add_prefill)
+        node = h.nodes["prefill-0"] = FakeNode(h.ctx, "prefill-0", h.client.pull_addr, 1000)
+        await asyncio.to_thread(h.client.register_node, node.info)
+        assert threads == [threading.current_thread()]  # the loop's, not the caller's
+        assert list(h.client.nodes) == ["prefill-0"]
+        assert await asyncio.to_thread(h.client.num_routed_to, "prefill-0") == 0
+
+
+def test_membership_calls_before_start_run_here_and_after_the_loop_stopped_raise() -> None:
+    client = ClusterClient(Coordinator(CoordinatorConfig()), "tcp://127.0.0.1:*", secret=SECRET)
+    client.begin_start("decode")  # no loop yet: done at once, on this thread
+    assert client._num_starting["decode"] == 1
+
+    async def start_and_close() -> None:
+        await client.start()
+        await client.close()
+
+    asyncio.run(start_and_close())
+    with pytest.raises(RuntimeError, match="event loop has stopped"):
+        client.end_start("decode")

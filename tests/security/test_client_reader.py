@@ -31,7 +31,7 @@ async def _scenario() -> None:
         Coordinator(CoordinatorConfig(local_prefill_tokens=-1)), addr, secret=secret
     )
     await client.start()
-    client.add_node(
+    client.register_node(
         NodeInfo("prefill-0", "prefill", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 64, 64)
     )
     ctx = zmq.Context()

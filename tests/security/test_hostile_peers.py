@@ -113,8 +113,8 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
     d = Node(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake), DecodeRole)
     gate = DecodeGate(d)
     try:
-        client.add_node(p.start())
-        client.add_node(d.start())
+        client.register_node(p.start())
+        client.register_node(d.start())
         outputs: dict[str, list[int]] = {}
 
         async def run(rid: str, prompt: list[int]) -> None:
@@ -132,7 +132,16 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         plan = {
             client.addr: random_frames(3, seed=1)
             + [
-                unsigned(TokenMsg("r0", [7], True, "stop", 21, 0)),  # would end r0 early
+                unsigned(  # would end r0 early
+                    TokenMsg(
+                        request_id="r0",
+                        token_ids=[7],
+                        finished=True,
+                        finish_reason="stop",
+                        num_prompt_tokens=21,
+                        num_cached_tokens=0,
+                    )
+                ),
                 unsigned(CacheEventMsg("prefill-0", 10**6, "reset", "", [])),
                 unsigned(NodeStatsMsg("prefill-0", "prefill", *[0] * 12)),
                 captured.first(client.addr),  # a node's real frame, replayed

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from pd.server.admission import Ticket
+from pd.server.admission import AdmissionTicket
 from pd.server.auth import API_KEY_SCOPE
 from pd.server.errors import validation_error
 from pd.server.generation import Generation
@@ -67,7 +67,7 @@ async def serve_generation(
     state = server_state(request)
     timeout_s = state.config.request_timeout
     deadline = time.monotonic() + timeout_s
-    ticket: Ticket | None = await state.admit(timeout_s)
+    ticket: AdmissionTicket | None = await state.admit(timeout_s)
     try:
         body = await request.body()
         prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))

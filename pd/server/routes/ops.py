@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -17,16 +16,11 @@ from pd.server.routes.common import server_state
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-MaybeAwaitable = T | Awaitable[T]
-StatsFn = Callable[[], MaybeAwaitable[ClusterStats]]
-HealthFn = Callable[[], MaybeAwaitable[Mapping[str, Any]]]
+# called on the event loop: each answers from what it holds, without waiting on anything
+StatsFn = Callable[[], ClusterStats]
+HealthFn = Callable[[], Mapping[str, Any]]
 
 router = APIRouter()
-
-
-async def _maybe_await(value: MaybeAwaitable[T]) -> T:
-    return await value if inspect.isawaitable(value) else value  # type: ignore[return-value]
 
 
 @router.get("/v1/models")
@@ -47,7 +41,7 @@ async def health(request: Request) -> JSONResponse:
     extra_health: HealthFn | None = request.app.state.extra_health
     if extra_health is not None:
         try:
-            body.update(await _maybe_await(extra_health()))
+            body.update(extra_health())
         except Exception as e:
             logger.exception("extra_health() failed")
             body["extra_health_error"] = repr(e)
@@ -60,7 +54,7 @@ async def metrics(request: Request) -> Response:
     stats_fn: StatsFn | None = request.app.state.stats_fn
     if stats_fn is not None:
         try:
-            state.metrics.update_stats(await _maybe_await(stats_fn()))
+            state.metrics.update_stats(stats_fn())
         except Exception:  # a scrape must not fail because one node is slow to answer
             logger.exception("stats_fn() failed")
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,194 @@
+"""``Flight``: one request as the cluster client sees it, with one status and one mailbox.
+
+The status, and the only moves ``Flight`` allows (each checked where it is made):
+
+1. ``NEW``: made by ``generate`` or ``warm``, nothing booked yet.
+2. ``WAITING``: an attempt (its *wire id*: the request id, then ``id~1``, ...) waits in the
+   queue for a node with room.
+3. ``ROUTED``: the attempt's nodes have it (a prefill and a decode node, or the decode node
+   alone); nothing has come back yet. -> ``STREAMING``, ``RETRY_PENDING``, ``REROUTING``, or
+   ``FINISHED`` (a last message without tokens).
+4. ``RETRY_PENDING``: its KV transfer failed; it moves to ``REROUTING`` after
+   ``retry_delay_s``, or at once when a node death explains the failure.
+5. ``STREAMING``: tokens came back (so maybe reached the caller): never re-routed again.
+   -> ``FINISHED``.
+6. ``REROUTING``: the attempt was given up and a ``REROUTE`` event waits in the mailbox; the
+   next attempt goes back to ``WAITING``.
+7. Over: ``FINISHED`` (its last tokens came), ``FAILED`` (an error, its deadline) or
+   ``ABORTED`` (``abort()``, or its caller stopped reading). Any status not over may fail or
+   be aborted. The mailbox still holds the last event for the stream to read.
+
+``WAITING``, ``ROUTED``, ``RETRY_PENDING`` and ``STREAMING`` hold an attempt (a wire id the
+nodes and the coordinator know); leaving them gives it up (``end_attempt``).
+
+The mailbox carries ``FlightEvent``s to the request's stream, in order: ``TOKENS`` (made from a
+node's ``TokenMsg`` by the reader), ``REROUTE``, ``ABORT`` (a last, empty output) and ``ERROR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pd.cluster.room import RoomTicket
+from pd.core.sampling_params import SamplingParams
+
+
+class FlightStatus(enum.Enum):
+    NEW = enum.auto()
+    WAITING = enum.auto()
+    ROUTED = enum.auto()
+    RETRY_PENDING = enum.auto()
+    STREAMING = enum.auto()
+    REROUTING = enum.auto()
+    FINISHED = enum.auto()
+    FAILED = enum.auto()
+    ABORTED = enum.auto()
+
+
+_S = FlightStatus
+_END = frozenset({_S.FAILED, _S.ABORTED})  # where any status not over may go
+ALLOWED: dict[FlightStatus, frozenset[FlightStatus]] = {
+    _S.NEW: frozenset({_S.WAITING}) | _END,
+    _S.WAITING: frozenset({_S.ROUTED}) | _END,
+    _S.ROUTED: frozenset({_S.STREAMING, _S.RETRY_PENDING, _S.REROUTING, _S.FINISHED}) | _END,
+    _S.RETRY_PENDING: frozenset({_S.STREAMING, _S.REROUTING, _S.FINISHED}) | _END,
+    _S.STREAMING: frozenset({_S.FINISHED}) | _END,
+    _S.REROUTING: frozenset({_S.WAITING}) | _END,
+    _S.FINISHED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.ABORTED: frozenset(),
+}
+_OVER = frozenset(s for s, after in ALLOWED.items() if not after)
+_HOLDS_ATTEMPT = frozenset({_S.WAITING, _S.ROUTED, _S.RETRY_PENDING, _S.STREAMING})
+
+
+class EventKind(enum.Enum):
+    TOKENS = enum.auto()  # new tokens (maybe none); the last ones when ``finished``
+    REROUTE = enum.auto()  # the attempt was given up: book the next (``why``)
+    ABORT = enum.auto()  # abort() was called: a last output, empty, finish reason "abort"
+    ERROR = enum.auto()  # it failed in the cluster (``why``): the stream raises
+
+
+class FlightEvent(NamedTuple):
+    """What a flight's stream reads next. Make one with the class methods."""
+
+    kind: EventKind
+    token_ids: list[int]
+    finished: bool  # the stream's last event (TOKENS that end it, ABORT, ERROR)
+    finish_reason: str | None
+    num_cached_tokens: int  # prompt tokens the prefill node had cached
+    why: str  # a REROUTE's or an ERROR's reason
+
+    @classmethod
+    def tokens(
+        cls,
+        token_ids: list[int],
+        finished: bool,
+        finish_reason: str | None,
+        num_cached_tokens: int,
+    ) -> FlightEvent:
+        return cls(EventKind.TOKENS, token_ids, finished, finish_reason, num_cached_tokens, "")
+
+    @classmethod
+    def reroute(cls, why: str) -> FlightEvent:
+        return cls(EventKind.REROUTE, [], False, None, 0, why)
+
+    @classmethod
+    def abort(cls) -> FlightEvent:
+        return cls(EventKind.ABORT, [], True, "abort", 0, "")
+
+    @classmethod
+    def error(cls, why: str) -> FlightEvent:
+        return cls(EventKind.ERROR, [], True, None, 0, why)
+
+
+class Attempt(NamedTuple):
+    """An attempt that was given up: the id and the nodes to tell (``""``: none)."""
+
+    wire_id: str
+    prefill: str
+    decode: str
+
+
+@dataclass(eq=False)
+class Flight:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    is_warmup: bool = False  # warm a prefill node's cache: never prefilled on a decode node
+    deadline: float = 0.0  # time.monotonic(), set when its stream starts
+    mailbox: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
+    ticket: RoomTicket = field(default_factory=RoomTicket)  # its place in the queue for room
+    wire_id: str = ""  # the id the nodes know its latest attempt by
+    prefill: str = ""  # the attempt's nodes; prefill is "" when the decode node prefills it
+    decode: str = ""  # (both "" when it holds no routed attempt)
+    last_prefill: str = ""  # the prefill node of the latest attempt (kept after it ends)
+    num_attempts: int = 0
+    num_received: int = 0  # tokens received (so maybe streamed to the caller)
+    _status: FlightStatus = field(default=FlightStatus.NEW, init=False)
+
+    @property
+    def status(self) -> FlightStatus:
+        return self._status
+
+    @property
+    def is_over(self) -> bool:
+        return self._status in _OVER
+
+    @property
+    def holds_attempt(self) -> bool:
+        """A wire id that nodes or the coordinator may know is live."""
+        return self._status in _HOLDS_ATTEMPT
+
+    def set_status(self, status: FlightStatus) -> None:
+        """The one place a flight's status changes; a move ``ALLOWED`` does not list raises."""
+        if status not in ALLOWED[self._status]:
+            raise AssertionError(
+                f"flight {self.request_id}: {self._status.name} -> {status.name} is not allowed"
+            )
+        self._status = status
+
+    def can_reroute(self, max_reroutes: int) -> bool:
+        """Nothing came back from the routed attempt, and attempts are left."""
+        is_silent = self._status in (_S.ROUTED, _S.RETRY_PENDING)
+        return is_silent and self.num_attempts <= max_reroutes
+
+    def begin_attempt(self) -> str:
+        """Wait for room under a new wire id (returned)."""
+        self.set_status(_S.WAITING)
+        n = self.num_attempts
+        self.num_attempts += 1
+        self.wire_id = self.request_id if n == 0 else f"{self.request_id}~{n}"
+        return self.wire_id
+
+    def route(self, prefill: str | None, decode: str) -> None:
+        """The attempt is booked on these nodes (``prefill`` None: the decode node prefills)."""
+        self.set_status(_S.ROUTED)
+        self.prefill, self.decode = prefill or "", decode
+        self.last_prefill = self.prefill
+
+    def receive(self, num_tokens: int) -> None:
+        """Tokens came back from the attempt's nodes."""
+        self.num_received += num_tokens
+        if num_tokens and self._status is not _S.STREAMING:
+            self.set_status(_S.STREAMING)
+
+    def end_attempt(self, status: FlightStatus) -> Attempt | None:
+        """Move to ``status`` (``REROUTING``, or over), giving up the attempt it holds: that
+        attempt, or None when it held none."""
+        held = self.holds_attempt
+        attempt = Attempt(self.wire_id, self.prefill, self.decode)
+        self.set_status(status)
+        self.prefill = self.decode = ""
+        return attempt if held else None
+
+    def out_of_reroutes(self, error: str) -> str:
+        """The error of a request that fails where it could have been re-routed, saying why
+        not when it was re-routed before (its attempts are spent)."""
+        if self.num_attempts > 1:
+            error += f" (re-routed {self.num_attempts - 1} time(s) before: no more)"
+        return error
