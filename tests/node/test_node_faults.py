@@ -61,6 +61,9 @@ def test_the_first_token_streams_from_the_decode_node(server, make_pair) -> None
     assert set(server.senders["via-decode"]) == {d.node_id}
     assert len(server.tokens["via-decode"]) == 6
     assert server.senders["at-prefill"] == [p.node_id]  # done at its first token: answered there
+    # The prefill node's AbortMsg may overtake the server's DecodeReqMsg (two sockets into one
+    # inbox); the server tells the decode node to forget a finished request too, as here.
+    server.send(d, AbortMsg(request_id="at-prefill"))
     run_until(server, (p, d), lambda: d.count_unfinished() == 0)
     assert_idle(p, d)
 
