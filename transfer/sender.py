@@ -273,7 +273,13 @@ class SenderSide:
             plan = plan_wire(slots, dst)
             slots = in_wire_order(slots, dst, plan.by_dst)
         rec.job = DataJob(
-            rec.transfer_id, seq, True, slots, rec.deadline, rec.num_ready_layers, plan
+            transfer_id=rec.transfer_id,
+            is_send=True,
+            slots=slots,
+            deadline=rec.deadline,
+            seq=seq,
+            num_ready_layers=rec.num_ready_layers,
+            plan=plan,
         )
         rec.state = KVPoll.TRANSFERRING
         start = TransferStartMsg(rec.transfer_id, seq, rec.prefix, plan.by_dst, plan.segments)
