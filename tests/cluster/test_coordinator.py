@@ -23,7 +23,7 @@ _SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
     sys.path.insert(0, str(_SCRIPTS))
 
-from routing_sim import SimPrefill  # noqa: E402
+from routing_model import SimPrefill  # noqa: E402
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
