@@ -8,22 +8,15 @@ coordinator, optionally ``delay`` requests late to mimic prefills still in fligh
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter, deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from routing_model import SimPrefill
 
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.messages import CacheEventMsg
-
-_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from routing_model import SimPrefill  # noqa: E402
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
