@@ -1,4 +1,4 @@
-"""Suite-wide fixtures: the default model and tiny random HF checkpoints.
+"""Suite-wide fixtures: the default model and tiny random HF checkpoints; ``free_port``.
 
 Keep this file light at import time: heavy imports happen inside fixtures.
 """
@@ -6,6 +6,7 @@ Keep this file light at import time: heavy imports happen inside fixtures.
 from __future__ import annotations
 
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,13 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, seed: i
         for path in tokenizer_dir.glob(pattern):
             shutil.copy(path, out_dir / path.name)
     return out_dir
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

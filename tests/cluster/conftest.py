@@ -6,13 +6,14 @@ one parametrization, and after every test each node's slot pool must be back to 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
+
+from tests.conftest import free_port
 
 
 class LiveCluster(NamedTuple):
@@ -34,12 +35,6 @@ def ray_session() -> Iterator[None]:
         )
     yield
     ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_live_cluster(
@@ -76,7 +71,7 @@ def start_live_cluster(
     )
     cluster.start()
     app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

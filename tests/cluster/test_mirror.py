@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -16,6 +15,7 @@ from pd.cluster.client import ClientConfig, ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import CacheEventMsg
 from tests.cluster.test_client import SECRET, FakeNode
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 PATH = [7, 8, 9, 10, 11, 12]
@@ -54,9 +54,7 @@ class Nodes:
 
 @contextlib.asynccontextmanager
 async def _client() -> AsyncIterator[Nodes]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = zmq.asyncio.Context()
     holder: list[Nodes] = []
     client = ClusterClient(

@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from pd.cli import main as pd_main
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ class Server:
     """One ``pd serve`` process, in a process group of its own."""
 
     def __init__(self, args: list[str], log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -149,12 +149,6 @@ class Load:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in self._threads), "a request hung"
         return self.outcomes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _until(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:

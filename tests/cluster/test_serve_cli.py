@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,12 @@ import httpx
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import free_port
 
 
 @pytest.mark.timeout(300)
 def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [
         sys.executable,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.timeout(300)
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _end(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
@@ -60,7 +55,7 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
 ) -> None:
     env = _env(ray_tmp)
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--port", str(_free_port()), "--num-cpus", "1"]
+        [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "1"]
         + ["--include-dashboard=false"],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -95,7 +90,7 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
     assert record.read_text().strip() == other
 
     # 2. `pd serve` starts and serves all the same
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(port), "--model"]
     cmd += [str(tiny_llama_dir), "--max-total-tokens", "2048"]

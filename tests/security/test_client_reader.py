@@ -4,7 +4,6 @@ authentic messages that do not decode or fail to apply."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import msgspec
 import pytest
@@ -13,20 +12,15 @@ import zmq
 from pd.cluster.client import ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import CacheEventMsg, NodeInfo, NodeStatsMsg
+from tests.conftest import free_port
 from transfer.auth import Sealer, new_secret
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _scenario() -> None:
     secret = new_secret()
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     client = ClusterClient(
         Coordinator(CoordinatorConfig(local_prefill_tokens=-1)), addr, secret=secret
     )

@@ -9,7 +9,6 @@ decode node is held mid-decode while the stranger sends, so every request is in 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from typing import Any
 
@@ -31,6 +30,7 @@ from pd.engine.engine import Engine
 from pd.node import NodeConfig
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillNode
+from tests.conftest import free_port
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer import TransferConfig
 from transfer.auth import new_secret, reply_audience
@@ -63,12 +63,6 @@ class DecodeGate:
     def open(self) -> None:
         self.closed = False
         self._open.set()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prefill_req_with_bad_addr(rid: str, prompt: list[int]) -> str:
@@ -104,7 +98,7 @@ def test_hostile_frames_reach_no_handler_and_requests_in_flight_finish(
 async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captured: Any) -> None:
     client = ClusterClient(
         Coordinator(CoordinatorConfig(page_size=4, local_prefill_tokens=-1)),
-        f"tcp://127.0.0.1:{_free_port()}",
+        f"tcp://127.0.0.1:{free_port()}",
         secret=SECRET,
     )
     await client.start()
