@@ -2,6 +2,10 @@
 
 Ray starts once per test session; each cluster (1P+1D, 2P+1D, ...) lives for one module or
 one parametrization, and after every test each node's slot pool must be back to idle.
+
+A module gets its cluster as the ``live`` fixture by defining ``live_spec`` (module scope: the
+``start_live_cluster`` arguments; parametrize it for one cluster per parameter), and has every
+test end with the pool check by ``pytest.mark.usefixtures("pools_whole_after_each_test")``.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -35,6 +39,20 @@ def ray_session() -> Iterator[None]:
         )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(live_spec: dict[str, Any], ray_session: None) -> Iterator[LiveCluster]:
+    """The module's cluster, started as its ``live_spec`` fixture says."""
+    live, stop = start_live_cluster(**live_spec)
+    yield live
+    stop()
+
+
+@pytest.fixture
+def pools_whole_after_each_test(live: LiveCluster) -> Iterator[None]:
+    yield
+    wait_idle_and_check(live)
 
 
 def start_live_cluster(

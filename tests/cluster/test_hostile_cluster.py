@@ -9,14 +9,14 @@ import json
 import select
 import socket
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from pd.core.messages import AbortMsg, CacheEventMsg, NodeStatsMsg
 from pd.model.tokenizer import encode_prompt, load_tokenizer
-from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from tests.hf_reference import hf_greedy
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer.endpoint import parse_endpoint
@@ -28,10 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def live(ray_session, smollm2_dir) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(1, 1, host="0.0.0.0")
-    yield live
-    stop()
+def live_spec(smollm2_dir) -> dict[str, Any]:
+    return dict(num_prefill=1, num_decode=1, host="0.0.0.0")
 
 
 async def _stream(url: str, max_tokens: int, started: asyncio.Event) -> str:
