@@ -151,7 +151,7 @@ class ReceiverSide:
         if notify and rec.identity is not None:
             worker = self._workers.get(rec.prefix)
             broken = worker is None or worker.is_broken
-            self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, reason, broken))
+            self._reply_abort(rec.identity, rec.transfer_id, reason, pair_broken=broken)
         rec.failure, rec.finished_at = reason, time.monotonic()
         if rec.job is not None and not rec.job.cancel():
             rec.move_to(RecvStatus.FAILING)  # the worker started it: release on its result
@@ -182,7 +182,7 @@ class ReceiverSide:
             rec.move_to(RecvStatus.SUCCESS)
             rec.finished_at = time.monotonic()
             assert rec.identity is not None
-            self._ctrl.reply(rec.identity, TransferDoneMsg(rec.transfer_id))
+            self._ctrl.reply(rec.identity, TransferDoneMsg(transfer_id=rec.transfer_id))
         elif not rec.state.is_final:
             self.fail(rec, res.error or "cancelled")
             self._release_after_job(rec)
@@ -190,7 +190,7 @@ class ReceiverSide:
             self._release_after_job(rec)
             worker = self._workers.get(rec.prefix)
             if rec.identity is not None and (worker is None or worker.is_broken):
-                self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, "", True))
+                self._reply_abort(rec.identity, rec.transfer_id, "", pair_broken=True)
         self._drop_broken()
 
     def tick(self, now: float) -> None:
@@ -243,14 +243,14 @@ class ReceiverSide:
         rec = self.records.get(msg.transfer_id)
         if rec is not None and rec.status != RecvStatus.BOOTSTRAPPING:
             if rec.state == KVPoll.FAILED:  # FAILING or FAILED
-                self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, rec.failure or ""))
+                self._reply_abort(identity, msg.transfer_id, rec.failure or "")
             elif rec.identity == identity and rec.status == RecvStatus.WAITING:
                 assert rec.reservation is not None  # a repeated request: answer the same
-                self._ctrl.reply(identity, TransferReadyMsg(msg.transfer_id, *rec.reservation))
+                self._reply_ready(identity, msg.transfer_id, rec.reservation)
             return
         if (why := self._refused(msg)) is not None:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            self._reply_abort(identity, msg.transfer_id, why)
             return
         self._worker_for(msg)  # start the rendezvous now, off the critical path
         try:
@@ -261,15 +261,15 @@ class ReceiverSide:
             )
         except Exception as e:  # the owner failed this transfer alone: say so, keep going
             log.exception("slot owner failed to reserve for %s", msg.transfer_id)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, f"reserve failed: {e}"))
+            self._reply_abort(identity, msg.transfer_id, f"reserve failed: {e}")
             return
         if res is None:
-            self._ctrl.reply(identity, NoRoomMsg(msg.transfer_id))
+            self._ctrl.reply(identity, NoRoomMsg(transfer_id=msg.transfer_id))
             return
         if (why := self._bad_reservation(msg, res)) is not None:
             assert self._owner is not None  # nothing writes into these slots yet: give them back
             self._owner.release(msg.transfer_id, res)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            self._reply_abort(identity, msg.transfer_id, why)
             return
         rec = self.get(msg.transfer_id)
         rec.move_to(RecvStatus.WAITING)
@@ -278,9 +278,7 @@ class ReceiverSide:
         slots = torch.tensor(res.slots, dtype=torch.int64, device=self._layout.device)
         # its place in the stream (seq) and wire plan come with the start message
         rec.job = DataJob(transfer_id=msg.transfer_id, slots=slots, deadline=rec.deadline)
-        self._ctrl.reply(
-            identity, TransferReadyMsg(msg.transfer_id, res.slots, res.num_cached_tokens)
-        )
+        self._reply_ready(identity, msg.transfer_id, res)
 
     def _on_start(self, identity: bytes, msg: TransferStartMsg, rec: RecvRecord | None) -> None:
         worker = self._workers.get(msg.group_prefix)
@@ -314,6 +312,18 @@ class ReceiverSide:
         job.seq, job.plan = msg.seq, plan
         rec.move_to(RecvStatus.TRANSFERRING)
         worker.submit(job)
+
+    def _reply_ready(self, identity: bytes, transfer_id: str, res: SlotReservation) -> None:
+        ready = TransferReadyMsg(
+            transfer_id=transfer_id, slots=res.slots, num_cached_tokens=res.num_cached_tokens
+        )
+        self._ctrl.reply(identity, ready)
+
+    def _reply_abort(
+        self, identity: bytes, transfer_id: str, reason: str, pair_broken: bool = False
+    ) -> None:
+        abort = TransferAbortMsg(transfer_id=transfer_id, reason=reason, pair_broken=pair_broken)
+        self._ctrl.reply(identity, abort)
 
     def _refused(self, msg: TransferRequestMsg) -> str | None:
         """Why a request cannot be served here: a closed sender, or a layout that differs."""

@@ -84,7 +84,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def _event(node_id: str, seq: int, kind: str, tokens: list[int]) -> CacheEventMsg:
-    return CacheEventMsg(node_id, seq, kind, "", tokens)
+    return CacheEventMsg(node_id=node_id, seq=seq, kind=kind, namespace="", tokens=tokens)
 
 
 async def test_a_gap_in_the_cache_events_gets_a_snapshot_and_the_mirror_is_exact_again() -> None:
