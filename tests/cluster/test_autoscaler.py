@@ -148,7 +148,7 @@ class _Cluster:
         self.scaled: list[dict[str, int]] = []
 
     def nodes_of(self, role: str) -> list[str]:
-        return [n for n in self.client.node_stats if n.startswith(role)]
+        return [n for n, s in self.client.node_stats.items() if s.role == role]
 
     def is_pending(self, role: str) -> bool:
         return role in self.pending
