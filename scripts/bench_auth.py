@@ -26,14 +26,29 @@ from transfer.auth import Opener, Sealer, new_secret
 
 SECRET = new_secret()
 TO = "tcp://127.0.0.1:5555"
+REQUEST_ID = "cmpl-0123456789abcdef"
 MESSAGES = {
-    "TokenMsg, 1 token": TokenMsg("cmpl-0123456789abcdef", [31337], False, None, 512, 256),
-    "PrefillReqMsg, 2k-token prompt": PrefillReqMsg(
-        "cmpl-0123456789abcdef", list(range(1000, 3048)), SamplingParams(), "",
-        "decode-0", "tcp://10.0.0.2:40001", "tcp://10.0.0.2:40002",
+    "TokenMsg, 1 token": TokenMsg(
+        request_id=REQUEST_ID,
+        token_ids=[31337],
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=512,
+        num_cached_tokens=256,
     ),
-    "CacheEventMsg, 16k tokens": CacheEventMsg("prefill-0", 7, "inserted", "", list(range(16384))),
-}  # fmt: skip
+    "PrefillReqMsg, 2k-token prompt": PrefillReqMsg(
+        request_id=REQUEST_ID,
+        prompt_ids=list(range(1000, 3048)),
+        sampling=SamplingParams(),
+        namespace="",
+        decode_node="decode-0",
+        decode_addr="tcp://10.0.0.2:40001",
+        decode_transfer_addr="tcp://10.0.0.2:40002",
+    ),
+    "CacheEventMsg, 16k tokens": CacheEventMsg(
+        node_id="prefill-0", seq=7, kind="inserted", namespace="", tokens=list(range(16384))
+    ),
+}
 
 
 def _per_msg_us(fn: Callable[[], object], iters: int, repeats: int) -> float:

@@ -1,4 +1,4 @@
-"""Routing simulation: the real Coordinator over real RadixCaches, no model (see routing_sim.py).
+"""Routing simulation: the real Coordinator over real RadixCaches, no LLM (see routing_model.py).
 
 For each prefill-node count and policy: routing decisions per second (``route`` +
 ``on_prefilled`` + ``on_finished`` of a request, timed alone, when the recorded calls are
@@ -25,7 +25,7 @@ import argparse
 import gc
 import statistics
 
-from routing_sim import (  # scripts/ is on sys.path
+from routing_model import (  # scripts/ is on sys.path
     TraceConfig,
     make_coordinator,
     mirror_bytes,

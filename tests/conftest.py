@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: the default model and tiny random HF checkpoints.
+"""Suite-wide fixtures: the default model and tiny random HF checkpoints; ``free_port`` and
+``make_node_stats``.
 
 Keep this file light at import time: heavy imports happen inside fixtures.
 """
@@ -6,14 +7,18 @@ Keep this file light at import time: heavy imports happen inside fixtures.
 from __future__ import annotations
 
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from tests.hf_reference import hf_greedy as _hf_greedy
+
+if TYPE_CHECKING:
+    from pd.core.messages import NodeStatsMsg
 
 # The machine has 2 cores shared by many test processes.
 torch.set_num_threads(1)
@@ -105,6 +110,23 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, seed: i
         for path in tokenizer_dir.glob(pattern):
             shutil.copy(path, out_dir / path.name)
     return out_dir
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_node_stats(node_id: str, role: str, **counts: float) -> NodeStatsMsg:
+    """A node's stats message in which every count is zero but ``counts``."""
+    import msgspec
+
+    from pd.core.messages import NodeStatsMsg
+
+    zeros = {f.name: f.type() for f in msgspec.structs.fields(NodeStatsMsg)[2:]}
+    return NodeStatsMsg(node_id=node_id, role=role, **{**zeros, **counts})
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from transfer.backend import BaseTransferBackend, PairError
 from transfer.layout import DTYPES, KVLayout, WirePlan
 from transfer.stream import recv_layers, send_layers
 
-__all__ = ["DataJob", "JobResult", "KVLayout", "PairWorker"]
+__all__ = ["NO_SEQ", "DataJob", "JobResult", "KVLayout", "PairWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,22 @@ FLAG_CANCELLED = 1
 FLAG_BY_DST = 2  # rows travel in ascending destination-slot order (else token order)
 
 
-@dataclass(eq=False)
+NO_SEQ = -1  # a receiver's job before the start message names its place in the stream
+
+
+@dataclass(eq=False, kw_only=True)
 class DataJob:
     """One transfer's turn on a pair. Shared with the worker thread: the owner thread only
-    sets ``cancelled`` and ``num_ready_layers`` (through the methods), the worker only reads."""
+    sets ``cancelled`` and ``num_ready_layers`` (through the methods), the worker only reads.
+    Built with keywords: ``DataJob(transfer_id=..., is_send=True, slots=..., ...)``."""
 
     transfer_id: str
-    seq: int
-    is_send: bool
+    is_send: bool = False  # sender: writes the stream; receiver: reads it
     # [n] int64 in wire order (see layout.WirePlan); None on a receiver = read and drop
     slots: torch.Tensor | None
     deadline: float  # time.monotonic()
-    num_ready_layers: int
+    seq: int = NO_SEQ  # the transfer's place in its pair's stream (``PairWorker.next_seq``)
+    num_ready_layers: int = 0  # sender: layers the worker may read now; unused on a receiver
     plan: WirePlan = WirePlan(False, [])  # segments [] = one segment of all the tokens
     cancelled: bool = False
     started: bool = False

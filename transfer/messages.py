@@ -1,8 +1,9 @@
 """Wire messages of the transfer control plane (msgspec Structs over zmq, never pickle).
 
-One tagged union, ``ControlMsg``, covers every frame either side may send; ``decode_msg``
-raises ``msgspec.ValidationError``/``msgspec.DecodeError`` on anything else (including a
-request naming a store no one could dial), and the caller drops the frame and goes on.
+Each is built with keywords only (``kw_only``). One tagged union, ``ControlMsg``, covers every
+frame either side may send; ``decode_msg`` raises ``msgspec.ValidationError``/
+``msgspec.DecodeError`` on anything else (including a request naming a store no one could
+dial), and the caller drops the frame and goes on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import msgspec
 from transfer.endpoint import check_host
 
 
-class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True):
+class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True, kw_only=True):
     """Sender -> receiver: reserve ``num_tokens`` slots for ``transfer_id``.
 
     ``token_ids`` (optional) lets the receiver match a prefix it already holds. The pair group
@@ -42,7 +43,7 @@ class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True):
             )
 
 
-class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True):
+class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True, kw_only=True):
     """Receiver -> sender: slots reserved; only tokens ``[num_cached_tokens:]`` are sent."""
 
     transfer_id: str
@@ -50,14 +51,14 @@ class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True):
     num_cached_tokens: int = 0
 
 
-class NoRoomMsg(msgspec.Struct, tag="no_room", frozen=True):
+class NoRoomMsg(msgspec.Struct, tag="no_room", frozen=True, kw_only=True):
     """Receiver -> sender: no slots now; the sender may ask again later."""
 
     transfer_id: str
     num_free_hint: int = -1
 
 
-class TransferStartMsg(msgspec.Struct, tag="transfer_start", frozen=True):
+class TransferStartMsg(msgspec.Struct, tag="transfer_start", frozen=True, kw_only=True):
     """Sender -> receiver: the payload of ``seq`` is next on the pair group.
 
     Needed because a receive posted on a gloo pair that times out closes the pair: the
@@ -74,13 +75,13 @@ class TransferStartMsg(msgspec.Struct, tag="transfer_start", frozen=True):
     segments: list[int] = []
 
 
-class TransferDoneMsg(msgspec.Struct, tag="transfer_done", frozen=True):
+class TransferDoneMsg(msgspec.Struct, tag="transfer_done", frozen=True, kw_only=True):
     """Receiver -> sender: every layer is scattered into the destination slots."""
 
     transfer_id: str
 
 
-class TransferAbortMsg(msgspec.Struct, tag="transfer_abort", frozen=True):
+class TransferAbortMsg(msgspec.Struct, tag="transfer_abort", frozen=True, kw_only=True):
     """Either way: give up ``transfer_id``; the receiver frees its slots. ``pair_broken``: the
     pair group named for it is gone, so the sender must not put more transfers on it."""
 

@@ -3,13 +3,17 @@
 BOOTSTRAPPING (no request yet; only when the owner asked about the id first)
   -> WAITING (request accepted, slots reserved, ready sent; deadline = now + timeout_s)
   -> TRANSFERRING (start message seen; the pair worker receives and scatters)
-  -> SUCCESS (done sent; the slots are now the owner's) | FAILED (slots released)
+  -> SUCCESS (done sent; the slots are now the owner's)
 
-Slots are released only once no worker job can still write into them.
+Any status before SUCCESS -> FAILED (slots released), but a failure while the worker runs the
+job goes through FAILING (polls as FAILED) until the job's result, so slots are released only
+once no worker job can still write into them. These are ``RecvStatus``; ``RecvRecord.move_to``
+is the one place that changes it, and asserts each step is one ``_NEXT_STATUS`` allows.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from transfer.control import ControlPlane
-from transfer.datapath import DataJob, JobResult, KVLayout, PairWorker
+from transfer.datapath import NO_SEQ, DataJob, JobResult, KVLayout, PairWorker
 from transfer.layout import MAX_SEGMENTS, WirePlan, in_wire_order
 from transfer.messages import (
     NoRoomMsg,
@@ -46,19 +50,54 @@ def sender_root(endpoint: str) -> str:
     return f"kvx/{endpoint}/"
 
 
+class RecvStatus(enum.Enum):
+    """Where one incoming transfer is; ``RecvRecord.state`` is what ``poll()`` shows of it."""
+
+    BOOTSTRAPPING = enum.auto()  # the owner asked about the id; no request yet
+    WAITING = enum.auto()  # slots reserved, ready sent; the job is built, not yet submitted
+    TRANSFERRING = enum.auto()  # the job is on the pair: its worker may write into the slots
+    SUCCESS = enum.auto()  # KV in place, done sent; the slots are the owner's
+    FAILING = enum.auto()  # failed while the worker runs the job: the slots wait for its result
+    FAILED = enum.auto()  # failed; the reserved slots (if any) were released
+
+    @property
+    def poll(self) -> KVPoll:
+        return KVPoll.FAILED if self == RecvStatus.FAILING else KVPoll[self.name]
+
+
+_NEXT_STATUS: dict[RecvStatus, frozenset[RecvStatus]] = {
+    RecvStatus.BOOTSTRAPPING: frozenset({RecvStatus.WAITING, RecvStatus.FAILED}),
+    RecvStatus.WAITING: frozenset({RecvStatus.TRANSFERRING, RecvStatus.FAILED}),
+    RecvStatus.TRANSFERRING: frozenset(
+        {RecvStatus.SUCCESS, RecvStatus.FAILING, RecvStatus.FAILED}  # FAILED: job not started
+    ),
+    RecvStatus.FAILING: frozenset({RecvStatus.FAILED}),
+    RecvStatus.SUCCESS: frozenset(),
+    RecvStatus.FAILED: frozenset(),
+}
+
+
 @dataclass(eq=False)
 class RecvRecord:
     transfer_id: str
-    state: KVPoll = KVPoll.BOOTSTRAPPING
+    status: RecvStatus = RecvStatus.BOOTSTRAPPING  # changed only by ``move_to``
     deadline: float = math.inf  # no deadline until a request arrives
     identity: bytes | None = None
     prefix: str = ""
     reservation: SlotReservation | None = None
     job: DataJob | None = None
-    is_job_running: bool = False
-    is_released: bool = False
     failure: str | None = None
     finished_at: float = math.inf
+
+    @property
+    def state(self) -> KVPoll:
+        return self.status.poll
+
+    def move_to(self, status: RecvStatus) -> None:
+        assert status in _NEXT_STATUS[self.status], (
+            f"receive {self.transfer_id}: {self.status.name} -> {status.name}"
+        )
+        self.status = status
 
 
 class KVReceiver(TransferHandle["ReceiverSide", RecvRecord]):
@@ -112,11 +151,12 @@ class ReceiverSide:
         if notify and rec.identity is not None:
             worker = self._workers.get(rec.prefix)
             broken = worker is None or worker.is_broken
-            self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, reason, broken))
-        rec.state, rec.failure, rec.finished_at = KVPoll.FAILED, reason, time.monotonic()
-        if rec.job is not None and rec.job.cancel():
-            rec.is_job_running = False  # queued, not started: it will only drain the stream
-        self._release_if_idle(rec)
+            self._reply_abort(rec.identity, rec.transfer_id, reason, pair_broken=broken)
+        rec.failure, rec.finished_at = reason, time.monotonic()
+        if rec.job is not None and not rec.job.cancel():
+            rec.move_to(RecvStatus.FAILING)  # the worker started it: release on its result
+        else:  # no job, or queued and not started: it will only drain the stream
+            self._release(rec)
 
     # -- progress
 
@@ -138,18 +178,19 @@ class ReceiverSide:
         rec = self.records.get(res.job.transfer_id)
         if rec is None or rec.job is not res.job:
             return  # a drain job
-        rec.is_job_running = False
-        if res.error is None and rec.state == KVPoll.TRANSFERRING:
-            rec.state, rec.finished_at = KVPoll.SUCCESS, time.monotonic()
+        if res.error is None and rec.status == RecvStatus.TRANSFERRING:
+            rec.move_to(RecvStatus.SUCCESS)
+            rec.finished_at = time.monotonic()
             assert rec.identity is not None
-            self._ctrl.reply(rec.identity, TransferDoneMsg(rec.transfer_id))
+            self._ctrl.reply(rec.identity, TransferDoneMsg(transfer_id=rec.transfer_id))
         elif not rec.state.is_final:
             self.fail(rec, res.error or "cancelled")
+            self._release_after_job(rec)
         else:  # failed earlier (deadline, abort); tell the sender if the pair died since
-            self._release_if_idle(rec)
+            self._release_after_job(rec)
             worker = self._workers.get(rec.prefix)
             if rec.identity is not None and (worker is None or worker.is_broken):
-                self._ctrl.reply(rec.identity, TransferAbortMsg(rec.transfer_id, "", True))
+                self._reply_abort(rec.identity, rec.transfer_id, "", pair_broken=True)
         self._drop_broken()
 
     def tick(self, now: float) -> None:
@@ -157,11 +198,11 @@ class ReceiverSide:
             del self._closed[root]
         for rec in list(self.records.values()):
             if rec.state.is_final:
-                if now - rec.finished_at > self._cfg.linger_s and not rec.is_job_running:
+                if rec.status != RecvStatus.FAILING and now - rec.finished_at > self._cfg.linger_s:
                     del self.records[rec.transfer_id]
             elif now > rec.deadline:
                 why = f"{rec.state.name.lower()} for over {self._cfg.timeout_s} s"
-                if rec.state == KVPoll.TRANSFERRING:  # the stream is stuck: drop the pair first
+                if rec.status == RecvStatus.TRANSFERRING:  # the stream is stuck: drop the pair
                     self._retire(rec.prefix, f"pair stuck: {rec.transfer_id} {why}")
                 self.fail(rec, why)
         self._drop_broken()
@@ -173,7 +214,8 @@ class ReceiverSide:
     @property
     def num_open(self) -> int:
         """Transfers not yet final, and final ones whose slots still wait for a worker."""
-        return sum(not r.state.is_final or r.is_job_running for r in self.records.values())
+        done = (RecvStatus.SUCCESS, RecvStatus.FAILED)
+        return sum(r.status not in done for r in self.records.values())
 
     def close_peer(self, endpoint: str) -> None:
         """The sender at ``endpoint`` is gone: fail its transfers (their slots are released once
@@ -199,16 +241,16 @@ class ReceiverSide:
 
     def _on_request(self, identity: bytes, msg: TransferRequestMsg) -> None:
         rec = self.records.get(msg.transfer_id)
-        if rec is not None and rec.state != KVPoll.BOOTSTRAPPING:
-            if rec.state == KVPoll.FAILED:
-                self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, rec.failure or ""))
-            elif rec.identity == identity and rec.state == KVPoll.WAITING:
+        if rec is not None and rec.status != RecvStatus.BOOTSTRAPPING:
+            if rec.state == KVPoll.FAILED:  # FAILING or FAILED
+                self._reply_abort(identity, msg.transfer_id, rec.failure or "")
+            elif rec.identity == identity and rec.status == RecvStatus.WAITING:
                 assert rec.reservation is not None  # a repeated request: answer the same
-                self._ctrl.reply(identity, TransferReadyMsg(msg.transfer_id, *rec.reservation))
+                self._reply_ready(identity, msg.transfer_id, rec.reservation)
             return
         if (why := self._refused(msg)) is not None:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            self._reply_abort(identity, msg.transfer_id, why)
             return
         self._worker_for(msg)  # start the rendezvous now, off the critical path
         try:
@@ -219,29 +261,24 @@ class ReceiverSide:
             )
         except Exception as e:  # the owner failed this transfer alone: say so, keep going
             log.exception("slot owner failed to reserve for %s", msg.transfer_id)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, f"reserve failed: {e}"))
+            self._reply_abort(identity, msg.transfer_id, f"reserve failed: {e}")
             return
         if res is None:
-            self._ctrl.reply(identity, NoRoomMsg(msg.transfer_id))
+            self._ctrl.reply(identity, NoRoomMsg(transfer_id=msg.transfer_id))
             return
         if (why := self._bad_reservation(msg, res)) is not None:
             assert self._owner is not None  # nothing writes into these slots yet: give them back
             self._owner.release(msg.transfer_id, res)
-            self._ctrl.reply(identity, TransferAbortMsg(msg.transfer_id, why))
+            self._reply_abort(identity, msg.transfer_id, why)
             return
         rec = self.get(msg.transfer_id)
-        rec.state, rec.identity, rec.prefix, rec.reservation = (
-            KVPoll.WAITING,
-            identity,
-            msg.group_prefix,
-            res,
-        )
+        rec.move_to(RecvStatus.WAITING)
+        rec.identity, rec.prefix, rec.reservation = identity, msg.group_prefix, res
         rec.deadline = time.monotonic() + self._cfg.timeout_s
         slots = torch.tensor(res.slots, dtype=torch.int64, device=self._layout.device)
-        rec.job = DataJob(msg.transfer_id, -1, False, slots, rec.deadline, self._layout.num_layers)
-        self._ctrl.reply(
-            identity, TransferReadyMsg(msg.transfer_id, res.slots, res.num_cached_tokens)
-        )
+        # its place in the stream (seq) and wire plan come with the start message
+        rec.job = DataJob(transfer_id=msg.transfer_id, slots=slots, deadline=rec.deadline)
+        self._reply_ready(identity, msg.transfer_id, res)
 
     def _on_start(self, identity: bytes, msg: TransferStartMsg, rec: RecvRecord | None) -> None:
         worker = self._workers.get(msg.group_prefix)
@@ -251,7 +288,7 @@ class ReceiverSide:
         if not (
             rec is not None
             and rec.identity == identity
-            and rec.state == KVPoll.WAITING
+            and rec.status == RecvStatus.WAITING
             and rec.prefix == msg.group_prefix
         ):
             rec = None  # failed or unknown here: still read the payload to keep the stream whole
@@ -265,12 +302,28 @@ class ReceiverSide:
         plan = WirePlan(msg.by_dst, list(msg.segments))
         if rec is None or job is None or job.slots is None:
             deadline = time.monotonic() + self._cfg.timeout_s
-            worker.submit(DataJob(msg.transfer_id, msg.seq, False, None, deadline, 0, plan))
+            drain = DataJob(
+                transfer_id=msg.transfer_id, slots=None, deadline=deadline, seq=msg.seq, plan=plan
+            )
+            worker.submit(drain)
             return
+        assert job.seq == NO_SEQ
         job.slots = in_wire_order(job.slots, job.slots, plan.by_dst)
         job.seq, job.plan = msg.seq, plan
-        rec.state, rec.is_job_running = KVPoll.TRANSFERRING, True
+        rec.move_to(RecvStatus.TRANSFERRING)
         worker.submit(job)
+
+    def _reply_ready(self, identity: bytes, transfer_id: str, res: SlotReservation) -> None:
+        ready = TransferReadyMsg(
+            transfer_id=transfer_id, slots=res.slots, num_cached_tokens=res.num_cached_tokens
+        )
+        self._ctrl.reply(identity, ready)
+
+    def _reply_abort(
+        self, identity: bytes, transfer_id: str, reason: str, pair_broken: bool = False
+    ) -> None:
+        abort = TransferAbortMsg(transfer_id=transfer_id, reason=reason, pair_broken=pair_broken)
+        self._ctrl.reply(identity, abort)
 
     def _refused(self, msg: TransferRequestMsg) -> str | None:
         """Why a request cannot be served here: a closed sender, or a layout that differs."""
@@ -309,12 +362,17 @@ class ReceiverSide:
             self._prefix_of_store[store] = msg.group_prefix
         return worker
 
-    def _release_if_idle(self, rec: RecvRecord) -> None:
-        if rec.is_job_running or rec.is_released or rec.reservation is None:
-            return
-        rec.is_released = True
-        assert self._owner is not None
-        self._owner.release(rec.transfer_id, rec.reservation)
+    def _release(self, rec: RecvRecord) -> None:
+        """-> FAILED (once): give the reserved slots back; no worker can write into them."""
+        rec.move_to(RecvStatus.FAILED)
+        if rec.reservation is not None:
+            assert self._owner is not None
+            self._owner.release(rec.transfer_id, rec.reservation)
+
+    def _release_after_job(self, rec: RecvRecord) -> None:
+        """The record's job has its result: a failure that waited for it is released now."""
+        if rec.status == RecvStatus.FAILING:
+            self._release(rec)
 
     def _drop_broken(self) -> None:
         for prefix, worker in list(self._workers.items()):
@@ -325,7 +383,7 @@ class ReceiverSide:
         if (worker := self._workers.pop(prefix, None)) is not None:
             worker.close()
         for rec in self.records.values():
-            if rec.prefix == prefix and rec.state == KVPoll.WAITING:
+            if rec.prefix == prefix and rec.status == RecvStatus.WAITING:
                 self.fail(rec, reason)
 
 

@@ -153,7 +153,12 @@ class SenderSide:
             return
         log.info("send %s failed: %s", rec.transfer_id, reason)
         if notify:  # even while bootstrapping: the receiver may have reserved slots already
-            self._ctrl.send(rec.peer, TransferAbortMsg(rec.transfer_id, reason, pair_broken))
+            self._ctrl.send(
+                rec.peer,
+                TransferAbortMsg(
+                    transfer_id=rec.transfer_id, reason=reason, pair_broken=pair_broken
+                ),
+            )
         rec.state, rec.failure, rec.finished_at = KVPoll.FAILED, reason, time.monotonic()
         if rec.job is not None:
             rec.job.cancel()  # the worker still sends what it started, so the stream stays whole
@@ -253,9 +258,17 @@ class SenderSide:
         host, port = self._store_addr()
         lo = self._layout
         msg = TransferRequestMsg(
-            rec.transfer_id, rec.num_tokens, host, port, w[1], self._kind,
-            lo.num_layers, lo.elems_per_token, lo.dtype_name, rec.token_ids,
-        )  # fmt: skip
+            transfer_id=rec.transfer_id,
+            num_tokens=rec.num_tokens,
+            store_host=host,
+            store_port=port,
+            group_prefix=w[1],
+            backend=self._kind,
+            num_layers=lo.num_layers,
+            elems_per_token=lo.elems_per_token,
+            dtype=lo.dtype_name,
+            token_ids=rec.token_ids,
+        )
         self._ctrl.send(rec.peer, msg)
 
     def _start(self, rec: SendRecord) -> None:
@@ -273,10 +286,22 @@ class SenderSide:
             plan = plan_wire(slots, dst)
             slots = in_wire_order(slots, dst, plan.by_dst)
         rec.job = DataJob(
-            rec.transfer_id, seq, True, slots, rec.deadline, rec.num_ready_layers, plan
+            transfer_id=rec.transfer_id,
+            is_send=True,
+            slots=slots,
+            deadline=rec.deadline,
+            seq=seq,
+            num_ready_layers=rec.num_ready_layers,
+            plan=plan,
         )
         rec.state = KVPoll.TRANSFERRING
-        start = TransferStartMsg(rec.transfer_id, seq, rec.prefix, plan.by_dst, plan.segments)
+        start = TransferStartMsg(
+            transfer_id=rec.transfer_id,
+            seq=seq,
+            group_prefix=rec.prefix,
+            by_dst=plan.by_dst,
+            segments=plan.segments,
+        )
         self._ctrl.send(rec.peer, start)
         rec.worker.submit(rec.job)
 

@@ -68,8 +68,10 @@ class TransferRecord(Protocol):
     """What a handle reads of either side's per-transfer record."""
 
     transfer_id: str
-    state: KVPoll
     failure: str | None
+
+    @property
+    def state(self) -> KVPoll: ...
 
 
 SideT = TypeVar("SideT")

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 TOKEN_BYTES = 4
 
 # One step of a walk: (held mask, pending mask, tokens matched up to the end of this step).
-Step = tuple[int, int, int]
+WalkStep = tuple[int, int, int]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,7 +74,9 @@ class HolderTree:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def walk(self, key: bytes, namespace: str = "", path: list[Edge] | None = None) -> list[Step]:
+    def walk(
+        self, key: bytes, namespace: str = "", path: list[Edge] | None = None
+    ) -> list[WalkStep]:
         """The marks along the longest page-aligned prefix of ``key`` in the tree, top down;
         the edges matched in full are appended to ``path`` (see ``add_pending``)."""
         node = self._roots.get(namespace)
@@ -82,7 +84,7 @@ class HolderTree:
             return []
         pb = self._page_bytes
         end = len(key) - len(key) % pb
-        steps: list[Step] = []
+        steps: list[WalkStep] = []
         pos = 0
         children = node.children
         while children and pos < end:

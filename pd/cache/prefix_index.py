@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pd.cache.holder_tree import TOKEN_BYTES, Edge, HolderTree, Step, encode_tokens
+from pd.cache.holder_tree import TOKEN_BYTES, Edge, HolderTree, WalkStep, encode_tokens
 from pd.core.messages import CacheEventMsg
 
 EVENT_KINDS = ("inserted", "evicted", "reset")
@@ -102,7 +102,7 @@ class PrefixMatch(NamedTuple):
     only shrink along it, so a node matches up to the deepest step it is in (page-aligned
     tokens); every node's answer comes from this one walk."""
 
-    steps: list[Step]
+    steps: list[WalkStep]
     path: list[Edge]  # the edges matched in full, for add_pending(after=...)
     version: int  # of the tree when walked
 

@@ -72,7 +72,7 @@ class ClusterAdmin:
         for node_id, info in self.client.nodes.items():
             state = "draining" if node_id in cluster.draining else "ready"
             views.append(_view(node_id, info.role, info.ray_node_id, state, stats.get(node_id)))
-        return sorted(views, key=lambda v: (ROLES.index(v.role), _index(v.id)))
+        return sorted(views, key=lambda v: (ROLES.index(v.role), cluster.launched[v.id].index))
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
         """Set the pools' target sizes (ValueError below 1); returns the new targets."""
@@ -111,7 +111,3 @@ def _view(node_id: str, role: str, ray_node: str, state: str, s: NodeStatsMsg | 
         threads=s.num_threads,
         sockets=s.num_sockets,
     )
-
-
-def _index(node_id: str) -> int:
-    return int(node_id.rsplit("-", 1)[1])

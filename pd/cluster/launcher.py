@@ -14,9 +14,11 @@ autoscaler, scales) on its own machine type: pd decides how many nodes, Ray deci
 
 Each pool has a target size (``scale``, the admin API, the autoscaler); ``_reconcile`` starts
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
-or dies. A node is ``starting`` (spawned, not registered), ``ready``, or ``draining`` (no new
-requests; in-flight ones finish within ``drain_timeout_s``, then it leaves, its peers close
-their pair groups to it, and its actor exits). A start that fails lowers the target again.
+or dies. A node is ``starting`` (its actor started, not registered), ``ready``, or
+``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then it
+leaves, its peers close their pair groups to it, and its actor is stopped). A start that fails
+lowers the target again. The launcher records each node's role and number as it starts it
+(``launched``): nothing reads them back out of a node id.
 
 The launcher makes the cluster's secret, which every zmq frame and pair rendezvous is
 authenticated with, and hands it to the client and (through Ray, inside ``TransferConfig``) to
@@ -26,6 +28,7 @@ every node; it never goes on a command line or into a log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -33,7 +36,7 @@ import os
 import re
 import time
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import ray
 
@@ -51,7 +54,19 @@ from transfer.auth import new_secret
 __all__ = ["Cluster", "ClusterConfig", "init_ray"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_NODE_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
+_NODE_ID = re.compile(r"^(prefill|decode)-(\d+)$")  # ``LaunchedNode.node_id``: attach finds these
+STOP_TIMEOUT_S = 15.0  # a node's own shutdown, before its actor is killed
+
+
+class LaunchedNode(NamedTuple):
+    """A node this launcher started or attached to: its role and its number in that pool."""
+
+    role: str
+    index: int  # the pool's count when it started
+
+    @property
+    def node_id(self) -> str:
+        return f"{self.role}-{self.index}"
 
 
 class Cluster:
@@ -71,9 +86,11 @@ class Cluster:
             on_node_failed=self._on_node_failed,
             resync=self._resync,
         )
-        self.actors: dict[str, Any] = {}
+        self.actors: dict[str, Any] = {}  # node id -> Ray actor, until it is stopped
+        # node id -> role and number of every node started or attached (ids are not reused)
+        self.launched: dict[str, LaunchedNode] = {}
         self.target = {"prefill": cfg.num_prefill, "decode": cfg.num_decode}
-        self.starting: dict[str, str] = {}  # node id -> role: spawned, not registered yet
+        self.starting: dict[str, str] = {}  # node id -> role: actor started, not registered yet
         self.draining: dict[str, str] = {}  # node id -> role: leaving after its requests
         self.attached: list[str] = []  # nodes that ran before this server started
         self.replacements: list[str] = []  # node ids started in place of dead ones
@@ -105,7 +122,7 @@ class Cluster:
         refs = []
         for role in ROLES:
             for _ in range(self.target[role] - len(self.nodes_of(role))):
-                refs.append(self._spawn(role)[1])
+                refs.append(self._start_actor(role)[1])
         try:
             infos = ray.get(refs, timeout=self.cfg.ready_timeout_s)
         finally:
@@ -124,7 +141,7 @@ class Cluster:
             )
             return
         for node_id in list(self.actors):
-            self._kill(node_id)
+            self._stop_actor(node_id, wait_s=STOP_TIMEOUT_S)
 
     # -- attaching to running nodes ---------------------------------------------------------
 
@@ -133,7 +150,7 @@ class Cluster:
         found: dict[str, Any] = {}
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name, namespace = entry["name"], entry["namespace"]
-            if namespace != self.cfg.namespace or not _NODE_NAME.match(name):
+            if namespace != self.cfg.namespace or not _NODE_ID.match(name):
                 continue
             actor = ray.get_actor(name, namespace=namespace)
             try:
@@ -160,10 +177,13 @@ class Cluster:
         infos = ray.get([a.attach.remote(self.client.addr) for a in running.values()])
         for node_id, info in zip(running, infos):
             self.actors[node_id] = running[node_id]
+            match = _NODE_ID.match(node_id)
+            assert match is not None  # _find_running kept only these
+            self.launched[node_id] = LaunchedNode(info.role, int(match[2]))
             self.client.register_node(info, attached=True)
             self.attached.append(node_id)
         for role in ROLES:
-            indexes = [int(m[2]) for n in running if (m := _NODE_NAME.match(n)) and m[1] == role]
+            indexes = [node.index for n in running if (node := self.launched[n]).role == role]
             self._ids[role] = itertools.count(max(indexes, default=-1) + 1)
             self.target[role] = max(self.target[role], len(indexes))
         logger.warning("attached to %d running nodes: %s", len(running), sorted(running))
@@ -197,7 +217,7 @@ class Cluster:
         if self.target[info.role] <= 1:
             raise ValueError(f"{node_id} is the last {info.role} node: the pool keeps 1")
         self.target[info.role] -= 1
-        self._run(self._drain(node_id))
+        self._run_task(self._drain(node_id))
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -208,9 +228,9 @@ class Cluster:
             num_starting = sum(r == role for r in self.starting.values())
             surplus = len(ready) + num_starting - self.target[role]
             for _ in range(-surplus):
-                self._run(self._start(role))
+                self._run_task(self._start_node(role))
             for node_id in self._victims(ready, min(surplus, len(ready))):
-                self._run(self._drain(node_id))
+                self._run_task(self._drain(node_id))
 
     def _victims(self, nodes: list[str], n: int) -> list[str]:
         """The ``n`` nodes whose removal loses the least: fewest cached tokens, least busy."""
@@ -219,19 +239,22 @@ class Cluster:
         def cost(node_id: str) -> tuple[int, int, int]:
             s = stats.get(node_id)
             busy = s.num_running + s.num_waiting if s is not None else 0
-            return (s.num_cached_tokens if s is not None else 0), busy, -self._index(node_id)
+            newest_first = -self.launched[node_id].index
+            return (s.num_cached_tokens if s is not None else 0), busy, newest_first
 
         return sorted(nodes, key=cost)[: max(n, 0)]
 
-    async def _start(self, role: str) -> str | None:
-        node_id, ref = self._spawn(role)
+    async def _start_node(self, role: str) -> str | None:
+        """Start a ``role`` actor and register it once it is up; a failed start is stopped and
+        lowers the pool's target."""
+        node_id, ref = self._start_actor(role)
         self.client.begin_start(role)  # requests wait for it rather than fail
         try:
             info = await asyncio.wait_for(ref, self.cfg.ready_timeout_s)
         except Exception:
             logger.exception("could not start %s: the %s pool's target drops back", node_id, role)
             self.target[role] = max(1, self.target[role] - 1)
-            self._stop_later(node_id)
+            self._stop_actor(node_id)
             return None
         finally:
             self.starting.pop(node_id, None)
@@ -258,7 +281,7 @@ class Cluster:
                         break
                 await asyncio.sleep(0.05)
             self.client.unregister_node(node_id)  # the others close their pair groups to it
-            await self._stop(node_id)
+            await self._stop_actor_async(node_id)
         finally:
             self.draining.pop(node_id, None)
         logger.warning("%s drained and stopped", node_id)
@@ -277,12 +300,10 @@ class Cluster:
 
     def _on_node_failed(self, node_id: str) -> None:
         """Called on the client's event loop when the watchdog finds a node dead."""
-        actor = self.actors.pop(node_id, None)
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
+        self._stop_actor(node_id)
         if self._stopping:
             return
-        role = node_id.rsplit("-", 1)[0]
+        role = self.launched[node_id].role
         if self.cfg.replace_dead_nodes:
             self._num_replacing[role] += 1
             logger.warning("starting a %s node in place of %s", role, node_id)
@@ -311,7 +332,7 @@ class Cluster:
 
     async def _grow(self, role: str) -> str | None:
         self.target[role] += 1
-        return await self._start(role)
+        return await self._start_node(role)
 
     async def _drain_now(self, node_id: str) -> None:
         info = self.client.nodes[node_id]
@@ -328,7 +349,7 @@ class Cluster:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _run_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
@@ -341,12 +362,11 @@ class Cluster:
         total = self.cfg.num_prefill + self.cfg.num_decode
         return max(1, (os.cpu_count() or 1) // total)
 
-    @staticmethod
-    def _index(node_id: str) -> int:
-        return int(node_id.rsplit("-", 1)[1])
-
-    def _spawn(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
-        node_id = f"{role}-{next(self._ids[role])}"
+    def _start_actor(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
+        """Create a ``role`` node's actor; its ``start`` ref resolves to its ``NodeInfo``."""
+        node = LaunchedNode(role, next(self._ids[role]))
+        node_id = node.node_id
+        self.launched[node_id] = node
         options: dict[str, Any] = {"max_concurrency": 4}
         options.update({"num_gpus": self._gpus, "num_cpus": 1} if self._gpus else {"num_cpus": 0})
         if resources := self.cfg.resources(role):
@@ -366,24 +386,20 @@ class Cluster:
         self.starting[node_id] = role
         return node_id, handle.start.remote()
 
-    async def _stop(self, node_id: str) -> None:
-        actor = self.actors.pop(node_id, None)
-        if actor is None:
+    def _stop_actor(self, node_id: str, wait_s: float = 0.0) -> None:
+        """Stop ``node_id``'s actor, if it still has one: ask it to shut down and block up to
+        ``wait_s`` (0: do not ask), then kill it. On the event loop: ``_stop_actor_async``."""
+        if (actor := self.actors.pop(node_id, None)) is None:
             return
-        try:
-            await asyncio.wait_for(actor.shutdown.remote(), 15)
-        except Exception:  # a dead actor is what we want anyway
-            pass
+        if wait_s > 0:
+            with contextlib.suppress(Exception):  # a dead actor is what we want anyway
+                ray.get(actor.shutdown.remote(), timeout=wait_s)
         ray.kill(actor)
 
-    def _stop_later(self, node_id: str) -> None:
-        if (actor := self.actors.pop(node_id, None)) is not None:
-            ray.kill(actor)
-
-    def _kill(self, node_id: str) -> None:
-        actor = self.actors.pop(node_id)
-        try:
-            ray.get(actor.shutdown.remote(), timeout=15)
-        except Exception:  # a dead actor is what we want anyway
-            pass
+    async def _stop_actor_async(self, node_id: str) -> None:
+        """``_stop_actor(node_id, wait_s=STOP_TIMEOUT_S)`` without blocking the event loop."""
+        if (actor := self.actors.pop(node_id, None)) is None:
+            return
+        with contextlib.suppress(Exception):  # a dead actor is what we want anyway
+            await asyncio.wait_for(actor.shutdown.remote(), STOP_TIMEOUT_S)
         ray.kill(actor)

@@ -27,7 +27,9 @@ def _run(cache: RadixCache, tokens: list[int], namespace: str = "") -> None:
 
 
 def _event(seq: int, kind: str, tokens: list[int], num_evicted: int = 0) -> CacheEventMsg:
-    return CacheEventMsg("p0", seq, kind, "", tokens, num_evicted)
+    return CacheEventMsg(
+        node_id="p0", seq=seq, kind=kind, namespace="", tokens=tokens, num_evicted=num_evicted
+    )
 
 
 @pytest.mark.timeout(10)
@@ -66,7 +68,7 @@ def test_gap_flags_resync_until_a_reset() -> None:
 def test_inconsistent_events_raise() -> None:
     index = PrefixIndex(page_size=1, node_id="p0")
     with pytest.raises(ValueError, match="node 'p1'"):
-        index.apply(CacheEventMsg("p1", 0, "inserted", "", [1]))
+        index.apply(CacheEventMsg(node_id="p1", seq=0, kind="inserted", namespace="", tokens=[1]))
     index.apply(_event(0, "inserted", [1, 2, 3]))
     with pytest.raises(ValueError, match="holds 3 of it"):
         index.apply(_event(1, "evicted", [1, 2, 3, 4], 1))
@@ -252,8 +254,8 @@ def test_a_gap_on_one_node_is_repaired_by_its_snapshot() -> None:
 def test_removed_node_leaves_the_tree_and_its_bit_is_reused() -> None:
     shared = SharedPrefixIndex(page_size=1)
     p0, p1 = shared.add("p0"), shared.add("p1")
-    p0.apply(CacheEventMsg("p0", 0, "inserted", "", [1, 2]))
-    p1.apply(CacheEventMsg("p1", 0, "inserted", "", [1, 2, 3]))
+    p0.apply(CacheEventMsg(node_id="p0", seq=0, kind="inserted", namespace="", tokens=[1, 2]))
+    p1.apply(CacheEventMsg(node_id="p1", seq=0, kind="inserted", namespace="", tokens=[1, 2, 3]))
     shared.add_pending("p0", encode_tokens([1, 2, 3, 4]))
     shared.remove("p0")
     shared.remove_pending("p0", encode_tokens([1, 2, 3, 4]))  # gone with the node: no-op

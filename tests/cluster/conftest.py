@@ -2,17 +2,29 @@
 
 Ray starts once per test session; each cluster (1P+1D, 2P+1D, ...) lives for one module or
 one parametrization, and after every test each node's slot pool must be back to idle.
+
+``ServeProcess`` is the other way in: a ``pd serve`` process, as users start it.
+
+A module gets its cluster as the ``live`` fixture by defining ``live_spec`` (module scope: the
+``start_live_cluster`` arguments; parametrize it for one cluster per parameter), and has every
+test end with the pool check by ``pytest.mark.usefixtures("pools_whole_after_each_test")``.
 """
 
 from __future__ import annotations
 
-import socket
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
+
+from tests.conftest import free_port
 
 
 class LiveCluster(NamedTuple):
@@ -36,10 +48,18 @@ def ray_session() -> Iterator[None]:
     ray.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(scope="module")
+def live(live_spec: dict[str, Any], ray_session: None) -> Iterator[LiveCluster]:
+    """The module's cluster, started as its ``live_spec`` fixture says."""
+    live, stop = start_live_cluster(**live_spec)
+    yield live
+    stop()
+
+
+@pytest.fixture
+def pools_whole_after_each_test(live: LiveCluster) -> Iterator[None]:
+    yield
+    wait_idle_and_check(live)
 
 
 def start_live_cluster(
@@ -76,7 +96,7 @@ def start_live_cluster(
     )
     cluster.start()
     app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -117,3 +137,54 @@ def wait_idle_and_check(live: LiveCluster, timeout_s: float = 20.0) -> dict[str,
         assert r["in_use"] == 0, f"{node_id} leaked slots: {r}"
         assert r["free"] + r["cached"] + r["in_use"] == r["total"], (node_id, r)
     return report
+
+
+def end_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``proc`` leads, if it still runs, and reap it;
+    SIGKILL if it has not exited within 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class ServeProcess:
+    """One ``pd serve --port PORT *args`` process in a process group of its own, its output in
+    ``log``. Made once it prints its URL; fails (and ends it) if it exits or ``timeout_s``
+    passes first. ``env`` None: this process's environment."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 180.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(self.port), *args]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while f"pd is serving {self.url}/v1" not in log.read_text():
+                assert self.proc.poll() is None, f"pd serve exited: {self.tail()}"
+                assert time.monotonic() < deadline, (
+                    f"no URL printed in {timeout_s} s: {self.tail()}"
+                )
+                time.sleep(0.3)
+        except BaseException:
+            self.end()
+            raise
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def end(self, sig: int = signal.SIGKILL) -> None:
+        end_process_group(self.proc, sig)

@@ -19,6 +19,7 @@ from pd.cluster.autoscaler import (
 )
 from pd.cluster.slo import LatencyWindow
 from pd.core.messages import NodeStatsMsg
+from tests.conftest import make_node_stats
 
 pytestmark = pytest.mark.timeout(30)
 CFG = AutoscalerConfig(
@@ -147,7 +148,7 @@ class _Cluster:
         self.scaled: list[dict[str, int]] = []
 
     def nodes_of(self, role: str) -> list[str]:
-        return [n for n in self.client.node_stats if n.startswith(role)]
+        return [n for n, s in self.client.node_stats.items() if s.role == role]
 
     def is_pending(self, role: str) -> bool:
         return role in self.pending
@@ -160,7 +161,14 @@ class _Cluster:
 def _stats(node_id: str, queued: int = 0, admitted: int = 0, in_use: int = 0) -> NodeStatsMsg:
     role = node_id.split("-")[0]
     free = 1000 - in_use
-    return NodeStatsMsg(node_id, role, 0, 0, 0, 1000, free, 0, admitted, 0, 0, 0.0, 0, queued)
+    return make_node_stats(
+        node_id,
+        role,
+        num_slots=1000,
+        num_free_slots=free,
+        num_hit_tokens=admitted,
+        num_queued_tokens=queued,
+    )
 
 
 def test_the_loop_scales_on_latency_and_queue_and_exports_its_decisions() -> None:

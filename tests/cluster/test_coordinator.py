@@ -8,22 +8,15 @@ coordinator, optionally ``delay`` requests late to mimic prefills still in fligh
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter, deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from routing_model import SimPrefill
 
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.messages import CacheEventMsg
-
-_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the simulation runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from routing_sim import SimPrefill  # noqa: E402
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096
@@ -71,7 +64,9 @@ def _make_coordinator(
 def _insert(coord: Coordinator, node_id: str, tokens: list[int], namespace: str = "") -> None:
     """Tell the coordinator that ``node_id``'s cache now holds ``tokens``."""
     seq = coord.index(node_id).next_seq
-    coord.apply_event(CacheEventMsg(node_id, seq, "inserted", namespace, tokens))
+    coord.apply_event(
+        CacheEventMsg(node_id=node_id, seq=seq, kind="inserted", namespace=namespace, tokens=tokens)
+    )
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -386,7 +381,9 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     history = list(range(100, 400))
     assert coord.route("r0", history[:50], max_tokens=10).decode == "d1"
     coord.on_finished("r0")
-    coord.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
+    coord.apply_event(
+        CacheEventMsg(node_id="d0", seq=0, kind="inserted", namespace="", tokens=history)
+    )
     follow_up = history + [7, 8, 9]
     assert coord.route("r1", follow_up, max_tokens=10).decode == "d0"
     coord.on_finished("r1")
@@ -396,7 +393,9 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     rr.add_prefill("p0")
     rr.add_decode("d0", num_slots=1000)
     rr.add_decode("d1", num_slots=2000)
-    rr.apply_event(CacheEventMsg("d0", 0, "inserted", "", history))
+    rr.apply_event(
+        CacheEventMsg(node_id="d0", seq=0, kind="inserted", namespace="", tokens=history)
+    )
     assert rr.route("r1", follow_up, max_tokens=10).decode == "d1"
 
 

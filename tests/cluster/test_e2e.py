@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from pd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
-from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("pools_whole_after_each_test")]
 
 RAW_PROMPTS = [
     "The three primary colors are",
@@ -32,17 +32,9 @@ RAW_PROMPTS = [
 @pytest.fixture(
     scope="module", params=[(1, 1, 1), (2, 1, 1), (1, 2, 16)], ids=["1p1d", "2p1d", "1p2d-page16"]
 )
-def live(request, ray_session, smollm2_dir) -> Iterator[LiveCluster]:
+def live_spec(request, smollm2_dir) -> dict[str, Any]:
     num_prefill, num_decode, page_size = request.param
-    live, stop = start_live_cluster(num_prefill, num_decode, page_size=page_size)
-    yield live
-    stop()
-
-
-@pytest.fixture(autouse=True)
-def _pools_whole_after_each_test(live) -> Iterator[None]:
-    yield
-    wait_idle_and_check(live)
+    return dict(num_prefill=num_prefill, num_decode=num_decode, page_size=page_size)
 
 
 @pytest.fixture(scope="module")

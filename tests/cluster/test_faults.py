@@ -12,7 +12,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import httpx
@@ -22,7 +22,7 @@ from pd.cluster.client import ClientConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from transfer import TransferConfig
 
 pytestmark = pytest.mark.timeout(300)  # the live cluster's start-up is counted too
@@ -40,17 +40,15 @@ class Outcome(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def live(ray_session, tiny_llama_dir) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(
-        2,
-        2,
+def live_spec(tiny_llama_dir) -> dict[str, Any]:
+    return dict(
+        num_prefill=2,
+        num_decode=2,
         policy="round_robin",
         model=str(tiny_llama_dir),
         client=ClientConfig(heartbeat_timeout_s=HEARTBEAT_S, request_timeout_s=90.0),
         transfer=TransferConfig(handshake_timeout_s=10.0, timeout_s=5.0, connect_timeout_s=5.0),
     )
-    yield live
-    stop()
 
 
 @pytest.fixture(scope="module")

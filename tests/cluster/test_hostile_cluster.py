@@ -9,14 +9,15 @@ import json
 import select
 import socket
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from pd.core.messages import AbortMsg, CacheEventMsg, NodeStatsMsg
+from pd.core.messages import AbortMsg, CacheEventMsg
 from pd.model.tokenizer import encode_prompt, load_tokenizer
-from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.cluster.conftest import LiveCluster, wait_idle_and_check
+from tests.conftest import make_node_stats
 from tests.hf_reference import hf_greedy
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer.endpoint import parse_endpoint
@@ -28,10 +29,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def live(ray_session, smollm2_dir) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(1, 1, host="0.0.0.0")
-    yield live
-    stop()
+def live_spec(smollm2_dir) -> dict[str, Any]:
+    return dict(num_prefill=1, num_decode=1, host="0.0.0.0")
 
 
 async def _stream(url: str, max_tokens: int, started: asyncio.Event) -> str:
@@ -74,14 +73,23 @@ def test_routable_addresses_and_strangers_refused_while_a_request_streams(
     p, d = infos["prefill"], infos["decode"]
     listener = socket.create_server(("127.0.0.1", 0))
     forged = TransferRequestMsg(
-        "evil", 2, "127.0.0.1", listener.getsockname()[1], "kvx/evil/0", "gloo", 30, 384, "bf16"
+        transfer_id="evil",
+        num_tokens=2,
+        store_host="127.0.0.1",
+        store_port=listener.getsockname()[1],
+        group_prefix="kvx/evil/0",
+        backend="gloo",
+        num_layers=30,
+        elems_per_token=384,
+        dtype="bf16",
     )
+    reset = CacheEventMsg(node_id=p.node_id, seq=10**6, kind="reset", namespace="", tokens=[])
+    abort = AbortMsg(request_id="x")
     plan = {
         client.addr: random_frames(3, seed=1)
-        + [unsigned(CacheEventMsg(p.node_id, 10**6, "reset", "", [])),
-           unsigned(NodeStatsMsg(p.node_id, "prefill", *[0] * 12))],
+        + [unsigned(reset), unsigned(make_node_stats(p.node_id, "prefill"))],
         p.addr: random_frames(2, seed=2) + [captured.first(p.addr)],  # replays a prefill
-        d.addr: random_frames(2, seed=3) + [unsigned(AbortMsg("x")), captured.first(d.addr)],
+        d.addr: random_frames(2, seed=3) + [unsigned(abort), captured.first(d.addr)],
     }  # fmt: skip
     to_d_ctrl = random_frames(2, seed=4) + [unsigned(forged)]
 

@@ -6,13 +6,13 @@ does, as does the same request over the transfer path; the rule's choice shows i
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from pd.model.tokenizer import encode_chat, load_tokenizer
-from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+from tests.cluster.conftest import LiveCluster
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,20 +23,12 @@ SYSTEM = (
     "hours, borrowing rules, late fees, reading rooms, printing and the children's corner. "
     "Keep every answer short, friendly and factual, and say so when you do not know."
 )
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("pools_whole_after_each_test")]
 
 
 @pytest.fixture(scope="module")
-def live(ray_session, smollm2_dir) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(1, 1, local_prefill_tokens=LOCAL_TOKENS)
-    yield live
-    stop()
-
-
-@pytest.fixture(autouse=True)
-def _pools_whole_after_each_test(live) -> Iterator[None]:
-    yield
-    wait_idle_and_check(live)
+def live_spec(smollm2_dir) -> dict[str, Any]:
+    return dict(num_prefill=1, num_decode=1, local_prefill_tokens=LOCAL_TOKENS)
 
 
 def _num_local(live: LiveCluster) -> int:

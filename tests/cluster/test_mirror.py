@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -16,6 +15,7 @@ from pd.cluster.client import ClientConfig, ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import CacheEventMsg
 from tests.cluster.test_client import SECRET, FakeNode
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 PATH = [7, 8, 9, 10, 11, 12]
@@ -54,9 +54,7 @@ class Nodes:
 
 @contextlib.asynccontextmanager
 async def _client() -> AsyncIterator[Nodes]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = zmq.asyncio.Context()
     holder: list[Nodes] = []
     client = ClusterClient(
@@ -86,7 +84,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def _event(node_id: str, seq: int, kind: str, tokens: list[int]) -> CacheEventMsg:
-    return CacheEventMsg(node_id, seq, kind, "", tokens)
+    return CacheEventMsg(node_id=node_id, seq=seq, kind=kind, namespace="", tokens=tokens)
 
 
 async def test_a_gap_in_the_cache_events_gets_a_snapshot_and_the_mirror_is_exact_again() -> None:

@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from pd.cli import main as pd_main
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from tests.cluster.conftest import ServeProcess
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,37 +55,13 @@ class RayCluster(NamedTuple):
     raylet: dict[str, str]  # role -> the Ray node id of the raylet with that role's resource
 
 
-class Server:
-    """One ``pd serve`` process, in a process group of its own."""
+class Server(ServeProcess):
+    """``pd serve`` on the module's Ray cluster, and what these tests ask of it."""
 
     def __init__(self, args: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = str(ROOT)
-        cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(self.port), *args]
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + 240
-        while f"pd is serving {self.url}/v1" not in log.read_text():
-            assert self.proc.poll() is None, f"pd serve exited: {self.tail()}"
-            assert time.monotonic() < deadline, f"not serving in 240 s: {self.tail()}"
-            time.sleep(0.3)
-
-    def tail(self) -> str:
-        return self.log.read_text()[-4000:]
-
-    def end(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        super().__init__(args, log, env, timeout_s=240)
 
     def nodes(self) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/admin/nodes", timeout=30)
@@ -149,12 +125,6 @@ class Load:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in self._threads), "a request hung"
         return self.outcomes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _until(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:

@@ -2,49 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.cluster.conftest import ServeProcess
 
 
 @pytest.mark.timeout(300)
 def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pd.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--max-total-tokens",
-        "4096",
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = ServeProcess(["--max-total-tokens", "4096"], tmp_path / "serve.log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while f"pd is serving {url}/v1" not in log.read_text():
-            assert proc.poll() is None, f"pd serve exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, (
-                f"no URL printed in 180 s: {log.read_text()[-3000:]}"
-            )
-            time.sleep(0.3)
+        url = server.url
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
@@ -56,12 +27,7 @@ def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
         )
         assert chat.choices[0].message.content == "The capital of France is Paris."
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.end(signal.SIGINT)
     # Ctrl-C is a normal way to stop the server: a clean exit, no traceback
-    assert proc.returncode in (0, 130), (proc.returncode, log.read_text()[-3000:])
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    assert server.proc.returncode in (0, 130), (server.proc.returncode, server.tail())
+    assert "Traceback" not in server.log.read_text(), server.tail()

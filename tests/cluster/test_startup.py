@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,24 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cluster.conftest import ServeProcess, end_process_group
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.timeout(300)
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _end(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.fixture
@@ -60,7 +46,7 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
 ) -> None:
     env = _env(ray_tmp)
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--port", str(_free_port()), "--num-cpus", "1"]
+        [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "1"]
         + ["--include-dashboard=false"],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -91,36 +77,24 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
         gcs = next(line for line in out.stdout.splitlines() if line.startswith("GCS")).split()[1]
         assert gcs != other
     finally:
-        _end(head)  # killed: its record stays behind, naming a dead cluster
+        end_process_group(head)  # killed: its record stays behind, naming a dead cluster
     assert record.read_text().strip() == other
 
     # 2. `pd serve` starts and serves all the same
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(port), "--model"]
-    cmd += [str(tiny_llama_dir), "--max-total-tokens", "2048"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    model = ["--model", str(tiny_llama_dir)]
+    server = ServeProcess([*model, "--max-total-tokens", "2048"], tmp_path / "serve.log", env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while f"pd is serving {url}/v1" not in log.read_text():
-            assert proc.poll() is None, f"pd serve exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not serving in 180 s: {log.read_text()[-3000:]}"
-            time.sleep(0.3)
         body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}}
-        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
     finally:
-        _end(proc, signal.SIGINT)
+        server.end(signal.SIGINT)
 
     # 3. naming the dead cluster is a clear error, within seconds (ray.init would retry for
     # minutes)
     start = time.monotonic()
     out = subprocess.run(
-        cmd[:3] + ["serve", "--address", other, "--model", str(tiny_llama_dir)],
+        [sys.executable, "-m", "pd.cli", "serve", "--address", other, *model],
         env=env,
         capture_output=True,
         text=True,

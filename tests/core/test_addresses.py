@@ -82,4 +82,12 @@ def test_an_address_a_node_would_dial_must_be_tcp_host_port(endpoint: str) -> No
     with pytest.raises(ValueError):
         parse_endpoint(endpoint)
     with pytest.raises(ValueError):  # a server bug cannot make a prefill node dial it
-        PrefillReqMsg("r", [1], SamplingParams(), "", "decode-0", "tcp://10.0.0.1:1", endpoint)
+        PrefillReqMsg(
+            request_id="r",
+            prompt_ids=[1],
+            sampling=SamplingParams(),
+            namespace="",
+            decode_node="decode-0",
+            decode_addr="tcp://10.0.0.1:1",
+            decode_transfer_addr=endpoint,
+        )

@@ -63,7 +63,9 @@ def test_tiny_temperature_is_greedy(temperature: float) -> None:
 
 def test_sampling_params_travel_inside_messages_and_revalidate() -> None:
     params = SamplingParams(seed=MAX_SEED, top_k=2**31 - 1, logit_bias=((3, 5.0), (9, -100.0)))
-    msg = DecodeReqMsg("r", [1, 2], params, "ns", "p0")
+    msg = DecodeReqMsg(
+        request_id="r", prompt_ids=[1, 2], sampling=params, namespace="ns", prefill_node="p0"
+    )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=DecodeReqMsg)
     assert back.sampling == params and hash(back.sampling) == hash(params)
     for bad in ({"seed": 2**64 - 1}, {"top_k": 2**40}, {"logit_bias": [[9, 1.0], [3, 1.0]]}):

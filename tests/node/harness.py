@@ -86,9 +86,25 @@ class Server:
 
 def send_request(server: Server, p: Node, d: Node, rid: str, prompt: list[int],
                   params: SamplingParams = GREEDY) -> None:  # fmt: skip
-    server.send(d, DecodeReqMsg(rid, prompt, params, "", p.node_id))
+    server.send(
+        d,
+        DecodeReqMsg(
+            request_id=rid, prompt_ids=prompt, sampling=params, namespace="", prefill_node=p.node_id
+        ),
+    )
     info = d.info()
-    server.send(p, PrefillReqMsg(rid, prompt, params, "", d.node_id, info.addr, info.transfer_addr))
+    server.send(
+        p,
+        PrefillReqMsg(
+            request_id=rid,
+            prompt_ids=prompt,
+            sampling=params,
+            namespace="",
+            decode_node=d.node_id,
+            decode_addr=info.addr,
+            decode_transfer_addr=info.transfer_addr,
+        ),
+    )
 
 
 def run_until(server: Server, nodes: tuple[Node, ...], done: Any, max_iters: int = 20000) -> None:

@@ -14,12 +14,12 @@ import zmq
 
 from decode.node import DecodeRole
 from pd.cache.prefix_index import PrefixIndex
-from pd.core.messages import NodeStatsMsg
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
+from tests.conftest import make_node_stats
 from tests.node.harness import GREEDY, PROMPTS, SECRET, Server, send_request
 from transfer import TransferConfig
 
@@ -116,7 +116,7 @@ def test_a_node_whose_server_stopped_reading_keeps_its_loop_running(engine_cfg, 
     node.start()
     try:
         gone.close(linger=0)  # the server exits: nobody reads, its queue fills up
-        stats = NodeStatsMsg("prefill-9", "prefill", 0, 0, 0, 1, 1, 0, 0, 0, 0, 0.0, 0, 0)
+        stats = make_node_stats("prefill-9", "prefill", num_slots=1, num_free_slots=1)
         start = time.monotonic()
         node.call(lambda: [node.server.send(stats) for _ in range(3000)], timeout=30)
         assert time.monotonic() - start < 10  # one send waited 0.1 s; the rest were dropped

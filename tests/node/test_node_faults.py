@@ -49,7 +49,7 @@ def make_pair(engine_cfg: EngineConfig, server: Server) -> Iterator[Callable[...
 
 def _gone(node: Node) -> PeerGoneMsg:
     info = node.info()
-    return PeerGoneMsg(info.node_id, info.addr, info.transfer_addr)
+    return PeerGoneMsg(node_id=info.node_id, addr=info.addr, transfer_addr=info.transfer_addr)
 
 
 def test_the_first_token_streams_from_the_decode_node(server, make_pair) -> None:
@@ -179,7 +179,7 @@ def test_a_prefill_post_processing_error_fails_that_request_alone(
     run_until(server, (p, d), lambda: {"bad-post", "good-post"} <= set(server.finished))
     assert "injected post-processing failure" in (server.finished["bad-post"].error or "")
     assert server.finished["good-post"].error is None
-    server.send(d, AbortMsg("bad-post"))  # what the server does when a request fails
+    server.send(d, AbortMsg(request_id="bad-post"))  # what the server does when a request fails
     run_until(server, (p, d), lambda: p.count_unfinished() == d.count_unfinished() == 0)
     assert_idle(p, d)
 
@@ -202,7 +202,7 @@ def test_abort_racing_a_failing_transfer_leaks_nothing(
     if when == "after_failed":
         run_until(server, (p, d), lambda: d.transfer.poll(rid) == KVPoll.FAILED)
     for node in (p, d):
-        server.send(node, AbortMsg(rid))
+        server.send(node, AbortMsg(request_id=rid))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (p.count_unfinished() or d.count_unfinished()):
         for node in (p, d):
@@ -233,12 +233,18 @@ def test_a_long_forward_beats_between_its_layers(server, make_pair) -> None:
     finally:
         for h in handles:
             h.remove()
-        server.send(p, AbortMsg("beats"))
+        server.send(p, AbortMsg(request_id="beats"))
         run_until(server, (p,), lambda: p.count_unfinished() == 0, max_iters=100)
 
 
 def _prefill_only(p: Node) -> PrefillReqMsg:
     one = SamplingParams(max_tokens=1, temperature=0.0)
     return PrefillReqMsg(
-        "beats", PROMPTS[0], one, "", "decode-x", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9"
+        request_id="beats",
+        prompt_ids=PROMPTS[0],
+        sampling=one,
+        namespace="",
+        decode_node="decode-x",
+        decode_addr="tcp://127.0.0.1:9",
+        decode_transfer_addr="tcp://127.0.0.1:9",
     )

@@ -78,7 +78,7 @@ def test_abort_frees_both_nodes(server, nodes, when: str) -> None:
     if when == "while_decoding":
         run_until(server, nodes, lambda: len(server.tokens.get(rid, [])) >= 3)
     for node in nodes:
-        server.send(node, AbortMsg(rid))
+        server.send(node, AbortMsg(request_id=rid))
     run_until(server, nodes, lambda: p.count_unfinished() == d.count_unfinished() == 0)
     assert_idle(p, d)
 
@@ -123,7 +123,9 @@ def test_a_decode_node_prefills_a_local_request_beside_transferred_ones(
     interleaved with requests whose KV came from the prefill node; all equal the reference."""
     p, d = nodes
     send_request(server, p, d, "via-prefill-0", PROMPTS[0])
-    server.send(d, LocalReqMsg("local-1", PROMPTS[1], GREEDY, ""))
+    server.send(
+        d, LocalReqMsg(request_id="local-1", prompt_ids=PROMPTS[1], sampling=GREEDY, namespace="")
+    )
     send_request(server, p, d, "via-prefill-2", PROMPTS[2])
     names = ["via-prefill-0", "local-1", "via-prefill-2"]
     run_until(server, nodes, lambda: all(n in server.finished for n in names))

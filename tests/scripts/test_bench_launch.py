@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import bench_launch
+import bench_serving
 import pytest
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-import bench_launch  # noqa: E402
-import bench_serving  # noqa: E402
 
 
 def test_llamacpp_command_serves_the_default_gguf_queued_and_overridable() -> None:

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from bench_client import Result  # noqa: E402
-from bench_report import goodput, goodput_markdown, summarize, write_plots  # noqa: E402
+from bench_client import Result
+from bench_report import goodput, goodput_markdown, summarize, write_plots
 
 
 def _result(ttft: float, e2e: float, num_tokens: int) -> Result:

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from bench_workloads import TokenText  # noqa: E402
-from make_trace import BLOCK_SIZE, TraceRequest  # noqa: E402
+from bench_workloads import TokenText
+from make_trace import BLOCK_SIZE, TraceRequest
 
 
 @pytest.fixture(scope="module")

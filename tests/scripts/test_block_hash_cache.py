@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from block_hash_cache import BlockHashCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd.cache.radix_cache import RadixCache
 from pd.core.kv_pool import SlotAllocator
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from block_hash_cache import BlockHashCache  # noqa: E402
 
 BS = 4
 

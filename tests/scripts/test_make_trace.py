@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the benchmark runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from make_trace import (  # noqa: E402
+from make_trace import (
     BLOCK_SIZE,
     TraceConfig,
     TraceRequest,

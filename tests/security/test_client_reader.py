@@ -4,7 +4,6 @@ authentic messages that do not decode or fail to apply."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import msgspec
 import pytest
@@ -12,27 +11,29 @@ import zmq
 
 from pd.cluster.client import ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
-from pd.core.messages import CacheEventMsg, NodeInfo, NodeStatsMsg
+from pd.core.messages import CacheEventMsg, NodeInfo
+from tests.conftest import free_port, make_node_stats
 from transfer.auth import Sealer, new_secret
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _scenario() -> None:
     secret = new_secret()
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     client = ClusterClient(
         Coordinator(CoordinatorConfig(local_prefill_tokens=-1)), addr, secret=secret
     )
     await client.start()
     client.register_node(
-        NodeInfo("prefill-0", "prefill", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 64, 64)
+        NodeInfo(
+            node_id="prefill-0",
+            role="prefill",
+            addr="tcp://127.0.0.1:1",
+            transfer_addr="tcp://127.0.0.1:2",
+            num_slots=64,
+            max_model_len=64,
+        )
     )
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -42,9 +43,11 @@ async def _scenario() -> None:
     try:
         push.send(b"not sealed")
         push.send(sealer.seal(b"\xc1 sealed, not msgpack"))
-        push.send(sealer.seal(enc(CacheEventMsg("prefill-0", 0, "bogus", "", [1]))))  # raises
-        push.send(sealer.seal(enc(CacheEventMsg("decode-9", 0, "reset", "", []))))  # unknown
-        push.send(sealer.seal(enc(NodeStatsMsg("prefill-0", "prefill", *[0] * 12))))
+        bogus = CacheEventMsg(node_id="prefill-0", seq=0, kind="bogus", namespace="", tokens=[1])
+        unknown = CacheEventMsg(node_id="decode-9", seq=0, kind="reset", namespace="", tokens=[])
+        push.send(sealer.seal(enc(bogus)))  # raises
+        push.send(sealer.seal(enc(unknown)))  # unknown
+        push.send(sealer.seal(enc(make_node_stats("prefill-0", "prefill"))))
         for _ in range(500):
             if "prefill-0" in client.node_stats:
                 break

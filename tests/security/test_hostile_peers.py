@@ -9,7 +9,6 @@ decode node is held mid-decode while the stranger sends, so every request is in 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from typing import Any
 
@@ -21,7 +20,6 @@ from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
-    NodeStatsMsg,
     PrefilledMsg,
     TokenMsg,
 )
@@ -31,6 +29,7 @@ from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillRole
+from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer import TransferConfig
 from transfer.auth import new_secret, reply_audience
@@ -63,12 +62,6 @@ class DecodeGate:
     def open(self) -> None:
         self.closed = False
         self._open.set()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prefill_req_with_bad_addr(rid: str, prompt: list[int]) -> str:
@@ -104,7 +97,7 @@ def test_hostile_frames_reach_no_handler_and_requests_in_flight_finish(
 async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captured: Any) -> None:
     client = ClusterClient(
         Coordinator(CoordinatorConfig(page_size=4, local_prefill_tokens=-1)),
-        f"tcp://127.0.0.1:{_free_port()}",
+        f"tcp://127.0.0.1:{free_port()}",
         secret=SECRET,
     )
     await client.start()
@@ -128,34 +121,44 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         await _wait(gate.is_held.is_set, 30, "the decode node held mid-request")
 
         p_ctrl, d_ctrl = p.transfer.endpoint, d.transfer.endpoint
-        forged_request = TransferRequestMsg("r0", 3, "127.0.0.1", 9, "kvx/x/0", "fake", 3, 1, "f")
+        early_end = TokenMsg(
+            request_id="r0",
+            token_ids=[7],
+            finished=True,
+            finish_reason="stop",
+            num_prompt_tokens=21,
+            num_cached_tokens=0,
+        )
+        reset = CacheEventMsg(node_id="prefill-0", seq=10**6, kind="reset", namespace="", tokens=[])
+        forged_request = TransferRequestMsg(
+            transfer_id="r0",
+            num_tokens=3,
+            store_host="127.0.0.1",
+            store_port=9,
+            group_prefix="kvx/x/0",
+            backend="fake",
+            num_layers=3,
+            elems_per_token=1,
+            dtype="f",
+        )
         plan = {
             client.addr: random_frames(3, seed=1)
             + [
-                unsigned(  # would end r0 early
-                    TokenMsg(
-                        request_id="r0",
-                        token_ids=[7],
-                        finished=True,
-                        finish_reason="stop",
-                        num_prompt_tokens=21,
-                        num_cached_tokens=0,
-                    )
-                ),
-                unsigned(CacheEventMsg("prefill-0", 10**6, "reset", "", [])),
-                unsigned(NodeStatsMsg("prefill-0", "prefill", *[0] * 12)),
+                unsigned(early_end),  # would end r0 early
+                unsigned(reset),
+                unsigned(make_node_stats("prefill-0", "prefill")),
                 captured.first(client.addr),  # a node's real frame, replayed
             ],
             p.addr: random_frames(2, seed=2)
             + [
                 _prefill_req_with_bad_addr("evil", PROMPTS[0]),
-                unsigned(AbortMsg("r0")),
+                unsigned(AbortMsg(request_id="r0")),
                 captured.first(p.addr),  # the server's PrefillReqMsg of r0, replayed
             ],
             d.addr: random_frames(2, seed=3)
             + [
-                unsigned(AbortMsg("r1")),
-                unsigned(PrefilledMsg("r2", 5, 0)),
+                unsigned(AbortMsg(request_id="r1")),
+                unsigned(PrefilledMsg(request_id="r2", first_token=5, num_cached_tokens=0)),
                 captured.first(d.addr),  # the server's DecodeReqMsg of r0, replayed
                 captured.first(p.addr),  # sealed for the prefill node: not for this socket
             ],
@@ -168,7 +171,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
             ],
             p_ctrl: random_frames(2, seed=5)
             + [
-                unsigned(TransferReadyMsg("r0", [1, 2, 3])),
+                unsigned(TransferReadyMsg(transfer_id="r0", slots=[1, 2, 3])),
                 captured.first(reply_audience(d_ctrl)),  # a reply of d's, sent to p's ROUTER
             ],
         }

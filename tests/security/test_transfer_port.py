@@ -43,9 +43,16 @@ def _request_to(srv: socket.socket, layout_of: TransferAgent) -> TransferRequest
     lo = layout_of.layout
     port = srv.getsockname()[1]
     return TransferRequestMsg(
-        "evil", 2, "127.0.0.1", port, "kvx/evil/0", "gloo", lo.num_layers, lo.elems_per_token,
-        lo.dtype_name,
-    )  # fmt: skip
+        transfer_id="evil",
+        num_tokens=2,
+        store_host="127.0.0.1",
+        store_port=port,
+        group_prefix="kvx/evil/0",
+        backend="gloo",
+        num_layers=lo.num_layers,
+        elems_per_token=lo.elems_per_token,
+        dtype=lo.dtype_name,
+    )
 
 
 def test_forged_transfer_requests_reach_no_handler_and_dial_nothing(

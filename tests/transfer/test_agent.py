@@ -223,10 +223,11 @@ def test_malformed_control_messages_are_dropped_and_the_loop_goes_on(pair) -> No
     sealer = Sealer(r.cfg.secret, r.endpoint)  # authentic frames, malformed messages
     try:
         sock.send(sealer.seal(b"\xc1 not msgpack"))
-        sock.send(sealer.seal(encode_msg(TransferDoneMsg("x"))[:-1]))  # truncated
+        sock.send(sealer.seal(encode_msg(TransferDoneMsg(transfer_id="x"))[:-1]))  # truncated
         sock.send(sealer.seal(b"\x82\xa4type\xa8no_room!\xa3xid\x01"))  # unknown tag
         sock.send_multipart([b"a", b"b"])  # wrong frame count
-        sock.send(sealer.seal(encode_msg(TransferStartMsg("ghost", 0, "no/such/group"))))
+        ghost = TransferStartMsg(transfer_id="ghost", seq=0, group_prefix="no/such/group")
+        sock.send(sealer.seal(encode_msg(ghost)))
         assert run_until(lambda: r.num_dropped_msgs >= 4, [r], 5)
         snd = s.sender("t", r.endpoint, 3)
         snd.send([4, 5, 6])

@@ -111,7 +111,12 @@ def test_a_start_with_a_bad_plan_fails_the_transfer_and_frees_its_slots() -> Non
         snd, rcv = s.sender("t", r.endpoint, 4), r.receiver("t")
         assert run_until(lambda: snd.poll() == KVPoll.WAITING, [s, r], 5)
         rec = s._sender.records["t"]  # forge the start the sender would send, with a bad plan
-        s._ctrl.send(r.endpoint, TransferStartMsg("t", 0, rec.prefix, True, [3, 3]))
+        s._ctrl.send(
+            r.endpoint,
+            TransferStartMsg(
+                transfer_id="t", seq=0, group_prefix=rec.prefix, by_dst=True, segments=[3, 3]
+            ),
+        )
         assert run_until(lambda: rcv.poll() == KVPoll.FAILED, [s, r], 5)
         assert "wire plan" in (rcv.failure or "") and owner.released == ["t"]
         assert owner.alloc.num_free_slots == 64

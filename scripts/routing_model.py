@@ -1,4 +1,4 @@
-"""The routing simulation behind ``simulate_routing.py``: a seeded trace of shared-prefix
+"""What ``simulate_routing.py`` runs (its model of a prefill pool): a seeded trace of shared-prefix
 sessions, one real RadixCache per simulated prefill node, and the real Coordinator.
 
 Trace: ``num_groups`` groups (a system prompt or document each, ``prefix_len`` tokens) of
