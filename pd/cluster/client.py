@@ -235,9 +235,9 @@ class ClusterClient:
         self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.pull_addr)
-        self._spawn(self._read_forever())
-        self._spawn(self.liveness.run())
-        self._spawn(self.mirror.run())
+        self._run_task(self._read_forever())
+        self._run_task(self.liveness.run())
+        self._run_task(self.mirror.run())
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
@@ -525,7 +525,7 @@ class ClusterClient:
         if msg.can_retry and flight.can_reroute(self.cfg.max_reroutes):
             if flight.status is not FlightStatus.RETRY_PENDING:  # each side may report it
                 flight.set_status(FlightStatus.RETRY_PENDING)
-                self._spawn(self._retry_later(flight, wire, msg.error or ""))
+                self._run_task(self._retry_later(flight, wire, msg.error or ""))
             return
         flight.receive(len(msg.token_ids))
         if msg.error is not None:
@@ -553,7 +553,7 @@ class ClusterClient:
             push = self._push[node_id] = (sock, Sealer(self._secret, addr))
         push[0].send(push[1].seal(self._encoder.encode(msg)), flags=zmq.NOBLOCK)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _run_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)

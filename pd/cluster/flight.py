@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cluster.room import RoomTicket
+from pd.core.request import checked_move
 from pd.core.sampling_params import SamplingParams
 
 
@@ -146,11 +147,7 @@ class Flight:
 
     def set_status(self, status: FlightStatus) -> None:
         """The one place a flight's status changes; a move ``ALLOWED`` does not list raises."""
-        if status not in ALLOWED[self._status]:
-            raise AssertionError(
-                f"flight {self.request_id}: {self._status.name} -> {status.name} is not allowed"
-            )
-        self._status = status
+        self._status = checked_move(f"flight {self.request_id}", self._status, status, ALLOWED)
 
     def can_reroute(self, max_reroutes: int) -> bool:
         """Nothing came back from the routed attempt, and attempts are left."""

@@ -18,8 +18,9 @@ refuses a move the table below does not allow (``InvalidTransition``, with both 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pd.core.sampling_params import SamplingParams
 
@@ -48,8 +49,19 @@ ALLOWED_TRANSITIONS: dict[ReqStatus, frozenset[ReqStatus]] = {
 }
 
 
-class InvalidTransition(RuntimeError):
-    """A request was moved to a status its current one does not lead to (a bookkeeping bug)."""
+class InvalidTransition(AssertionError):
+    """A state machine was moved to a status its current one does not lead to (a bookkeeping
+    bug: an assertion, never an operator's error)."""
+
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+def checked_move(what: str, current: S, new: S, allowed: Mapping[S, frozenset[S]]) -> S:
+    """``new`` if ``allowed[current]`` lists it, else ``InvalidTransition`` naming both."""
+    if new not in allowed[current]:
+        raise InvalidTransition(f"{what}: {current.name} -> {new.name} is not allowed")
+    return new
 
 
 @dataclass(eq=False)
@@ -74,11 +86,9 @@ class Req:
         self.fill_len = self.fill_len or len(self.prompt_ids)
 
     def set_status(self, status: ReqStatus) -> None:
-        if status not in ALLOWED_TRANSITIONS[self.status]:
-            raise InvalidTransition(
-                f"request {self.request_id!r}: {self.status.value} -> {status.value} is not allowed"
-            )
-        self.status = status
+        self.status = checked_move(
+            f"request {self.request_id!r}", self.status, status, ALLOWED_TRANSITIONS
+        )
 
     def finish(self, reason: str) -> None:
         """Done here, for ``reason`` ("stop", "length", "abort")."""
