@@ -205,7 +205,14 @@ class RadixCache(BasePrefixCache):
 
     def _emit(self, kind: str, namespace: str, tokens: list[int], num_evicted: int = 0) -> None:
         self._events.append(
-            CacheEventMsg(self.node_id, self._next_seq, kind, namespace, tokens, num_evicted)
+            CacheEventMsg(
+                node_id=self.node_id,
+                seq=self._next_seq,
+                kind=kind,
+                namespace=namespace,
+                tokens=tokens,
+                num_evicted=num_evicted,
+            )
         )
         self._next_seq += 1
 

@@ -372,10 +372,30 @@ class ClusterClient:
         d = self.nodes[route.decode]
         try:
             if route.prefill is None:
-                self._send(route.decode, LocalReqMsg(wire, prompt, p, ns))
+                self._send(
+                    route.decode,
+                    LocalReqMsg(request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns),
+                )
                 return
-            self._send(route.decode, DecodeReqMsg(wire, prompt, p, ns, route.prefill))
-            msg = PrefillReqMsg(wire, prompt, p, ns, route.decode, d.addr, d.transfer_addr)
+            self._send(
+                route.decode,
+                DecodeReqMsg(
+                    request_id=wire,
+                    prompt_ids=prompt,
+                    sampling=p,
+                    namespace=ns,
+                    prefill_node=route.prefill,
+                ),
+            )
+            msg = PrefillReqMsg(
+                request_id=wire,
+                prompt_ids=prompt,
+                sampling=p,
+                namespace=ns,
+                decode_node=route.decode,
+                decode_addr=d.addr,
+                decode_transfer_addr=d.transfer_addr,
+            )
             self._send(route.prefill, msg)
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
@@ -403,7 +423,7 @@ class ClusterClient:
             for node_id in (attempt.prefill, attempt.decode):
                 if node_id in self.nodes:
                     with contextlib.suppress(zmq.ZMQError):
-                        self._send(node_id, AbortMsg(attempt.wire_id))
+                        self._send(node_id, AbortMsg(request_id=attempt.wire_id))
         self.coordinator.on_finished(attempt.wire_id)
         self._room.wake()
 
@@ -442,7 +462,7 @@ class ClusterClient:
         for flight in list(self._flights.values()):
             if node_id in (flight.prefill, flight.decode):
                 self._on_node_lost(flight, node_id, why)
-        gone = PeerGoneMsg(node_id, info.addr, info.transfer_addr)
+        gone = PeerGoneMsg(node_id=node_id, addr=info.addr, transfer_addr=info.transfer_addr)
         for other in list(self.nodes):
             with contextlib.suppress(zmq.ZMQError):
                 self._send(other, gone)

@@ -15,7 +15,7 @@ from pd.core.sampling_params import SamplingParams
 from transfer.endpoint import parse_endpoint
 
 
-class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
+class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True, kw_only=True):
     """One change to a prefill node's RadixCache, replayable by the coordinator (PrefixIndex).
 
     ``tokens`` is the full token path from the namespace root (page-aligned when page_size > 1).
@@ -34,7 +34,7 @@ class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True):
     num_evicted: int = 0
 
 
-class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True):
+class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True, kw_only=True):
     """Server -> prefill node: prefill this prompt, then hand its KV to ``decode_node``."""
 
     request_id: str
@@ -50,7 +50,7 @@ class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True):
         parse_endpoint(self.decode_transfer_addr)
 
 
-class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
+class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True, kw_only=True):
     """Server -> decode node: a request whose KV will arrive from ``prefill_node``."""
 
     request_id: str
@@ -60,7 +60,7 @@ class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True):
     prefill_node: str
 
 
-class LocalReqMsg(msgspec.Struct, tag="local_req", frozen=True):
+class LocalReqMsg(msgspec.Struct, tag="local_req", frozen=True, kw_only=True):
     """Server -> decode node: prefill this request here too, then decode it (conditional
     disaggregation: its uncached part is short, or this node holds most of it)."""
 
@@ -70,7 +70,7 @@ class LocalReqMsg(msgspec.Struct, tag="local_req", frozen=True):
     namespace: str
 
 
-class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True):
+class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True, kw_only=True):
     """Prefill node -> decode node: the KV is in your slots; here is the first token."""
 
     request_id: str
@@ -78,12 +78,12 @@ class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True):
     num_cached_tokens: int
 
 
-class AbortMsg(msgspec.Struct, tag="abort", frozen=True):
+class AbortMsg(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     request_id: str
     reason: str = "abort"
 
 
-class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True):
+class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True, kw_only=True):
     """Server -> every surviving node: ``node_id`` died or was removed. Its pair groups and
     sockets are closed, and what was kept for its requests is freed."""
 
@@ -92,7 +92,7 @@ class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True):
     transfer_addr: str  # its transfer control endpoint
 
 
-class TokenMsg(msgspec.Struct, tag="token", frozen=True):
+class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
     """Node -> server: new tokens of a request, all from its decode node once the KV is there
     (a request that ends at its first token is answered by its prefill node). ``error`` is set
     when the request failed inside the cluster; ``node_id`` says who sent it."""
@@ -108,7 +108,7 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True):
     can_retry: bool = False  # the error is its KV transfer's, not the request's own
 
 
-class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
+class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     """Node -> server, a few times a second: what /metrics and the router need, and the node's
     heartbeat (sent by its loop thread, also between the layers of a long forward). The
     colocated engine reports the same shape (role "colocated", no transfers)."""
@@ -135,7 +135,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True):
     num_threads: int = 0  # Python threads of the node's process
 
 
-class NodeInfo(msgspec.Struct, frozen=True):
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A started node: where to reach it and what it can hold."""
 
     node_id: str

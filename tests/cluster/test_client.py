@@ -24,7 +24,6 @@ from pd.core.messages import (
     DecodeReqMsg,
     NodeInfo,
     NodeMsg,
-    NodeStatsMsg,
     PeerGoneMsg,
     PrefillReqMsg,
     TokenMsg,
@@ -32,12 +31,17 @@ from pd.core.messages import (
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
 from pd.server.metrics import ServerMetrics
+from tests.conftest import make_node_stats
 from transfer.auth import Opener, Sealer, new_secret
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 SECRET = new_secret()
 PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
 PROMPT = list(range(1, 11))  # 10 tokens: prompt + max_tokens = 50 slots on a decode node
+
+
+def _event(node_id: str, seq: int, tokens: list[int]) -> CacheEventMsg:
+    return CacheEventMsg(node_id=node_id, seq=seq, kind="inserted", namespace="", tokens=tokens)
 
 
 class FakeNode:
@@ -51,7 +55,14 @@ class FakeNode:
         self.push.connect(server_addr)
         role = node_id.split("-")[0]
         addr = f"tcp://127.0.0.1:{port}"
-        self.info = NodeInfo(node_id, role, addr, "tcp://127.0.0.1:9", slots, 4096)
+        self.info = NodeInfo(
+            node_id=node_id,
+            role=role,
+            addr=addr,
+            transfer_addr="tcp://127.0.0.1:9",
+            num_slots=slots,
+            max_model_len=4096,
+        )
         self._opener = Opener(SECRET, addr)
         self._sealer = Sealer(SECRET, server_addr)
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
@@ -94,7 +105,7 @@ class FakeNode:
 
     def beat(self) -> None:
         role = self.info.role
-        self.send(NodeStatsMsg(self.node_id, role, 0, 0, 0, 100, 100, 0, 0, 0, 0, 0.0, 0, 0))
+        self.send(make_node_stats(self.node_id, role, num_slots=100, num_free_slots=100))
 
     def close(self) -> None:
         self.pull.close(linger=0)
@@ -210,9 +221,9 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         monkeypatch.setattr(h.client.coordinator, "apply_event", apply)
         p.send(b"\x00not msgpack")  # malformed
         p.send(msgspec.msgpack.encode({"type": "no_such_tag", "x": 1}))  # unknown
-        p.send(CacheEventMsg("prefill-0", 7, "inserted", "", [1, 2]))  # its handler raises
-        p.send(CacheEventMsg("prefill-0", 9, "inserted", "", [1, 2, 3]))  # out of order
-        p.send(CacheEventMsg("prefill-9", 0, "inserted", "", [1]))  # unknown node
+        p.send(_event("prefill-0", 7, [1, 2]))  # its handler raises
+        p.send(_event("prefill-0", 9, [1, 2, 3]))  # out of order
+        p.send(_event("prefill-9", 0, [1]))  # unknown node
         unknown_id = _token_msg("nobody", [1], node_id="decode-0", finished=True, reason="stop")
         not_its_node = _token_msg("r1", [98], node_id="decode-7", finished=False, reason=None)
         p.send(unknown_id)
@@ -300,8 +311,11 @@ async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed
         # the prefill node forgets both attempts, hears the node is gone, and gets the
         # request that streamed nothing again, under a new wire id, bound for the survivor
         msgs = await _drain(p)
-        assert AbortMsg("waiting") in msgs and AbortMsg("streamed") in msgs
-        assert PeerGoneMsg("decode-1", victim.info.addr, victim.info.transfer_addr) in msgs
+        assert AbortMsg(request_id="waiting") in msgs and AbortMsg(request_id="streamed") in msgs
+        gone = PeerGoneMsg(
+            node_id="decode-1", addr=victim.info.addr, transfer_addr=victim.info.transfer_addr
+        )
+        assert gone in msgs
         again = [m for m in msgs if isinstance(m, PrefillReqMsg)]
         assert [(m.request_id, m.decode_node) for m in again] == [("waiting~1", "decode-0")]
         assert (await survivor.recv_until(PeerGoneMsg)).node_id == "decode-1"
@@ -329,7 +343,7 @@ async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_al
         second = await p2.recv_until(PrefillReqMsg)
         assert [first.request_id, second.request_id] == ["b~1", "c"]
         msgs = await _drain(d)
-        assert AbortMsg("b") in msgs and AbortMsg("a") not in msgs
+        assert AbortMsg(request_id="b") in msgs and AbortMsg(request_id="a") not in msgs
         assert [m.node_id for m in msgs if isinstance(m, PeerGoneMsg)] == ["prefill-0", "prefill-1"]
         d.tokens("a", [2], finished=True)
         d.tokens("b~1", [3], finished=True)
@@ -420,7 +434,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 
         transfer_failed(p, "r")  # both sides report it: one retry
         transfer_failed(d, "r")
-        assert await p.recv_until(AbortMsg) == AbortMsg("r")
+        assert await p.recv_until(AbortMsg) == AbortMsg(request_id="r")
         assert (await p.recv_until(PrefillReqMsg)).request_id == "r~1"
         assert h.client.num_rerouted == 1
         transfer_failed(p, "r~1")  # no re-route is left
