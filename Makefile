@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test lint bench
+.PHONY: setup serve test test-fast lint bench
 setup:
 	@bash scripts/setup_env.sh
 
@@ -11,6 +11,10 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+# A few minutes, for iterating: no Ray cluster, no pd serve process, no network namespaces.
+test-fast: setup
+	$(PY) -m pytest -q -m "not cluster and not multihost" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pd prefill decode transfer scripts tests

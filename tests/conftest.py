@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 # The machine has 2 cores shared by many test processes.
 torch.set_num_threads(1)
 
+# Modules that start a pd serve process or a Ray cluster of their own (beside every test that
+# uses the shared Ray session): marked ``cluster``, which ``make test-fast`` leaves out.
+_CLUSTER_MODULES = {
+    "test_churn", "test_e2e", "test_faults", "test_hostile_cluster", "test_local_prefill",
+    "test_operate", "test_scaling", "test_serve_cli", "test_startup",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if item.module is not None and (
+            item.module.__name__.rsplit(".", 1)[-1] in _CLUSTER_MODULES or "ray_session" in fixtures
+        ):
+            item.add_marker(pytest.mark.cluster)
+
+
 # Tokenizer pieces of an HF model dir; copied so tiny checkpoints are complete model dirs.
 _TOKENIZER_GLOBS = (
     "tokenizer*",
