@@ -16,7 +16,7 @@ import anyio
 
 from pd.core.outputs import EngineClient, RequestOutput
 from pd.core.sampling_params import SamplingParams
-from pd.server.detokenizer import TextStream
+from pd.server.detokenizer import open_text_stream
 from pd.server.metrics import ServerMetrics
 
 # An abort that takes longer than this is given up on: the handler must not hang on a dead engine.
@@ -51,7 +51,7 @@ class Generation:
     async def steps(self) -> AsyncIterator[Step]:
         """Yield text steps until one with ``finish_reason``. Close it (``aclosing``) when
         stopping early: closing aborts the engine request."""
-        stream = TextStream(self.tokenizer, self.params, self.prompt_ids)
+        stream = await open_text_stream(self.tokenizer, self.params, self.prompt_ids)
         engine_done = False
         first_token: float | None = None
         last_token: float | None = None
