@@ -8,7 +8,7 @@ still working on the request (stop string, client gone, error) aborts it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,6 +44,7 @@ class Generation:
     text: str = ""
     finish_reason: str | None = None
     num_prompt_tokens: int = field(init=False)
+    on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)
@@ -58,6 +59,8 @@ class Generation:
         outcome = "abort"
         outputs: AsyncIterator[RequestOutput] | None = None
         self.metrics.running.inc()
+        if self.on_tokens is not None:
+            self.on_tokens(self.num_prompt_tokens)
         try:
             outputs = self.client.generate(
                 self.request_id, self.prompt_ids, self.params, namespace=self.namespace
@@ -115,6 +118,8 @@ class Generation:
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.output_ids.extend(out.new_token_ids)
+        if self.on_tokens is not None:
+            self.on_tokens(len(out.new_token_ids))
 
     async def run(self) -> str:
         """Run to the end; return the finish reason."""
