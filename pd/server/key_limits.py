@@ -23,7 +23,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError
+from pd.server.errors import APIError, rate_limited
 from pd.server.metrics import ServerMetrics
 
 WINDOW_S = 60
@@ -87,13 +87,11 @@ class KeyLimiter:
     def begin(self, key: str) -> None:
         """Count a request of ``key`` in flight, or raise the 429 that refuses it."""
         if self.max_inflight and self.num_inflight.get(key, 0) >= self.max_inflight:
-            raise APIError(
+            raise rate_limited(
                 f"this API key has {self.max_inflight} requests in flight, its limit; retry "
                 "when one has finished",
-                status_code=429,
-                type="rate_limit_error",
-                code="key_inflight_limit",
-                headers={"Retry-After": "1"},
+                "key_inflight_limit",
+                1,
             )
         if self.max_tokens_per_minute and key in self._windows:
             now = self.clock()
@@ -101,14 +99,12 @@ class KeyLimiter:
             wait = window.seconds_until_below(self.max_tokens_per_minute, now)
             if wait > 0:
                 retry_after = max(1, math.ceil(wait))
-                raise APIError(
+                raise rate_limited(
                     f"this API key used {window.num_tokens} tokens in the last {WINDOW_S} s, "
                     f"its limit is {self.max_tokens_per_minute} per minute; retry in "
                     f"{retry_after} s",
-                    status_code=429,
-                    type="rate_limit_error",
-                    code="key_token_limit",
-                    headers={"Retry-After": str(retry_after)},
+                    "key_token_limit",
+                    retry_after,
                 )
         self.num_inflight[key] = self.num_inflight.get(key, 0) + 1
 
