@@ -64,10 +64,12 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = ""
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags."""
+    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags, and
+    PD_ADMIN_API_KEY's the --admin-api-key flags."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
     kwargs["api_key"] = (*(args.api_key or ()), *envs.PD_API_KEY)
+    kwargs["admin_api_key"] = (*(args.admin_api_key or ()), *envs.PD_ADMIN_API_KEY)
     return ServerConfig(**kwargs)
 
 
@@ -146,7 +148,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="sent as `Authorization: Bearer <key>`; default: the first of PD_API_KEY",
+        help="an admin API key, sent as `Authorization: Bearer <key>`; default: the first of "
+        "PD_ADMIN_API_KEY, else of PD_API_KEY",
     )
 
 

@@ -23,7 +23,7 @@ def call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> 
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{args.url.rstrip('/')}{path}", data=data, method=method)
     req.add_header("content-type", "application/json")
-    api_key = args.api_key or next(iter(envs.PD_API_KEY), None)
+    api_key = args.api_key or next(iter((*envs.PD_ADMIN_API_KEY, *envs.PD_API_KEY)), None)
     if api_key:
         req.add_header("authorization", f"Bearer {api_key}")
     try:

@@ -71,8 +71,8 @@ def build_cluster_app(
 
 def _announce_when_healthy(url: str, stop: threading.Event) -> None:
     while not stop.is_set():
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+        try:  # /ready: every pool has a live node (/health answers as soon as HTTP does)
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
                 if resp.status == 200:
                     print(f"pd is serving {url}/v1 (OpenAI-compatible)", flush=True)
                     return

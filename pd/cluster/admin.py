@@ -2,8 +2,9 @@
 
 Everything here runs on the cluster client's event loop (the HTTP server's): reading the pools
 (``nodes``: one ``NodeView`` per node, from its latest stats), setting their target sizes
-(``scale``), draining one node (``drain``), and prefilling prompts into the caches of the
-prefill nodes the coordinator routes them to (``warmup``).
+(``scale``, after ``check_capacity``, which asks Ray off the loop), draining one node
+(``drain``), and prefilling prompts into the caches of the prefill nodes the coordinator
+routes them to (``warmup``). Sizes set here are the operator's: the autoscaler is told.
 """
 
 from __future__ import annotations
@@ -74,16 +75,47 @@ class ClusterAdmin:
             views.append(_view(node_id, info.role, info.ray_node_id, state, stats.get(node_id)))
         return sorted(views, key=lambda v: (ROLES.index(v.role), cluster.launched[v.id].index))
 
+    def check_capacity(
+        self, prefill: int | None = None, decode: int | None = None
+    ) -> CapacityRefusal | None:
+        """Why a pool cannot grow to the size asked (past what the Ray cluster can hold, with
+        the numbers), or None; shrinking or keeping a size is always possible. Blocking (it
+        asks Ray): call it off the event loop, then ``scale``."""
+        asked = _targets(prefill, decode)
+        now = self.cluster.target
+        for role, n in asked.items():
+            if n <= now[role]:
+                continue
+            other = next(r for r in ROLES if r != role)
+            capacity = self.cluster.capacity(role, max(now[other], asked.get(other, 0)))
+            if n > capacity.max_nodes:
+                return CapacityRefusal(
+                    role,
+                    f"asked for {n} {role} nodes, the cluster can place at most "
+                    f"{capacity.max_nodes}: {capacity.why}",
+                )
+        return None
+
     def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
-        """Set the pools' target sizes (ValueError below 1); returns the new targets."""
-        targets = {r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None}
+        """Set the pools' target sizes (ValueError below 1), as the operator's: the autoscaler
+        keeps a size outside its range until the operator changes it; returns the targets."""
+        targets = _targets(prefill, decode)
         self.cluster.scale(**targets)
+        self._tell_autoscaler(targets)
         return self.target()
 
     def drain(self, node_id: str) -> PoolSizes:
         """KeyError: no such ready node; ValueError: it is the last of its pool."""
+        role = self.client.nodes[node_id].role if node_id in self.client.nodes else None
         self.cluster.drain(node_id)
+        if role is not None:
+            self._tell_autoscaler({role: self.cluster.target[role]})
         return self.target()
+
+    def _tell_autoscaler(self, targets: dict[str, int]) -> None:
+        if self.autoscaler is not None:
+            for role, n in targets.items():
+                self.autoscaler.set_by_operator(role, n)
 
     async def warmup(self, prompts: Sequence[list[int]], namespace: str = "") -> list[WarmResult]:
         """Prefill each prompt where the coordinator routes it; concurrently, like requests."""
@@ -91,6 +123,15 @@ class ClusterAdmin:
         return list(
             await asyncio.gather(*(self.client.warm(i, p, namespace) for i, p in zip(ids, prompts)))
         )
+
+
+class CapacityRefusal(NamedTuple):
+    role: str  # the pool that cannot grow so far
+    message: str
+
+
+def _targets(prefill: int | None, decode: int | None) -> dict[str, int]:
+    return {r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None}
 
 
 def _view(node_id: str, role: str, ray_node: str, state: str, s: NodeStatsMsg | None) -> NodeView:

@@ -2,7 +2,9 @@
 
 Every ``interval_s`` each pool is read as a few *signals*, each a value beside its target:
 
-- prefill: ``ttft`` (p90 time to first token, waits for room included) against ``ttft_slo``,
+- prefill: ``ttft`` (p90 time to first token, waits for decode room left out: a full decode
+  pool is the decode signals' to show, and growing the prefill pool would not help) against
+  ``ttft_slo``,
   and ``queue`` (the prompt tokens queued per prefill node over the tokens/s a node prefills,
   i.e. the wait a new request would see) against ``ttft_slo``;
 - decode: ``tpot`` (p90 time per output token) against ``tpot_slo``, and ``kv_usage`` (KV slots
@@ -12,6 +14,11 @@ The pool's *pressure* is its highest value/target ratio, and ``decide`` (a pure 
 signals, the pool's ``PoolState`` and the clock) turns it into a size (Dynamo planner's load
 rule, with its fixes):
 
+0. A size an operator set outside the pool's range (``/admin/scale``, ``pd scale``, a drain)
+   is the operator's: the autoscaler holds it until the operator sets another, or the pool's
+   size comes back within range. One set within range is a starting point: the rule goes on
+   from it, its cooldown counted from the operator's change. (A size outside the range given
+   at start-up, ``pd serve --prefill``, is brought inside at once.)
 1. No decision while a node of the pool starts or drains (latencies count only from the moment
    the pool settled, so a scale is judged by what it did).
 2. **+1** after ``up_breaches`` consecutive decisions with pressure > 1, up to the pool's max.
@@ -197,6 +204,7 @@ class Autoscaler:
         self.states = {role: PoolState() for role in ROLES}
         self.last: dict[str, Decision] = {}
         self._settled = dict.fromkeys(ROLES, -math.inf)  # when each pool last stopped changing
+        self._is_operators = dict.fromkeys(ROLES, False)  # its size is an operator's, outside range
         self._rates: dict[str, _Rate] = {}
         registry = registry or CollectorRegistry()
         self.desired = Gauge(
@@ -215,6 +223,12 @@ class Autoscaler:
                 logger.exception("autoscaler step failed")
             await asyncio.sleep(self.cfg.interval_s)
 
+    def set_by_operator(self, role: str, size: int) -> None:
+        """An operator set ``role``'s pool to ``size`` (rule 0 of the module docstring)."""
+        lo, hi = self.cfg.limits(role)
+        self._is_operators[role] = not lo <= size <= hi
+        _change(self.states[role], self.clock(), size, "operator")
+
     def step(self) -> dict[str, Decision]:
         now = self.clock()
         for role in ROLES:
@@ -223,9 +237,16 @@ class Autoscaler:
             if is_pending:
                 self._settled[role] = now
             signals = self.signals(role, now)
-            d = self.last[role] = decide(
-                self.cfg, role, size, is_pending, signals, self.states[role], now
-            )
+            lo, hi = self.cfg.limits(role)
+            self._is_operators[role] &= not lo <= size <= hi
+            if self._is_operators[role]:
+                d = self.last[role] = Decision(
+                    size, f"hold: the operator's size, outside {lo}..{hi}"
+                )
+            else:
+                d = self.last[role] = decide(
+                    self.cfg, role, size, is_pending, signals, self.states[role], now
+                )
             self.desired.labels(pool=role).set(d.desired)
             if d.desired != size:
                 readings = ", ".join(f"{s.name} {s.value} (target {s.target})" for s in signals)

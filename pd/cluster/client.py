@@ -159,7 +159,8 @@ class ClusterClient:
         )
         self._on_node_failed = on_node_failed  # e.g. the launcher starting a replacement
         self.mirror = MirrorSync(coordinator, resync, c.watch_interval_s)
-        self.ttft = LatencyWindow()  # generate() to first token, waits for room included
+        # generate() to first token, less its waits for room (the autoscaler's prefill signal)
+        self.ttft = LatencyWindow()
         self.tpot = LatencyWindow()  # per finished request: (last - first token) / (n - 1)
         self._reader_ok = False
         self._ctx: zmq.asyncio.Context | None = None
@@ -267,13 +268,14 @@ class ClusterClient:
         self._flights[request_id] = flight
         first_token = 0.0
         num_cached: int | None = None  # the prefill node's hit (the first output's)
+        room_wait = 0.0  # in _dispatch: waiting for a decode node with room (or a node at all)
         try:
-            await self._dispatch(flight)
+            room_wait += await self._timed(self._dispatch(flight))
             while True:
                 event = await self._next(flight)
                 if event.kind is EventKind.REROUTE:
                     logger.warning("re-routing %s: %s", request_id, event.why)
-                    await self._dispatch(flight)
+                    room_wait += await self._timed(self._dispatch(flight))
                     continue
                 if event.kind is EventKind.ERROR:  # its nodes were told to drop it
                     raise ClusterError(event.why)
@@ -281,7 +283,7 @@ class ClusterClient:
                 if num_cached is None:
                     num_cached = event.num_cached_tokens
                     first_token = time.monotonic()
-                    self.ttft.add(first_token - arrival, first_token)
+                    self.ttft.add(first_token - arrival - room_wait, first_token)
                 if event.finished and flight.num_received > 1:
                     now = time.monotonic()
                     self.tpot.add((now - first_token) / (flight.num_received - 1), now)
@@ -319,6 +321,21 @@ class ClusterClient:
         roles = {info.role for info in self.nodes.values()}
         roles |= {role for role, n in self._num_starting.items() if n}
         return self._reader_ok and roles >= set(ROLES) and self.mirror.is_settled
+
+    async def readiness(self) -> str | None:
+        """Why a request could not be served now, or None (GET /ready answers 200 only then):
+        unlike ``is_ready``, a node still starting does not count, so this is not None while a
+        pool has no live, registered node (its last one died and its replacement starts)."""
+        await self.start()
+        if not self._reader_ok:
+            return "the server reads no node messages (its reader is starting or restarting)"
+        for role in ROLES:
+            if not any(info.role == role for info in self.nodes.values()):
+                starting = self._num_starting[role]
+                return f"no live {role} node" + (f" ({starting} starting)" if starting else "")
+        if not self.mirror.is_settled:
+            return "waiting for the cache snapshots of the nodes this server attached to"
+        return None
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -399,6 +416,13 @@ class ClusterClient:
             self._send(route.prefill, msg)
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
+
+    @staticmethod
+    async def _timed(work: Awaitable[None]) -> float:
+        """Seconds ``work`` took."""
+        start = time.monotonic()
+        await work
+        return time.monotonic() - start
 
     async def _next(self, flight: Flight) -> FlightEvent:
         if not flight.mailbox.empty():

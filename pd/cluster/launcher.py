@@ -44,6 +44,13 @@ from pd.cluster.client import ROLES, ClusterClient
 from pd.cluster.config import ClusterConfig, free_port, init_ray
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.node_actor import NodeActor
+from pd.cluster.placement import (
+    Capacity,
+    node_demand,
+    pool_capacity,
+    ray_autoscaler_max,
+    ray_totals,
+)
 from pd.core import envs
 from pd.core.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.core.messages import NodeInfo
@@ -208,6 +215,20 @@ class Cluster:
         self.target.update(targets)
         self._reconcile()
 
+    def capacity(self, role: str, num_other: int) -> Capacity:
+        """How many ``role`` nodes the Ray cluster can hold beside ``num_other`` nodes of the
+        other pool (``pd.cluster.placement``). Blocking (it asks Ray): not on the event loop."""
+        other = next(r for r in ROLES if r != role)
+        return pool_capacity(
+            role,
+            node_demand(self._gpus, self.cfg.resources(role)),
+            other,
+            node_demand(self._gpus, self.cfg.resources(other)),
+            num_other,
+            ray_totals(is_local=self.cfg.address is None),
+            ray_autoscaler_max(),
+        )
+
     def drain(self, node_id: str) -> None:
         """Drain ``node_id`` and remove it; its pool's target drops by one. Call on the
         client's event loop."""
@@ -217,7 +238,7 @@ class Cluster:
         if self.target[info.role] <= 1:
             raise ValueError(f"{node_id} is the last {info.role} node: the pool keeps 1")
         self.target[info.role] -= 1
-        self._run_task(self._drain(node_id))
+        self._begin_drain(node_id)  # before reconciling: it must count as leaving already
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -230,7 +251,7 @@ class Cluster:
             for _ in range(-surplus):
                 self._run_task(self._start_node(role))
             for node_id in self._victims(ready, min(surplus, len(ready))):
-                self._run_task(self._drain(node_id))
+                self._begin_drain(node_id)
 
     def _victims(self, nodes: list[str], n: int) -> list[str]:
         """The ``n`` nodes whose removal loses the least: fewest cached tokens, least busy."""
@@ -267,9 +288,20 @@ class Cluster:
         self._reconcile()
         return node_id
 
-    async def _drain(self, node_id: str) -> None:
+    def _begin_drain(self, node_id: str) -> None:
+        """Mark ``node_id`` draining at once (``nodes_of`` no longer counts it, so a reconcile
+        that runs before it has left chooses no second node), and let it leave in the
+        background."""
+        self._mark_draining(node_id)
+        self._run_task(self._drain(node_id))
+
+    def _mark_draining(self, node_id: str) -> None:
         self.draining[node_id] = self.client.nodes[node_id].role
         self.client.drain_node(node_id)  # the coordinator routes nothing new to it
+
+    async def _drain(self, node_id: str) -> None:
+        """Wait until the draining ``node_id`` has finished its requests (or the drain deadline
+        passed), then remove it and stop its actor."""
         deadline = time.monotonic() + self.cfg.drain_deadline_s
         try:
             while time.monotonic() < deadline and node_id in self.actors:
@@ -337,6 +369,7 @@ class Cluster:
     async def _drain_now(self, node_id: str) -> None:
         info = self.client.nodes[node_id]
         self.target[info.role] -= 1
+        self._mark_draining(node_id)
         await self._drain(node_id)
 
     def _wait(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

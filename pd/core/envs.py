@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     PD_DEBUG: bool
     PD_NUM_THREADS: int | None
     PD_API_KEY: tuple[str, ...]
+    PD_ADMIN_API_KEY: tuple[str, ...]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -64,6 +65,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     "PD_NUM_THREADS": lambda: _read_optional_int("PD_NUM_THREADS", min_value=1),
     # API keys of `pd serve`, comma-separated (added to its --api-key flags); empty: open.
     "PD_API_KEY": lambda: _read_csv("PD_API_KEY"),
+    # admin API keys of `pd serve` (added to --admin-api-key); `pd scale` / `pd status` send one
+    "PD_ADMIN_API_KEY": lambda: _read_csv("PD_ADMIN_API_KEY"),
 }
 
 

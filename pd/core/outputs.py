@@ -57,5 +57,11 @@ class EngineClient(Protocol):
         ...
 
     async def is_ready(self) -> bool:
-        """True once every node can take requests (GET /health answers 200 only then)."""
+        """True once every node can take requests, or one starts that will (the server
+        admits requests only then; they wait for a starting node)."""
+        ...
+
+    async def readiness(self) -> str | None:
+        """None when every pool has a live, ready node (the colocated engine: its engine),
+        else why not (GET /ready answers 503 with it)."""
         ...

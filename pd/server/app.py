@@ -24,6 +24,7 @@ from pd.core.outputs import EngineClient
 from pd.server.auth import ApiKeys
 from pd.server.config import ServerConfig
 from pd.server.errors import APIError, validation_error
+from pd.server.key_limits import KeyLimiter, KeyLimitMiddleware
 from pd.server.metrics import ServerMetrics
 from pd.server.middleware import AuthMiddleware, BodyLimitMiddleware, CatchAllMiddleware
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -56,7 +57,8 @@ def build_app(
     stats_fn: StatsFn | None = None,
     admin: ClusterAdmin | None = None,
 ) -> FastAPI:
-    """The HTTP app. ``extra_health()`` adds keys to GET /health's body; ``stats_fn()`` fills
+    """The HTTP app. ``extra_health()`` adds keys to GET /ready's body for an admin (the node
+    list: never shown to a tenant or a probe without a key); ``stats_fn()`` fills
     the cluster gauges on each GET /metrics (a ``ClusterStats``). Both are plain functions,
     called on the event loop. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
     config = config or ServerConfig()
@@ -84,12 +86,14 @@ def build_app(
         headers = dict(exc.headers or {})
         return APIError(str(exc.detail), status_code=exc.status_code, headers=headers).response()
 
-    open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
+    open_paths = {"/health", "/ready"} | ({"/metrics"} if config.metrics_no_auth else set())
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
-    app.add_middleware(
-        AuthMiddleware, keys=ApiKeys(config.api_key), open_paths=frozenset(open_paths),
-        metrics=metrics,
-    )  # fmt: skip
+    limiter = KeyLimiter(config.max_inflight_per_key, config.max_tokens_per_minute_per_key)
+    if limiter.is_enabled:
+        app.add_middleware(KeyLimitMiddleware, limiter=limiter, metrics=metrics)
+    app.state.key_limiter = limiter
+    keys = ApiKeys(config.api_key, config.admin_api_key)
+    app.add_middleware(AuthMiddleware, keys=keys, open_paths=frozenset(open_paths), metrics=metrics)
     app.add_middleware(CatchAllMiddleware)
     app.openapi = _openapi_with_request_models(app)  # type: ignore[method-assign]
     return app

@@ -1,4 +1,11 @@
-"""API keys and the prefix-cache namespace of a request.
+"""API keys, their roles, and the prefix-cache namespace of a request.
+
+Keys have a role: a *tenant* key (``--api-key``, ``PD_API_KEY``) may use the generation
+endpoints, ``/v1/models`` and the API's documents; an *admin* key (``--admin-api-key``,
+``PD_ADMIN_API_KEY``) may do that and operate the cluster too: the admin API ``/admin/*``,
+``/metrics`` (per-node labels) and the node list on ``/ready``. With no key of either kind the
+API is open to all, admin routes included (``--host`` defaults to loopback for that reason);
+with tenant keys but no admin key nobody may use the admin routes.
 
 A request's namespace scopes prefix-cache sharing on the engine (requests share cached
 prefixes only within one). It is derived, never copied, from the tenant's API key (with
@@ -9,36 +16,52 @@ events), two keys never share a namespace, and salts of different keys never col
 
 from __future__ import annotations
 
+import enum
 import hmac
 from collections.abc import Sequence
 from hashlib import sha256
+from typing import NamedTuple
 
 _HEX_CHARS = 32  # 128 bits of each HMAC
 API_KEY_SCOPE = "pd.api_key"  # the ASGI scope entry holding the key a request carried
+ROLE_SCOPE = "pd.role"  # ... and its Role (ADMIN for everybody while the API is open)
+
+
+class Role(enum.Enum):
+    TENANT = "tenant"
+    ADMIN = "admin"
+
+
+class KeyMatch(NamedTuple):
+    key: str
+    role: Role
 
 
 class ApiKeys:
-    def __init__(self, keys: Sequence[str]) -> None:
-        self._keys = [k.encode() for k in keys]
+    def __init__(self, tenant_keys: Sequence[str], admin_keys: Sequence[str] = ()) -> None:
+        # a key given both ways is an admin key
+        self._keys = [(k.encode(), Role.TENANT) for k in tenant_keys if k not in admin_keys]
+        self._keys += [(k.encode(), Role.ADMIN) for k in admin_keys]
+        self.has_admin_keys = bool(admin_keys)
 
     @property
     def is_enabled(self) -> bool:
         return bool(self._keys)
 
-    def match(self, authorization: bytes | None) -> str | None:
-        """The configured key that ``Authorization: Bearer <key>`` carries, else None.
-        Compared in constant time against every key (no early exit on a match)."""
+    def match(self, authorization: bytes | None) -> KeyMatch | None:
+        """The configured key that ``Authorization: Bearer <key>`` carries, with its role, else
+        None. Compared in constant time against every key (no early exit on a match)."""
         if authorization is None:
             return None
         scheme, _, token = authorization.partition(b" ")
         if scheme.lower() != b"bearer":
             return None
         given = token.strip()
-        found: bytes | None = None
-        for key in self._keys:
+        found: KeyMatch | None = None
+        for key, role in self._keys:
             if hmac.compare_digest(given, key):
-                found = key
-        return None if found is None else found.decode()
+                found = KeyMatch(key.decode(), role)
+        return found
 
 
 def cache_namespace(api_key: str | None, cache_salt: str | None) -> str:

@@ -18,7 +18,21 @@ class ServerConfig:
         "a key clients must send as `Authorization: Bearer <key>` (repeatable; also "
         "PD_API_KEY, comma-separated); none: the API is open",
     )
+    admin_api_key: tuple[str, ...] = option(
+        (),
+        "a key for the admin API (/admin/*, /metrics) as well as everything a tenant key may "
+        "use (repeatable; also PD_ADMIN_API_KEY, comma-separated); with --api-key but no admin "
+        "key, nobody may use the admin API",
+    )
     metrics_no_auth: bool = option(False, "serve /metrics without a key (for scrapers)")
+    max_inflight_per_key: int = option(
+        0, "requests one API key may have in flight (queued ones too); more get 429 (0: no limit)"
+    )
+    max_tokens_per_minute_per_key: int = option(
+        0,
+        "prompt + completion tokens one API key may use in any 60 s; past it, 429 with "
+        "Retry-After (0: no limit)",
+    )
     isolate_cache_per_key: bool = option(
         False, "requests share cached prefixes only with requests of the same API key"
     )
@@ -36,7 +50,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", tuple(self.api_key))
-        for key in self.api_key:
+        object.__setattr__(self, "admin_api_key", tuple(self.admin_api_key))
+        for key in (*self.api_key, *self.admin_api_key):
             if not key or not key.isascii() or not key.isprintable() or " " in key or "," in key:
                 raise ValueError(
                     f"an API key must be non-empty printable ASCII without spaces or commas; "
@@ -44,6 +59,12 @@ class ServerConfig:
                 )
         if self.isolate_cache_per_key and not self.api_key:
             raise ValueError("isolate_cache_per_key needs at least one api_key")
+        for name in ("max_inflight_per_key", "max_tokens_per_minute_per_key"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {value}")
+            if value and not (self.api_key or self.admin_api_key):
+                raise ValueError(f"{name} needs at least one api_key or admin_api_key")
         for name in (
             "max_inflight_requests", "max_body_bytes", "max_messages", "max_stop_strings",
             "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",

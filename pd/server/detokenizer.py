@@ -7,13 +7,17 @@ FastAPI. Three pieces:
   emitting half of a multi-byte character (the prefix-offset / read-offset technique).
 - ``StopChecker``: finds stop strings in a stream of text deltas (a stop string may span
   deltas), truncates there, and holds back a tail that could still grow into a stop string.
-- ``TextStream``: the two chained, driven by ``step(new_token_ids, finished)``.
+- ``TextStream``: the two chained, driven by ``step(new_token_ids, finished)``;
+  ``open_text_stream`` builds one off the event loop when its stop strings are long.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import anyio
 
 from pd.core.sampling_params import SamplingParams
 
@@ -21,6 +25,7 @@ from pd.core.sampling_params import SamplingParams
 # or strip leading spaces (sentencepiece) see the same context as a full decode would.
 _NUM_PROMPT_CONTEXT_IDS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_STOP_CHARS_ON_LOOP = 1024  # stop strings longer in all are compiled off the event loop
 
 
 class IncrementalDetokenizer:
@@ -101,6 +106,67 @@ class StopCheck(NamedTuple):
     stop_str: str | None  # the stop string that ended the text, or None
 
 
+class StopAutomaton:
+    """Aho–Corasick over a request's stop strings: fed one character at a time, it is always
+    in the state of the longest suffix of the text so far that is a prefix of a stop string.
+
+    ``goto[state]`` maps a character to the next state (a trie edge); ``fail[state]`` is the
+    state of the longest proper suffix of the state's string that is in the trie; ``depth``
+    the string's length; ``word[state]`` the longest stop string ending the state's string
+    (the string itself, else ``word[fail[state]]``), or None. Feeding a character costs one
+    edge plus the fail links taken; each fail link shortens the state, which grows by at most
+    one per character, so a stream of n characters costs at most 2n steps, whatever the
+    number and length of the stop strings. Building costs their total length, once.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth, word = [0], [None]  # type: list[int], list[str | None]
+        for s in stop:
+            state = 0
+            for ch in s:
+                edges = goto[state]
+                nxt = edges.get(ch)
+                if nxt is None:
+                    nxt = edges[ch] = len(goto)
+                    goto.append({})
+                    depth.append(depth[state] + 1)
+                    word.append(None)
+                state = nxt
+            word[state] = s
+        fail = [0] * len(goto)
+        queue = deque(goto[0].values())  # depth 1 fails to the root
+        while queue:  # breadth first: a state's fail link is set before its children's
+            state = queue.popleft()
+            for ch, child in goto[state].items():
+                queue.append(child)
+                f = fail[state]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                f = fail[child] = goto[f].get(ch, 0)
+                if word[child] is None:
+                    word[child] = word[f]
+        self.goto, self.fail, self.depth, self.word = goto, fail, depth, word
+        self.num_steps = 0  # edges and fail links taken so far: the work feeding cost
+
+    def feed(self, state: int, text: str) -> tuple[int, int]:
+        """Feed ``text`` from ``state``: the state after it and the number of characters fed,
+        which stops right after the first character that ends a stop string."""
+        goto, fail, word = self.goto, self.fail, self.word
+        num_steps = 0
+        for i, ch in enumerate(text):
+            while (nxt := goto[state].get(ch)) is None and state:
+                state = fail[state]
+                num_steps += 1
+            state = 0 if nxt is None else nxt
+            num_steps += 1
+            if word[state] is not None:
+                self.num_steps += num_steps
+                return state, i + 1
+        self.num_steps += num_steps
+        return state, len(text)
+
+
 class StopChecker:
     """Applies stop strings to a stream of text deltas.
 
@@ -109,55 +175,79 @@ class StopChecker:
     stop string, or after it with ``include_stop_str_in_output``. While streaming, the longest
     tail that is a proper prefix of some stop string is held back, since the next delta may
     complete it; ``flush()`` releases it when generation ends without a stop.
+
+    A delta costs work in proportion to its length, not to the stop strings: only its
+    characters are fed to the ``StopAutomaton`` (whose depth is the number of characters
+    held), and the held tail is a queue of the deltas it came in, with an offset into the
+    first, so a held character is copied once, when it is released.
     """
 
     def __init__(self, stop: Sequence[str], *, include_stop_str_in_output: bool = False) -> None:
         assert all(stop), f"stop strings must be non-empty, got {list(stop)!r}"
-        self._stop = tuple(stop)
+        self._automaton = StopAutomaton(stop) if stop else None
         self._include = include_stop_str_in_output
-        self._held = ""
+        self._state = 0  # the automaton's
+        self._held: deque[str] = deque()  # the held tail, as the deltas it came in
+        self._held_start = 0  # characters of _held[0] released already
+        self._num_held = 0
         self.stop_str: str | None = None
 
     @property
     def is_stopped(self) -> bool:
         return self.stop_str is not None
 
+    @property
+    def num_steps(self) -> int:
+        """Automaton steps taken so far: at most twice the characters fed."""
+        return 0 if self._automaton is None else self._automaton.num_steps
+
     def step(self, delta: str) -> StopCheck:
         assert not self.is_stopped, "step() after a stop string was found"
-        if not self._stop:
+        automaton = self._automaton
+        if automaton is None:
             return StopCheck(delta, None)
-        buf = self._held + delta
-        match = self._first_match(buf)
-        if match is not None:
-            start, stop_str = match
+        num_held = self._num_held
+        self._state, num_fed = automaton.feed(self._state, delta)
+        stop_str = automaton.word[self._state]
+        if stop_str is not None:
+            # it ends num_fed characters into the delta and starts in the held tail or the
+            # delta: the part of it before the delta was a suffix of the text, so it was held
             self.stop_str = stop_str
-            self._held = ""
-            end = start + len(stop_str) if self._include else start
-            return StopCheck(buf[:end], stop_str)
-        num_held = self._num_held(buf)
-        self._held = buf[len(buf) - num_held :]
-        return StopCheck(buf[: len(buf) - num_held], None)
+            end = num_held + num_fed - (0 if self._include else len(stop_str))
+            return StopCheck((self._release(num_held) + delta[:num_fed])[:end], stop_str)
+        num_release = num_held + len(delta) - automaton.depth[self._state]
+        if num_release <= num_held:
+            text = self._release(num_release)
+            self._hold(delta)
+        else:
+            text = self._release(num_held) + delta[: num_release - num_held]
+            self._hold(delta[num_release - num_held :])
+        return StopCheck(text, None)
 
     def flush(self) -> str:
-        text, self._held = self._held, ""
-        return text
+        self._state = 0
+        return self._release(self._num_held)
 
-    def _first_match(self, buf: str) -> tuple[int, str] | None:
-        best: tuple[int, int, str] | None = None  # (end, -len, stop_str)
-        for s in self._stop:
-            start = buf.find(s)
-            if start >= 0 and (best is None or (start + len(s), -len(s)) < best[:2]):
-                best = (start + len(s), -len(s), s)
-        return None if best is None else (best[0] + best[1], best[2])
+    def _hold(self, text: str) -> None:
+        if text:
+            self._held.append(text)
+            self._num_held += len(text)
 
-    def _num_held(self, buf: str) -> int:
-        longest = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(buf)), longest, -1):
-                if buf.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+    def _release(self, num_chars: int) -> str:
+        """The first ``num_chars`` held characters, no longer held."""
+        parts = []
+        self._num_held -= num_chars
+        while num_chars:
+            first, start = self._held[0], self._held_start
+            if num_chars < len(first) - start:
+                parts.append(first[start : start + num_chars])
+                self._held_start += num_chars
+                break
+            parts.append(first[start:])
+            num_chars -= len(first) - start
+            self._held.popleft()
+            self._held_start = 0
+        return "".join(parts)
 
 
 class TextDelta(NamedTuple):
@@ -203,3 +293,14 @@ class TextStream:
             text += self.stop_checker.flush()
         self.text += text
         return TextDelta(text, check.stop_str)
+
+
+async def open_text_stream(
+    tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int] = ()
+) -> TextStream:
+    """A ``TextStream``, built in a worker thread when its stop strings are long: compiling
+    them costs about a microsecond a character (30 ms at the server's limits, 32 x 1,024),
+    once per request, which the event loop should not pay while other streams wait on it."""
+    if sum(len(s) for s in params.stop) <= _MAX_STOP_CHARS_ON_LOOP:
+        return TextStream(tokenizer, params, prompt_ids)
+    return await anyio.to_thread.run_sync(TextStream, tokenizer, params, prompt_ids)

@@ -47,6 +47,17 @@ class APIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
 
 
+def rate_limited(message: str, code: str, retry_after_s: int) -> APIError:
+    """A 429 in OpenAI's shape, with ``Retry-After`` in whole seconds."""
+    return APIError(
+        message,
+        status_code=429,
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def internal_error(e: BaseException) -> APIError:
     return APIError(f"internal error: {e!r}", status_code=500, type="server_error")
 

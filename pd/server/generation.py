@@ -8,7 +8,7 @@ still working on the request (stop string, client gone, error) aborts it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -16,7 +16,7 @@ import anyio
 
 from pd.core.outputs import EngineClient, RequestOutput
 from pd.core.sampling_params import SamplingParams
-from pd.server.detokenizer import TextStream
+from pd.server.detokenizer import open_text_stream
 from pd.server.metrics import ServerMetrics
 
 # An abort that takes longer than this is given up on: the handler must not hang on a dead engine.
@@ -44,6 +44,7 @@ class Generation:
     text: str = ""
     finish_reason: str | None = None
     num_prompt_tokens: int = field(init=False)
+    on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)
@@ -51,13 +52,15 @@ class Generation:
     async def steps(self) -> AsyncIterator[Step]:
         """Yield text steps until one with ``finish_reason``. Close it (``aclosing``) when
         stopping early: closing aborts the engine request."""
-        stream = TextStream(self.tokenizer, self.params, self.prompt_ids)
+        stream = await open_text_stream(self.tokenizer, self.params, self.prompt_ids)
         engine_done = False
         first_token: float | None = None
         last_token: float | None = None
         outcome = "abort"
         outputs: AsyncIterator[RequestOutput] | None = None
         self.metrics.running.inc()
+        if self.on_tokens is not None:
+            self.on_tokens(self.num_prompt_tokens)
         try:
             outputs = self.client.generate(
                 self.request_id, self.prompt_ids, self.params, namespace=self.namespace
@@ -115,6 +118,8 @@ class Generation:
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.output_ids.extend(out.new_token_ids)
+        if self.on_tokens is not None:
+            self.on_tokens(len(out.new_token_ids))
 
     async def run(self) -> str:
         """Run to the end; return the finish reason."""

@@ -1,7 +1,10 @@
 """ASGI middleware of the server, outermost first:
 
 - ``CatchAllMiddleware``: anything unexpected is a 500 in OpenAI's shape, never plain text;
-- ``AuthMiddleware``: ``Authorization: Bearer <key>`` on every path but the open ones (401);
+- ``AuthMiddleware``: ``Authorization: Bearer <key>`` on every path but the open ones (401),
+  an admin key on the admin paths (403 for a tenant key);
+- ``KeyLimitMiddleware`` (``pd.server.key_limits``): each key's requests in flight and tokens
+  per minute (429);
 - ``BodyLimitMiddleware``: a body larger than the cap is 413, on its Content-Length before
   anything is read, or as soon as the bytes read (of a chunked body) pass the cap.
 """
@@ -12,7 +15,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pd.server.auth import API_KEY_SCOPE, ApiKeys
+from pd.server.auth import API_KEY_SCOPE, ROLE_SCOPE, ApiKeys, Role
 from pd.server.errors import APIError, internal_error
 from pd.server.metrics import ServerMetrics
 
@@ -51,7 +54,16 @@ class CatchAllMiddleware:
                 await err.response()(scope, receive, send)
 
 
+def is_admin_path(path: str) -> bool:
+    """Paths only an admin key may use: the admin API and /metrics (per-node labels)."""
+    return path == "/metrics" or path == "/admin" or path.startswith("/admin/")
+
+
 class AuthMiddleware:
+    """Puts the key a request carried and its role in the ASGI scope (``API_KEY_SCOPE``,
+    ``ROLE_SCOPE``). Open paths pass without a key (one that matches still counts: an admin
+    sees the node list on /ready); others need a key (401), admin paths an admin key (403)."""
+
     def __init__(
         self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str], metrics: ServerMetrics
     ) -> None:
@@ -61,11 +73,21 @@ class AuthMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys.is_enabled or scope["path"] in self.open_paths:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        key = self.keys.match(_header(scope, b"authorization"))
-        if key is None:
+        if not self.keys.is_enabled:
+            scope[ROLE_SCOPE] = Role.ADMIN  # an open API: its admin routes are open too
+            await self.app(scope, receive, send)
+            return
+        found = self.keys.match(_header(scope, b"authorization"))
+        path = scope["path"]
+        if found is not None:
+            scope[API_KEY_SCOPE], scope[ROLE_SCOPE] = found.key, found.role
+        if path in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if found is None:
             self.metrics.rejected.labels(reason="unauthorized").inc()
             err = APIError(
                 "missing or invalid API key: send `Authorization: Bearer <key>`",
@@ -75,8 +97,21 @@ class AuthMiddleware:
             )
             await err.response()(scope, receive, send)
             return
-        scope[API_KEY_SCOPE] = key
+        if found.role is not Role.ADMIN and is_admin_path(path):
+            self.metrics.rejected.labels(reason="forbidden").inc()
+            await self._forbidden(path).response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    def _forbidden(self, path: str) -> APIError:
+        if self.keys.has_admin_keys:
+            why = f"{path} needs an admin API key; this key is a tenant's"
+        else:
+            why = (
+                f"{path} needs an admin API key, and this server has none "
+                "(start it with --admin-api-key or PD_ADMIN_API_KEY)"
+            )
+        return APIError(why, status_code=403, type="permission_error", code="admin_key_required")
 
 
 class BodyLimitMiddleware:

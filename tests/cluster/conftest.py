@@ -69,11 +69,13 @@ def start_live_cluster(
     page_size: int = 1,
     model: str | None = None,
     local_prefill_tokens: int = -1,
+    server_cfg: object = None,
     **cluster_kwargs: object,
 ) -> tuple[LiveCluster, object]:
-    """``model``: a model dir (default SmolLM2); ``cluster_kwargs`` go to ClusterConfig.
-    Conditional disaggregation is off unless ``local_prefill_tokens`` says otherwise: these
-    tests are about the transfer path (its own tests turn it on)."""
+    """``model``: a model dir (default SmolLM2); ``server_cfg``: the HTTP server's
+    ServerConfig (keys, limits); ``cluster_kwargs`` go to ClusterConfig. Conditional
+    disaggregation is off unless ``local_prefill_tokens`` says otherwise: these tests are about
+    the transfer path (its own tests turn it on). Returns once GET /ready answers 200."""
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
@@ -95,7 +97,7 @@ def start_live_cluster(
         CoordinatorConfig(policy=policy, local_prefill_tokens=local_prefill_tokens),
     )
     cluster.start()
-    app = build_cluster_app(cluster, "SmolLM2-135M-Instruct")
+    app = build_cluster_app(cluster, "SmolLM2-135M-Instruct", server_cfg)  # type: ignore[arg-type]
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -105,13 +107,13 @@ def start_live_cluster(
 
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     else:
-        raise TimeoutError("cluster did not become healthy in 180 s")
+        raise TimeoutError("cluster did not become ready in 180 s")
 
     def stop() -> None:
         server.should_exit = True

@@ -220,3 +220,35 @@ def test_the_loop_scales_on_latency_and_queue_and_exports_its_decisions() -> Non
         tick()
     assert cluster.target == {"prefill": 1, "decode": 1}
     assert [s for s in cluster.scaled[-3:]] == [{"prefill": 2}, {"decode": 1}, {"prefill": 1}]
+
+
+def test_an_operators_size_outside_the_range_is_kept_until_the_operator_changes_it() -> None:
+    """Through ClusterAdmin, as /admin/scale and a drain call it: a size above the max (or below
+    the min) is the operator's, held however idle the pool; one within the range is where the
+    rule goes on from, its cooldown counted from the operator's change."""
+    from pd.cluster.admin import ClusterAdmin
+
+    cluster, clock = _Cluster(), [100.0]
+    auto = Autoscaler(CFG, cluster, clock=lambda: clock[0])  # type: ignore[arg-type]
+    admin = ClusterAdmin(cluster)  # type: ignore[arg-type]
+    admin.autoscaler = auto
+
+    def ticks(n: int) -> list[str]:
+        reasons = []
+        for _ in range(n):
+            clock[0] += 1.0
+            reasons.append(auto.step()["prefill"].reason)
+        return reasons
+
+    admin.scale(prefill=6)  # max_prefill is 3; no traffic at all
+    assert set(ticks(30)) == {"hold: the operator's size, outside 1..3"}
+    assert cluster.target["prefill"] == 6 and cluster.scaled == [{"prefill": 6}]
+    cluster.client.ttft.add(9.0, clock[0])  # nor does a breach move it
+    assert set(ticks(int(CFG.window_s) + 1)) == {"hold: the operator's size, outside 1..3"}
+    admin.scale(prefill=3)  # back within range: the rule goes on from 3, after a cooldown
+    reasons = ticks(int(CFG.cooldown_s) + 1)
+    assert cluster.scaled[-1] == {"prefill": 2} and reasons[-1] == "idle"
+    assert all(r.startswith("hold: below target") for r in reasons[:-1])
+    # a size outside the range that no operator set (pd serve --prefill 5) is brought inside
+    cluster.target["prefill"] = 5
+    assert ticks(1) == ["above_max"] and cluster.target["prefill"] == 3

@@ -407,6 +407,26 @@ async def test_while_a_replacement_starts_the_cluster_is_ready_and_requests_wait
         assert h.tokens_of("r") == [1] and await h.client.is_ready()
 
 
+async def test_readiness_says_which_pool_has_no_live_node_while_its_replacement_starts() -> None:
+    """GET /ready: unlike is_ready (GET /health), a starting node does not make a pool live."""
+    async with _harness() as h:
+        assert await h.client.readiness() is not None  # nothing read yet
+        h.add("prefill-0")
+        await _until(lambda: h.client._reader_ok)
+        assert await h.client.readiness() == "no live decode node"
+        h.add("decode-0")
+        assert await h.client.readiness() is None
+        h.client.fail_node("decode-0", "link down")
+        h.client.begin_start("decode")
+        assert await h.client.is_ready()
+        assert await h.client.readiness() == "no live decode node (1 starting)"
+        h.add("decode-1")
+        h.client.end_start("decode")
+        assert await h.client.readiness() is None
+        h.client.fail_node("prefill-0", "host killed")
+        assert await h.client.readiness() == "no live prefill node"
+
+
 async def test_abort_while_waiting_for_room_ends_the_request() -> None:
     async with _harness() as h:
         p, d = h.add("prefill-0"), h.add("decode-0", slots=60)  # room for one
@@ -420,6 +440,28 @@ async def test_abort_while_waiting_for_room_ends_the_request() -> None:
         assert h.client.stats().num_queued == 0
         d.tokens("r1", [1], finished=True)
         await h.wait_done("r1")
+
+
+async def test_the_autoscalers_ttft_leaves_out_the_wait_for_decode_room() -> None:
+    """A request that waits a second for a decode node with room, then gets its first token at
+    once: its TTFT sample (the prefill pool's signal) is short; growing the prefill pool would
+    not have shortened that wait."""
+    async with _harness() as h:
+        p, d = h.add("prefill-0"), h.add("decode-0", slots=60)  # room for one
+        h.request("r1")
+        await p.recv_until(PrefillReqMsg)
+        d.tokens("r1", [1])  # r1 decodes ...
+        await _until(lambda: len(h.client.ttft._samples) == 1)
+        h.request("r2")
+        await _until(lambda: h.client.stats().num_queued == 1)
+        await asyncio.sleep(1.0)  # ... while r2 waits for room
+        d.tokens("r1", [2], finished=True)
+        await h.wait_done("r1")
+        assert (await p.recv_until(PrefillReqMsg)).request_id == "r2"
+        d.tokens("r2", [1], finished=True)
+        await h.wait_done("r2")
+        assert len(h.client.ttft._samples) == 2
+        assert h.client.ttft.quantile(1.0, since=0.0) < 0.5  # the slower of the two
 
 
 async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once() -> None:

@@ -285,7 +285,7 @@ def test_extreme_sampling_parameters_fail_alone(live, reference) -> None:
     greedy_like = [o for o in odd_out if o.error is None and o.tokens == reference[4]]
     assert len(greedy_like) >= 2  # temperature 1e-30 and top_p 1e-9 act greedily
     _clean(live, restored=True)
-    assert httpx.get(f"{live.url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{live.url}/ready", timeout=5).status_code == 200  # every pool live
     metrics = httpx.get(f"{live.url}/metrics", timeout=5).text
     for gauge in ("pd_node_pair_groups{", "pd_node_threads{", "pd_rerouted_requests "):
         assert gauge in metrics, gauge

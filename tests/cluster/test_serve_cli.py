@@ -1,4 +1,4 @@
-"""The README's run command: `pd serve` starts the cluster and prints its URL once healthy."""
+"""The README's run command: `pd serve` starts the cluster and prints its URL once ready."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
     server = ServeProcess(["--max-total-tokens", "4096"], tmp_path / "serve.log")
     try:
         url = server.url
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/ready", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         chat = client.chat.completions.create(

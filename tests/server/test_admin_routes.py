@@ -1,7 +1,8 @@
-"""The admin endpoints over a scripted cluster: behind the API key, requests checked like any
-other (4xx naming the field), warm-up prompts tokenized and namespaced as requests are; and
-``pd scale`` / ``pd status`` against them. The live cluster behind them is
-tests/cluster/test_operate.py."""
+"""The admin endpoints over a scripted cluster: behind an admin key (a tenant's is refused),
+requests checked like any other (4xx naming the field), a pool grown past what the cluster can
+place refused with the numbers, warm-up prompts tokenized and namespaced as requests are; and
+``pd scale`` / ``pd status`` against them. The live clusters behind them are
+tests/cluster/test_operate.py and tests/cluster/test_admin_live.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from pd.cli import main as pd_main
-from pd.cluster.admin import NodeView, PoolSizes
+from pd.cluster.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
 from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, ServerMetrics, build_app
@@ -22,7 +23,14 @@ from tests.server.fake_engine import FakeEngineClient
 
 pytestmark = pytest.mark.timeout(60)
 KEY = "admin-key-0123456789"
+TENANT_KEY = "tenant-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+CALLS = [
+    ("GET", "/admin/nodes", None),
+    ("POST", "/admin/scale", {"prefill": 2}),
+    ("POST", "/admin/nodes/prefill-1/drain", None),
+    ("POST", "/admin/warmup", {"prompts": ["You are a helpful assistant."]}),
+]
 
 
 class FakeAdmin:
@@ -30,9 +38,22 @@ class FakeAdmin:
 
     autoscaler = None
 
-    def __init__(self) -> None:
+    def __init__(self, max_nodes: int = 8) -> None:
         self.sizes = {"prefill": 1, "decode": 1}
+        self.max_nodes = max_nodes  # both pools together
         self.warmed: list[tuple[list[list[int]], str]] = []
+
+    def check_capacity(
+        self, prefill: int | None = None, decode: int | None = None
+    ) -> CapacityRefusal | None:
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            other = self.sizes["decode" if role == "prefill" else "prefill"]
+            if n is not None and n + other > self.max_nodes:
+                limit = self.max_nodes - other
+                return CapacityRefusal(
+                    role, f"asked for {n} {role} nodes, the cluster can place at most {limit}"
+                )
+        return None
 
     def target(self) -> PoolSizes:
         return PoolSizes(**self.sizes)
@@ -63,32 +84,58 @@ class FakeAdmin:
 
 
 def _app(tokenizer: Any, admin: FakeAdmin, **config: Any) -> Any:
+    config = {"api_key": (TENANT_KEY,), "admin_api_key": (KEY,), **config}
     return build_app(
         FakeEngineClient(output_ids=[5, 6], eos_token_id=tokenizer.eos_token_id),
         tokenizer=tokenizer,
         model_name=MODEL_NAME,
         max_model_len=MAX_MODEL_LEN,
-        config=ServerConfig(api_key=(KEY,), **config),
+        config=ServerConfig(**config),
         metrics=ServerMetrics(),
         admin=admin,  # type: ignore[arg-type]
+        extra_health=lambda: {"nodes": [n.id for n in admin.nodes()]},
     )
 
 
-def test_every_admin_endpoint_needs_the_key(tokenizer) -> None:
+def test_every_admin_endpoint_needs_an_admin_key(tokenizer) -> None:
+    """No key: 401; a tenant's: 403 (on an unknown admin path too, before routing); an
+    admin's: served. Only an admin sees the node list on /ready."""
     admin = FakeAdmin()
-    calls = [
-        ("GET", "/admin/nodes", None),
-        ("POST", "/admin/scale", {"prefill": 2}),
-        ("POST", "/admin/nodes/prefill-1/drain", None),
-        ("POST", "/admin/warmup", {"prompts": ["You are a helpful assistant."]}),
-    ]
+    tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
     with serve(_app(tokenizer, admin)) as url, httpx.Client(base_url=url, timeout=10) as c:
-        for method, path, body in calls:
+        for method, path, body in [*CALLS, ("GET", "/admin/nothing", None)]:
             assert c.request(method, path, json=body).status_code == 401, path
+            r = c.request(method, path, json=body, headers=tenant)
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["error"]["code"] == "admin_key_required"
+            assert r.json()["error"]["type"] == "permission_error"
         assert admin.sizes == {"prefill": 1, "decode": 1} and not admin.warmed
-        got = [c.request(m, p, json=b, headers=AUTH).status_code for m, p, b in calls]
+        got = [c.request(m, p, json=b, headers=AUTH).status_code for m, p, b in CALLS]
+        assert c.get("/admin/nothing", headers=AUTH).status_code == 404
+        assert c.get("/ready").json() == {"status": "ready"}
+        assert c.get("/ready", headers=tenant).json() == {"status": "ready"}
+        assert c.get("/ready", headers=AUTH).json()["nodes"] == ["prefill-0", "decode-0"]
+        assert c.get("/health", headers=AUTH).json() == {"status": "ok"}  # never node ids
     assert got == [200, 202, 202, 200]
     assert admin.sizes == {"prefill": 1, "decode": 1}  # scaled to 2, then one drained
+
+
+def test_without_an_admin_key_nobody_may_use_the_admin_api(tokenizer) -> None:
+    """Tenant keys but no admin key: the admin routes are refused for everyone (and say how
+    to open them); no key at all: the API is open, admin routes too."""
+    admin = FakeAdmin()
+    tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
+    app = _app(tokenizer, admin, admin_api_key=())
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        for method, path, body in CALLS:
+            r = c.request(method, path, json=body, headers=tenant)
+            assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "a"}, headers=tenant).status_code == 200
+    assert admin.sizes == {"prefill": 1, "decode": 1} and not admin.warmed
+    app = _app(tokenizer, admin, api_key=(), admin_api_key=())
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        assert c.get("/admin/nodes").status_code == 200
+        assert c.get("/ready").json()["nodes"] == ["prefill-0", "decode-0"]
 
 
 def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokenizer) -> None:
@@ -105,6 +152,12 @@ def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokeniz
             "id": "prefill-0", "role": "prefill", "ray_node": "ray-1", "state": "ready",
             "load": 2, "queued_tokens": 30, "kv_usage": 0.25, "cached_tokens": 100,
             "slots_in_use": 10, "pair_groups": 1, "threads": 12, "sockets": 5,
+        }  # fmt: skip
+        r = c.post("/admin/scale", json={"prefill": 1024}, headers=AUTH)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"] == {
+            "message": "asked for 1024 prefill nodes, the cluster can place at most 6",
+            "type": "invalid_request_error", "param": "prefill", "code": "insufficient_capacity",
         }  # fmt: skip
         for bad, field in (({}, None), ({"prefill": 0}, "prefill"), ({"decode": 2, "x": 1}, "x")):
             r = c.post("/admin/scale", json=bad, headers=AUTH)
@@ -155,15 +208,21 @@ def test_pd_scale_and_pd_status_talk_to_the_server(tokenizer, capsys, monkeypatc
         assert admin.sizes == {"prefill": 2, "decode": 1}
         assert out.startswith("target: prefill 2, decode 1\nid ")
         assert len(out.strip().splitlines()) == 2 + 3
-        monkeypatch.setenv("PD_API_KEY", KEY)  # the key pd serve reads is theirs too
+        monkeypatch.setenv("PD_ADMIN_API_KEY", KEY)  # the key pd serve reads is theirs too
+        monkeypatch.setenv("PD_API_KEY", TENANT_KEY)
         assert pd_main(["status", "--url", url]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert lines[2].split() == [
             "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100",
         ]  # fmt: skip
+        monkeypatch.delenv("PD_ADMIN_API_KEY")
+        assert pd_main(["status", "--url", url]) == 1  # PD_API_KEY's tenant key: refused
+        assert "HTTP 403: /admin/nodes needs an admin API key" in capsys.readouterr().err
         monkeypatch.delenv("PD_API_KEY")
         assert pd_main(["status", "--url", url, "--api-key", "wrong"]) == 1
         assert "HTTP 401" in capsys.readouterr().err
+        assert pd_main(["scale", "--url", url, "--api-key", KEY, "--decode", "99"]) == 1
+        assert "HTTP 409: asked for 99 decode nodes" in capsys.readouterr().err
         assert pd_main(["scale", "--url", url, "--api-key", KEY]) == 2  # no size given
     assert pd_main(["status", "--url", url]) == 1  # the server is gone
     assert "cannot reach the pd server" in capsys.readouterr().err

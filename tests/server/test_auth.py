@@ -1,4 +1,4 @@
-"""API keys on every endpoint but /health, and the prefix-cache namespace a request gets."""
+"""API keys on every endpoint but /health and /ready, and the prefix-cache namespace a request gets."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(30)
 
 MakeApp = Callable[..., tuple[Any, FakeEngineClient]]
 KEYS = ("key-alpha-0123456789", "key-beta-9876543210")
+ADMIN_KEY = "key-admin-5555555555"
 _MSGS = [{"role": "user", "content": "hi"}]
 
 # (method, path, body) of every route, an unknown one included.
@@ -40,7 +41,9 @@ def _send(client: httpx.Client, method: str, path: str, body: Any, auth: str | N
 
 
 def test_every_endpoint_but_health_needs_a_right_key(make_app: MakeApp) -> None:
-    app, fake = make_app(config=ServerConfig(api_key=KEYS))
+    """Tenant keys reach every endpoint but /metrics (an admin's: per-node labels), 403 there;
+    an admin key reaches all; no key or a wrong one is a 401 everywhere but the probes."""
+    app, fake = make_app(config=ServerConfig(api_key=KEYS, admin_api_key=(ADMIN_KEY,)))
     with serve(app) as url, httpx.Client(base_url=url, timeout=10) as client:
         for method, path, body in ENDPOINTS:
             for auth in WRONG:
@@ -48,15 +51,25 @@ def test_every_endpoint_but_health_needs_a_right_key(make_app: MakeApp) -> None:
                 assert r.status_code == 401, (path, auth, r.text)
                 assert r.headers["www-authenticate"] == "Bearer"
                 assert r.json()["error"]["code"] == "invalid_api_key"
-            for key in KEYS:
+            for key in (*KEYS, ADMIN_KEY):
                 r = _send(client, method, path, body, f"Bearer {key}")
                 want = 404 if path == "/v1/nothing" else 200
+                if path == "/metrics" and key != ADMIN_KEY:
+                    want = 403
                 assert r.status_code == want, (path, r.text)
-        assert client.get("/health").status_code == 200
-        text = _send(client, "GET", "/metrics", None, f"bearer {KEYS[1]}").text
-    assert len(fake.requests) == 6  # 3 generation endpoints x 2 keys; no refused one ran
+        for path in ("/health", "/ready"):  # probes carry no key
+            assert client.get(path).status_code == 200
+            assert _send(client, "GET", path, None, "Bearer nope").status_code == 200
+        r = _send(client, "GET", "/metrics", None, f"Bearer {KEYS[0]}")
+        assert r.json()["error"] == {
+            "message": "/metrics needs an admin API key; this key is a tenant's",
+            "type": "permission_error", "param": None, "code": "admin_key_required",
+        }  # fmt: skip
+        text = _send(client, "GET", "/metrics", None, f"bearer {ADMIN_KEY}").text
+    assert len(fake.requests) == 9  # 3 generation endpoints x 3 keys; no refused one ran
     unauthorized = len(ENDPOINTS) * len(WRONG)
     assert f'pd_server_rejected_requests_total{{reason="unauthorized"}} {unauthorized}.0' in text
+    assert 'pd_server_rejected_requests_total{reason="forbidden"} 3.0' in text
 
 
 def test_metrics_can_be_left_open_and_no_key_means_open(make_app: MakeApp) -> None:
@@ -93,6 +106,9 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.api_key == ("x9", "a1", "b2", "c3") and cfg.isolate_cache_per_key
     monkeypatch.setenv("PD_API_KEY", "")
     assert envs.PD_API_KEY == ()
+    monkeypatch.setenv("PD_ADMIN_API_KEY", "ad1,ad2")
+    args = build_parser().parse_args(["serve", "--admin-api-key", "ad0"])
+    assert server_config(args).admin_api_key == ("ad0", "ad1", "ad2")
 
 
 @pytest.mark.parametrize(
@@ -103,6 +119,9 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"api_key": ("",)}, "non-empty"),
         ({"max_inflight_requests": 0}, "max_inflight_requests must be >= 1, got 0"),
         ({"request_timeout": 0.0}, "request_timeout must be > 0"),
+        ({"admin_api_key": ("a,b",)}, "without spaces or commas"),
+        ({"max_inflight_per_key": 2}, "max_inflight_per_key needs at least one api_key"),
+        ({"api_key": ("k",), "max_tokens_per_minute_per_key": -1}, "must be >= 0"),
     ],
 )
 def test_server_config_is_validated(kwargs: dict[str, Any], match: str) -> None:

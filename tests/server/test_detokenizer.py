@@ -142,3 +142,86 @@ def test_text_stream_flushes_held_text_on_finish(tokenizer: Any) -> None:
     last = stream.step(ids[-1:], finished=True)
     assert last.stop_str is None
     assert "".join(texts) + last.text == stream.text == "Hello world"
+
+
+def _reference_held(text: str, stop: list[str]) -> int:
+    """The longest tail of ``text`` that is a proper prefix of a stop string."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab", max_size=40),
+    stop=st.lists(st.text(alphabet="ab", min_size=1, max_size=8), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+)
+def test_stop_checker_holds_back_exactly_the_longest_prefix_tail(
+    text: str, stop: list[str], cuts: list[int]
+) -> None:
+    """Overlapping stop strings (two letters): after each delta, what was emitted plus the held
+    tail is the text so far, and the held tail is the longest one that may still grow into a
+    stop string."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    checker, emitted, seen = StopChecker(stop), "", ""
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        check = checker.step(text[a:b])
+        emitted += check.text
+        seen += text[a:b]
+        if check.stop_str is not None:
+            assert (emitted, check.stop_str) == _reference_stop(seen, stop, False)
+            return
+        assert seen.startswith(emitted)
+        assert len(seen) - len(emitted) == _reference_held(seen, stop)
+    assert emitted + checker.flush() == text
+
+
+def test_stop_strings_at_their_limits_cost_a_bounded_amount_per_character() -> None:
+    """32 stop strings of 1,024 characters, built so that the text keeps matching long prefixes
+    of them and falls back often (the work of a naive scan: every string at every position):
+    the automaton takes at most 2 steps per character fed, as with one short stop string."""
+    stop = ["a" * k + "c" + "a" * (1023 - k) for k in range(31)] + ["a" * 1023 + "b"]
+    assert len(stop) == 32 and {len(s) for s in stop} == {1024}
+    text = ("a" * 1500 + "d" + "a" * 20 + "c" + "a" * 5 + "d") * 8  # deep, then back to the root
+    deltas = [text[i : i + 3] for i in range(0, len(text), 3)]  # ~3 characters a token
+    big, small = StopChecker(stop), StopChecker(["z"])
+    out_big = "".join(big.step(d).text for d in deltas) + big.flush()
+    out_small = "".join(small.step(d).text for d in deltas) + small.flush()
+    assert out_big == out_small == text  # no stop string occurs: everything comes out
+    assert small.num_steps == len(text)
+    assert big.num_steps <= 2 * len(text)
+    # per delta: never more than the characters fed plus the fail links they paid for
+    checker, worst = StopChecker(stop), 0
+    for d in deltas[:1000]:
+        before = checker.num_steps
+        checker.step(d)
+        worst = max(worst, checker.num_steps - before)
+    assert worst <= 1024 + len(deltas[0])  # one fall back from the deepest state, at most
+
+
+def test_long_stop_strings_are_compiled_off_the_event_loop(tokenizer: Any, monkeypatch) -> None:
+    import asyncio
+    import threading
+
+    from pd.server import detokenizer
+
+    built_on: list[int] = []
+    real_init = detokenizer.StopAutomaton.__init__
+
+    def recording_init(self: Any, stop: Any) -> None:
+        built_on.append(threading.get_ident())
+        real_init(self, stop)
+
+    monkeypatch.setattr(detokenizer.StopAutomaton, "__init__", recording_init)
+    long_stops = tuple("x" * 600 + str(i) for i in range(2))  # 1,202 characters in all
+
+    async def open_both() -> list[str]:
+        short = await detokenizer.open_text_stream(tokenizer, SamplingParams(stop=("ld!",)))
+        long = await detokenizer.open_text_stream(
+            tokenizer, SamplingParams(stop=(*long_stops, "ld!"))
+        )
+        ids = tokenizer.encode("Hello world! The answer", add_special_tokens=False)
+        return [s.step(ids).text for s in (short, long)]
+
+    assert asyncio.run(open_both()) == ["Hello wor", "Hello wor"]
+    loop_thread = threading.get_ident()
+    assert built_on[0] == loop_thread and built_on[1] != loop_thread

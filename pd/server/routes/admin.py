@@ -4,7 +4,8 @@
   KV usage, cached tokens, what it holds open), the pools' targets and the autoscaler's last
   decisions;
 - ``POST /admin/scale {"prefill": N, "decode": M}`` (either may be left out): set the pools'
-  target sizes; nodes start, or drain and leave, in the background (202);
+  target sizes; nodes start, or drain and leave, in the background (202); a pool grown past
+  what the Ray cluster can hold is refused (409, with the numbers: ``pd.cluster.placement``);
 - ``POST /admin/nodes/{id}/drain``: no new requests for it, the ones it has finish, then it
   leaves (its pool's target drops by one; 409 for the last node of a pool);
 - ``POST /admin/warmup {"prompts": [...], "cache_salt": ...}``: prefill each prompt (text or
@@ -12,7 +13,8 @@
   nothing; the answer says where each went.
 
 The router is included by ``build_app`` when it is given a ``ClusterAdmin`` (``app.state.admin``)
-and, like every endpoint but ``/health``, needs the API key when the server has one.
+and needs an admin key when the server has keys (``AuthMiddleware``: 401 without a key, 403
+with a tenant's).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from pd.server.auth import API_KEY_SCOPE
+from pd.server.errors import APIError
 from pd.server.routes.common import server_state
 from pd.server.state import ServerState
 
@@ -71,6 +75,11 @@ async def scale(body: ScaleRequest, request: Request) -> JSONResponse:
     admin = _admin(request)
     if body.prefill is None and body.decode is None:
         raise HTTPException(400, "give prefill and/or decode: the pools' target sizes")
+    refusal = await run_in_threadpool(admin.check_capacity, body.prefill, body.decode)  # asks Ray
+    if refusal is not None:
+        raise APIError(
+            refusal.message, status_code=409, param=refusal.role, code="insufficient_capacity"
+        )
     admin.scale(body.prefill, body.decode)
     return JSONResponse(_pools(admin), status_code=202)
 

@@ -23,6 +23,7 @@ from pd.server.admission import AdmissionTicket
 from pd.server.auth import API_KEY_SCOPE
 from pd.server.errors import validation_error
 from pd.server.generation import Generation
+from pd.server.key_limits import TOKEN_METER_SCOPE
 from pd.server.state import Prepared, ServerState
 from pd.server.streaming import sse_response, sse_steps
 
@@ -72,6 +73,7 @@ async def serve_generation(
         body = await request.body()
         prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))
         gen = state.new_generation(prefix, prep)
+        gen.on_tokens = request.scope.get(TOKEN_METER_SCOPE)  # per-key tokens per minute
         if prep.stream:
             steps = sse_steps(
                 gen,

@@ -1,4 +1,6 @@
-"""Operations: ``/health`` (open to all), ``/metrics`` and ``/v1/models``."""
+"""Operations: ``/health`` (liveness) and ``/ready`` (readiness), open to all, for load
+balancers and probes; ``/metrics`` (an admin's, or open with ``--metrics-no-auth``) and
+``/v1/models``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pd.core.outputs import ClusterStats
+from pd.server.auth import ROLE_SCOPE, Role
 from pd.server.responses import ModelCard, ModelList
 from pd.server.routes.common import server_state
 
@@ -30,22 +33,33 @@ async def models(request: Request) -> ModelList:
 
 
 @router.get("/health")
-async def health(request: Request) -> JSONResponse:
-    state = server_state(request)
+async def health() -> JSONResponse:
+    """Liveness: 200 while the process serves HTTP, whatever the nodes do (a probe restarts a
+    process that stops answering; it must not restart one whose pool is being replaced)."""
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 while every pool has a live, ready node; else 503 saying which has none.
+    An admin key (or an open API) also gets ``extra_health()``'s keys (the node list)."""
+    client = server_state(request).client
     try:
-        ready = bool(await state.client.is_ready())
-    except Exception:
-        logger.exception("is_ready() failed")
-        ready = False
-    body: dict[str, Any] = {"status": "ok" if ready else "unavailable"}
+        reason = await client.readiness()
+    except Exception as e:
+        logger.exception("readiness() failed")
+        reason = f"readiness check failed: {e!r}"
+    body: dict[str, Any] = {"status": "ready"}
+    if reason is not None:
+        body = {"status": "unavailable", "reason": reason}
     extra_health: HealthFn | None = request.app.state.extra_health
-    if extra_health is not None:
+    if extra_health is not None and request.scope.get(ROLE_SCOPE) is Role.ADMIN:
         try:
             body.update(extra_health())
         except Exception as e:
             logger.exception("extra_health() failed")
             body["extra_health_error"] = repr(e)
-    return JSONResponse(body, status_code=200 if ready else 503)
+    return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
 @router.get("/metrics")

@@ -1,0 +1,158 @@
+"""Per-API-key limits on the generation endpoints (what gateways do in front of an engine):
+
+- requests in flight (``--max-inflight-per-key``): counted from the moment a request passes
+  authentication until its response is over (queued for admission, streaming: all count), so
+  one key can neither take every admission place nor the whole queue;
+- tokens per minute (``--max-tokens-per-minute-per-key``): prompt tokens when the request
+  starts on the engine, completion tokens as they come; a request is refused while the key's
+  tokens of the last 60 s are at the limit (one admitted under it may take the key past it: a
+  request's length is known only once it is done).
+
+Either refusal is a 429 in OpenAI's shape with ``Retry-After``: 1 s for requests in flight, the
+seconds until enough of the key's tokens have left the window for tokens. The window is 60
+one-second buckets per key, so a key's bookkeeping is bounded whatever its traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pd.server.auth import API_KEY_SCOPE
+from pd.server.errors import APIError, rate_limited
+from pd.server.metrics import ServerMetrics
+
+WINDOW_S = 60
+TOKEN_METER_SCOPE = "pd.token_meter"  # the ASGI scope entry: a Callable[[int], None]
+# the paths that generate (and so count); each answers one request with one response
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+
+
+class TokenWindow:
+    """Tokens counted in the last ``WINDOW_S`` seconds, in one-second buckets: a token counted
+    at time t leaves the window at ``floor(t) + WINDOW_S``."""
+
+    def __init__(self) -> None:
+        self._buckets: deque[list[int]] = deque()  # [second, tokens], oldest first
+        self.num_tokens = 0  # in the window as of the last add() or expire()
+
+    def add(self, num_tokens: int, now: float) -> None:
+        second = math.floor(now)
+        self.expire(now)
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += num_tokens
+        else:
+            self._buckets.append([second, num_tokens])
+        self.num_tokens += num_tokens
+
+    def expire(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] + WINDOW_S <= now:
+            self.num_tokens -= self._buckets.popleft()[1]
+
+    def seconds_until_below(self, limit: int, now: float) -> float:
+        """0 when fewer than ``limit`` tokens are in the window, else the seconds until so."""
+        self.expire(now)
+        remaining, wait = self.num_tokens, 0.0
+        for second, num_tokens in self._buckets:
+            if remaining < limit:
+                break
+            remaining -= num_tokens
+            wait = second + WINDOW_S - now  # once this bucket has left, ``remaining`` are in
+        return wait
+
+
+class KeyLimiter:
+    """The per-key counts (``max_*`` 0: that limit is off). All on the event loop."""
+
+    def __init__(
+        self,
+        max_inflight: int,
+        max_tokens_per_minute: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_inflight = max_inflight
+        self.max_tokens_per_minute = max_tokens_per_minute
+        self.clock = clock
+        self.num_inflight: dict[str, int] = {}
+        self._windows: dict[str, TokenWindow] = {}
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.max_inflight or self.max_tokens_per_minute)
+
+    def begin(self, key: str) -> None:
+        """Count a request of ``key`` in flight, or raise the 429 that refuses it."""
+        if self.max_inflight and self.num_inflight.get(key, 0) >= self.max_inflight:
+            raise rate_limited(
+                f"this API key has {self.max_inflight} requests in flight, its limit; retry "
+                "when one has finished",
+                "key_inflight_limit",
+                1,
+            )
+        if self.max_tokens_per_minute and key in self._windows:
+            now = self.clock()
+            window = self._windows[key]
+            wait = window.seconds_until_below(self.max_tokens_per_minute, now)
+            if wait > 0:
+                retry_after = max(1, math.ceil(wait))
+                raise rate_limited(
+                    f"this API key used {window.num_tokens} tokens in the last {WINDOW_S} s, "
+                    f"its limit is {self.max_tokens_per_minute} per minute; retry in "
+                    f"{retry_after} s",
+                    "key_token_limit",
+                    retry_after,
+                )
+        self.num_inflight[key] = self.num_inflight.get(key, 0) + 1
+
+    def end(self, key: str) -> None:
+        """The request ``begin`` counted is over (exactly once per ``begin`` that passed)."""
+        n = self.num_inflight[key] - 1
+        if n:
+            self.num_inflight[key] = n
+        else:
+            del self.num_inflight[key]
+
+    def add_tokens(self, key: str, num_tokens: int) -> None:
+        if self.max_tokens_per_minute and num_tokens:
+            self._windows.setdefault(key, TokenWindow()).add(num_tokens, self.clock())
+
+    def num_tokens(self, key: str) -> int:
+        """``key``'s tokens in the window now."""
+        window = self._windows.get(key)
+        if window is None:
+            return 0
+        window.expire(self.clock())
+        return window.num_tokens
+
+
+class KeyLimitMiddleware:
+    """Applies a ``KeyLimiter`` to the generation paths of requests that carry a key (inside
+    ``AuthMiddleware``), and hands the route a meter for the request's tokens
+    (``TOKEN_METER_SCOPE``)."""
+
+    def __init__(self, app: ASGIApp, limiter: KeyLimiter, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.limiter = limiter
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = scope.get(API_KEY_SCOPE)
+        if scope["type"] != "http" or key is None or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.limiter.begin(key)
+        except APIError as e:
+            reason = "key_inflight" if e.code == "key_inflight_limit" else "key_tokens"
+            self.metrics.rejected.labels(reason=reason).inc()
+            await e.response()(scope, receive, send)
+            return
+        scope[TOKEN_METER_SCOPE] = lambda n: self.limiter.add_tokens(key, n)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limiter.end(key)

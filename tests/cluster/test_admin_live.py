@@ -1,0 +1,158 @@
+"""The admin API and the probes on a real cluster (Ray, 3 prefill + 1 decode nodes of the tiny
+model, one thread each), behind tenant and admin keys, in order:
+
+1. draining one of three prefill nodes through ``POST /admin/nodes/{id}/drain``: exactly that
+   node leaves, the pool settles at 2, no other node drains and none starts in its place (a
+   tenant key is refused first, and changes nothing);
+2. ``POST /admin/scale`` past what the cluster can place: 409 with the numbers, no node starts;
+3. the last decode node killed (SIGKILL on its process): ``/ready`` is 503 within the heartbeat
+   timeout, naming the pool, and 200 again once the replacement is ready; ``/health`` answers
+   200 all along, and names no node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pd.cluster.client import ClientConfig
+from pd.server import ServerConfig
+from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
+
+pytestmark = pytest.mark.timeout(240)  # the cluster's start-up is counted too
+HEARTBEAT_S = 4.0
+ADMIN = {"Authorization": "Bearer live-admin-0123456789"}
+TENANT = {"Authorization": "Bearer live-tenant-0123456789"}
+
+
+@pytest.fixture(scope="module")
+def live(ray_session: None, tiny_llama_dir: Any) -> Iterator[LiveCluster]:
+    keys = ServerConfig(
+        api_key=(TENANT["Authorization"][7:],), admin_api_key=(ADMIN["Authorization"][7:],)
+    )
+    live, stop = start_live_cluster(
+        num_prefill=3,
+        num_decode=1,
+        model=str(tiny_llama_dir),
+        server_cfg=keys,
+        client=ClientConfig(heartbeat_timeout_s=HEARTBEAT_S, request_timeout_s=60.0),
+    )
+    yield live
+    stop()
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float) -> float:
+    """Seconds until ``cond()`` held (polled every 50 ms); fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _pools(live: LiveCluster) -> dict[str, Any]:
+    r = httpx.get(f"{live.url}/admin/nodes", headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _generate(live: LiveCluster) -> list[int]:
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}}
+    r = httpx.post(f"{live.url}/generate", json=body, headers=TENANT, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_draining_one_of_three_prefill_nodes_drains_exactly_one(live: LiveCluster) -> None:
+    cluster: Any = live.cluster
+    url = f"{live.url}/admin/nodes/prefill-1/drain"
+    assert httpx.post(url, headers=TENANT, timeout=10).status_code == 403
+    assert httpx.post(url, timeout=10).status_code == 401
+    assert cluster.target["prefill"] == 3 and not cluster.draining
+    r = httpx.post(url, headers=ADMIN, timeout=10)
+    assert r.status_code == 202, r.text
+    assert r.json()["target"] == {"prefill": 2, "decode": 1}
+    states = {n["id"]: n["state"] for n in r.json()["nodes"]}
+    assert states == {
+        "prefill-0": "ready", "prefill-1": "draining", "prefill-2": "ready", "decode-0": "ready",
+    }  # fmt: skip
+    _until(lambda: "prefill-1" not in cluster.client.nodes, "prefill-1 gone", 60)
+    time.sleep(1.0)  # a replacement would be starting by now (the bug started one at once)
+    pools = _pools(live)
+    assert pools["target"] == {"prefill": 2, "decode": 1}
+    assert [(n["id"], n["state"]) for n in pools["nodes"]] == [
+        ("prefill-0", "ready"), ("prefill-2", "ready"), ("decode-0", "ready"),
+    ]  # fmt: skip
+    assert sorted(cluster.launched) == ["decode-0", "prefill-0", "prefill-1", "prefill-2"]
+    assert not cluster.starting and not cluster.draining
+    assert len(_generate(live)) == 4
+    wait_idle_and_check(live)
+
+
+def test_scaling_past_what_the_cluster_can_place_is_409_with_the_numbers(
+    live: LiveCluster,
+) -> None:
+    cluster: Any = live.cluster
+    r = httpx.post(f"{live.url}/admin/scale", json={"prefill": 1024}, headers=ADMIN, timeout=30)
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    # a CPU node without custom resources takes a core of this machine (a local instance)
+    cores = os.cpu_count() or 1
+    assert err["message"].startswith(
+        f"asked for 1024 prefill nodes, the cluster can place at most {max(0, cores - 1)}: "
+        f"a prefill node takes CPU 1; the cluster has CPU {cores}, of which the 1 decode "
+        "node(s) hold CPU 1"
+    ), err
+    assert err["param"] == "prefill" and err["code"] == "insufficient_capacity"
+    assert cluster.target == {"prefill": 2, "decode": 1} and not cluster.starting
+    r = httpx.post(f"{live.url}/admin/scale", json={"prefill": 2}, headers=ADMIN, timeout=30)
+    assert r.status_code == 202  # keeping (or shrinking) a size is always possible
+
+
+def test_readiness_is_503_while_a_pool_has_no_live_node_and_health_stays_200(
+    live: LiveCluster,
+) -> None:
+    cluster: Any = live.cluster
+    health: list[tuple[int, dict[str, Any]]] = []
+    stop = threading.Event()
+
+    def probe_health() -> None:
+        while not stop.is_set():
+            r = httpx.get(f"{live.url}/health", timeout=10)
+            health.append((r.status_code, r.json()))
+            time.sleep(0.05)
+
+    def ready() -> httpx.Response:
+        return httpx.get(f"{live.url}/ready", timeout=10)
+
+    assert ready().status_code == 200
+    assert ready().json() == {"status": "ready"}  # no key: no node list
+    r = httpx.get(f"{live.url}/ready", headers=ADMIN, timeout=10)
+    assert r.json()["nodes"] == ["decode-0", "prefill-0", "prefill-2"]
+    prober = threading.Thread(target=probe_health, daemon=True)
+    prober.start()
+    try:
+        os.kill(cluster.client.nodes["decode-0"].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _until(lambda: ready().status_code == 503, "/ready 503", HEARTBEAT_S + 10)
+        to_503 = time.monotonic() - killed
+        r = ready()
+        assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+        assert r.json()["reason"].startswith("no live decode node"), r.text
+        _until(lambda: ready().status_code == 200, "/ready 200 again", 150)
+        back = time.monotonic() - killed
+    finally:
+        stop.set()
+        prober.join(timeout=15)
+    assert to_503 <= HEARTBEAT_S + 1.0, f"/ready said 503 {to_503:.1f} s after the kill"
+    assert cluster.replacements == ["decode-1"] and "decode-1" in cluster.client.nodes
+    assert health and all(h == (200, {"status": "ok"}) for h in health), health[:5]
+    print(f"/ready: 503 {to_503:.2f} s after the kill, 200 again after {back:.1f} s")
+    assert len(_generate(live)) == 4

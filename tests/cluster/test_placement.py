@@ -1,0 +1,53 @@
+"""How many nodes of a pool a Ray cluster can hold (``pd.cluster.placement``), from its
+resources as Ray reports them; no Ray here. The live refusal is in test_admin_live.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd.cluster.placement import max_nodes, node_demand, pool_capacity
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_node_takes_what_it_asks_ray_for_or_a_core() -> None:
+    assert node_demand(1.0, {}) == {"CPU": 1.0, "GPU": 1.0}
+    assert node_demand(0.5, {"prefill": 1.0}) == {"CPU": 1.0, "GPU": 0.5, "prefill": 1.0}
+    assert node_demand(0.0, {"decode": 1.0}) == {"decode": 1.0}  # CPU nodes ask num_cpus=0
+    assert node_demand(0.0, {}) == {"CPU": 1.0}  # asks Ray for nothing: counted as a core
+
+
+def test_the_scarcest_resource_bounds_the_pool() -> None:
+    assert max_nodes({"CPU": 64, "GPU": 8}, {"CPU": 1, "GPU": 1}, {}) == 8
+    assert max_nodes({"CPU": 64, "GPU": 8}, {"CPU": 1, "GPU": 1}, {"CPU": 3, "GPU": 3}) == 5
+    assert max_nodes({"CPU": 64, "GPU": 8}, {"CPU": 1, "GPU": 0.5}, {}) == 16
+    assert max_nodes({"CPU": 4, "GPU": 0.3 * 10}, {"GPU": 0.3}, {}) == 10  # no float shortfall
+    assert max_nodes({"CPU": 4}, {"prefill": 1}, {}) == 0  # no machine with the role's resource
+    assert max_nodes({"CPU": 2}, {"CPU": 1}, {"CPU": 3}) == 0  # never negative
+
+
+def test_the_other_pool_holds_its_share_and_the_message_says_the_numbers() -> None:
+    gpu = node_demand(1.0, {})
+    cap = pool_capacity("prefill", gpu, "decode", gpu, 3, {"CPU": 96, "GPU": 8}, None)
+    assert cap.max_nodes == 5
+    assert cap.why == (
+        "a prefill node takes CPU 1, GPU 1; the cluster has CPU 96, GPU 8, "
+        "of which the 3 decode node(s) hold CPU 3, GPU 3"
+    )
+    # role resources: the other pool holds none of them
+    p, d = node_demand(0.0, {"prefill": 1.0}), node_demand(0.0, {"decode": 1.0})
+    cap = pool_capacity("prefill", p, "decode", d, 2, {"prefill": 4, "decode": 4}, None)
+    assert cap == (4, "a prefill node takes prefill 1; the cluster has prefill 4")
+
+
+def test_what_rays_autoscaler_may_add_counts() -> None:
+    """Ray's autoscaler reports the most of each resource its node types' max_workers give;
+    the alive nodes are the floor (a head type reports no max of its own)."""
+    gpu = node_demand(1.0, {"prefill": 1.0})
+    alive = {"CPU": 8, "GPU": 1, "prefill": 1}
+    grown = {"CPU": 40, "GPU": 5, "prefill": 5}
+    assert pool_capacity("prefill", gpu, "decode", gpu, 1, alive, None).max_nodes == 0
+    cap = pool_capacity("prefill", gpu, "decode", gpu, 1, alive, grown)
+    assert cap.max_nodes == 4  # 5 GPUs, one for the decode node
+    assert "(as far as Ray's autoscaler may grow it)" in cap.why
+    assert pool_capacity("prefill", gpu, "decode", gpu, 1, alive, {"GPU": 0}).max_nodes == 0
