@@ -57,3 +57,8 @@ class EngineClient(Protocol):
     async def is_ready(self) -> bool:
         """True once every node can take requests (GET /health answers 200 only then)."""
         ...
+
+    async def readiness(self) -> str | None:
+        """None when every pool has a live, ready node (the colocated engine: its engine),
+        else why not (GET /ready answers 503 with it)."""
+        ...

@@ -338,6 +338,21 @@ class ClusterClient:
         roles |= {role for role, n in self._num_starting.items() if n}
         return self._reader_ok and roles >= set(ROLES) and self.mirror.is_settled
 
+    async def readiness(self) -> str | None:
+        """Why a request could not be served now, or None (GET /ready answers 200 only then):
+        unlike ``is_ready``, a node still starting does not count, so this is not None while a
+        pool has no live, registered node (its last one died and its replacement starts)."""
+        await self.start()
+        if not self._reader_ok:
+            return "the server reads no node messages (its reader is starting or restarting)"
+        for role in ROLES:
+            if not any(info.role == role for info in self.nodes.values()):
+                starting = self._num_starting[role]
+                return f"no live {role} node" + (f" ({starting} starting)" if starting else "")
+        if not self.mirror.is_settled:
+            return "waiting for the cache snapshots of the nodes this server attached to"
+        return None
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()

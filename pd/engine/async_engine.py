@@ -68,6 +68,9 @@ class AsyncEngine:
     async def is_ready(self) -> bool:
         return self._thread.is_alive()
 
+    async def readiness(self) -> str | None:
+        return None if self._thread.is_alive() else "the engine thread is not running"
+
     def stats(self) -> NodeStatsMsg:
         """The engine's stats, as of its last step (refreshed a few times a second)."""
         return self._stats

@@ -84,7 +84,7 @@ def build_app(
         headers = dict(exc.headers or {})
         return APIError(str(exc.detail), status_code=exc.status_code, headers=headers).response()
 
-    open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
+    open_paths = {"/health", "/ready"} | ({"/metrics"} if config.metrics_no_auth else set())
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
     app.add_middleware(
         AuthMiddleware, keys=ApiKeys(config.api_key), open_paths=frozenset(open_paths),

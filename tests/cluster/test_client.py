@@ -353,6 +353,26 @@ async def test_while_a_replacement_starts_the_cluster_is_ready_and_requests_wait
         assert h.tokens_of("r") == [1] and await h.client.is_ready()
 
 
+async def test_readiness_says_which_pool_has_no_live_node_while_its_replacement_starts() -> None:
+    """GET /ready: unlike is_ready (GET /health), a starting node does not make a pool live."""
+    async with _harness() as h:
+        assert await h.client.readiness() is not None  # nothing read yet
+        h.add("prefill-0")
+        await _until(lambda: h.client._reader_ok)
+        assert await h.client.readiness() == "no live decode node"
+        h.add("decode-0")
+        assert await h.client.readiness() is None
+        h.client.fail_node("decode-0", "link down")
+        h.client.begin_start("decode")
+        assert await h.client.is_ready()
+        assert await h.client.readiness() == "no live decode node (1 starting)"
+        h.add("decode-1")
+        h.client.end_start("decode")
+        assert await h.client.readiness() is None
+        h.client.fail_node("prefill-0", "host killed")
+        assert await h.client.readiness() == "no live prefill node"
+
+
 async def test_abort_while_waiting_for_room_ends_the_request() -> None:
     async with _harness() as h:
         p, d = h.add("prefill-0"), h.add("decode-0", slots=60)  # room for one

@@ -42,6 +42,9 @@ class FakeEngineClient:
     async def is_ready(self) -> bool:
         return self.ready
 
+    async def readiness(self) -> str | None:
+        return None if self.ready else "the fake engine is not ready"
+
     async def abort(self, request_id: str) -> None:
         await asyncio.sleep(0.001)  # a real abort goes over a socket: it suspends
         self.aborted.append(request_id)

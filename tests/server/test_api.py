@@ -262,7 +262,7 @@ async def test_engine_failure_is_500_in_openai_shape(make_app: MakeApp) -> None:
     assert "pd_server_running_requests 0.0" in text
 
 
-async def test_models_health_and_metrics(make_app: MakeApp) -> None:
+async def test_models_health_readiness_and_metrics(make_app: MakeApp) -> None:
     def node(node_id: str, role: str, **kw: Any) -> NodeStatsMsg:
         zero = dict.fromkeys(
             ("num_waiting", "num_running", "num_transferring", "num_cached_tokens",
@@ -287,8 +287,13 @@ async def test_models_health_and_metrics(make_app: MakeApp) -> None:
         assert [m["id"] for m in models["data"]] == [MODEL_NAME]
         r = await c.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "unavailable", "nodes": 2}
+        r = await c.get("/ready")
+        assert r.status_code == 503
+        assert r.json() == {"status": "unavailable", "reason": "the fake engine is not ready"}
         fake.ready = True
         assert (await c.get("/health")).status_code == 200
+        r = await c.get("/ready")
+        assert r.status_code == 200 and r.json() == {"status": "ready"}
 
         await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
         text = (await c.get("/metrics")).text

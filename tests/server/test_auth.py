@@ -1,4 +1,4 @@
-"""API keys on every endpoint but /health, and the prefix-cache namespace a request gets."""
+"""API keys on every endpoint but /health and /ready, and the prefix-cache namespace a request gets."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_every_endpoint_but_health_needs_a_right_key(make_app: MakeApp) -> None:
                 want = 404 if path == "/v1/nothing" else 200
                 assert r.status_code == want, (path, r.text)
         assert client.get("/health").status_code == 200
+        assert client.get("/ready").status_code == 200  # probes carry no key
         text = _send(client, "GET", "/metrics", None, f"bearer {KEYS[1]}").text
     assert len(fake.requests) == 6  # 3 generation endpoints x 2 keys; no refused one ran
     unauthorized = len(ENDPOINTS) * len(WRONG)

@@ -102,3 +102,14 @@ def test_logit_bias_and_tiny_temperature_end_to_end(client: AsyncEngine) -> None
     (answer,) = _post_all(app, [(None, banned)], "/generate")
     assert answer["output_ids"][0] != ids[0]
     check_idle(client, app)
+
+
+def test_the_colocated_engine_is_ready_while_its_thread_runs(tiny_llama_dir: Path) -> None:
+    engine = AsyncEngine(
+        lambda: Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256))
+    )
+    try:
+        assert asyncio.run(engine.readiness()) is None
+    finally:
+        engine.shutdown()
+    assert asyncio.run(engine.readiness()) == "the engine thread is not running"

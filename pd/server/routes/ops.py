@@ -1,4 +1,4 @@
-"""Operations: ``/health`` (open to all), ``/metrics`` and ``/v1/models``."""
+"""Operations: ``/health`` and ``/ready`` (open to all), ``/metrics`` and ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,21 @@ async def health(request: Request) -> JSONResponse:
             logger.exception("extra_health() failed")
             body["extra_health_error"] = repr(e)
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 while every pool has a live, ready node; else 503 saying which has none
+    (``/health`` stays 200 while a replacement starts: requests wait for it)."""
+    client = server_state(request).client
+    try:
+        reason = await client.readiness()
+    except Exception as e:
+        logger.exception("readiness() failed")
+        reason = f"readiness check failed: {e!r}"
+    if reason is None:
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
 
 @router.get("/metrics")
