@@ -197,9 +197,8 @@ class NetnsHosts:
             self.kill(host)
         self.hosts.clear()
         cleanup_leftovers()
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        self._lock.close()
+        self._lock = None
 
     def save_logs(self, dest: Path) -> None:
         """Copy the harness's logs and each host's Ray logs to ``dest`` (before ``close``)."""

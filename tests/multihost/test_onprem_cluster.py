@@ -273,9 +273,8 @@ def test_a_host_cut_off_longer_than_the_heartbeat_timeout_is_replaced_when_back(
     start = time.monotonic()
     hosts.cut(c.decode_host)
     join = _concurrently([lambda i=i: _generate(c.url, i) for i in range(3)])  # routed there
-    dead = _until(
-        lambda: _ready(c.url) == (503, "no live decode node (1 starting)"), "503", HEARTBEAT_S + 5
-    )
+    _until(lambda: _ready(c.url) == (503, "no live decode node (1 starting)"), "503", 10)
+    dead = time.monotonic() - start
     health = httpx.get(f"{c.url}/health", timeout=5).status_code
     time.sleep(max(0.0, start + HEARTBEAT_S + 2 - time.monotonic()))
     cut_for = time.monotonic() - start
@@ -327,27 +326,28 @@ def test_a_killed_host_is_replaced_on_another_host_with_its_role(onprem, referen
     late = c.host(4)
     failed = _metric(c.url, "pd_failed_nodes")
     old = {n for n, v in _nodes(c.url).items() if v["role"] == "prefill"}
+    start = time.monotonic()
     hosts.kill(c.prefill_host)  # every process of h2: its Ray, its pd node, its sshd
     join = _concurrently([lambda i=i: _generate(c.url, i) for i in range(3)])
-    dead = _until(
-        lambda: _metric(c.url, "pd_failed_nodes") == failed + 1, "found dead", HEARTBEAT_S + 10
-    )
+    _until(lambda: _metric(c.url, "pd_failed_nodes") == failed + 1, "found dead", 15)
+    dead = time.monotonic() - start
     assert _ready(c.url)[0] == 200  # the other prefill node is live
-    replaced = _until(lambda: len(_ready_of(c.url, "prefill") - old) == 1, "replacement", 90)
+    _until(lambda: len(_ready_of(c.url, "prefill") - old) == 1, "replacement", 90)
+    replaced = time.monotonic() - start
     _check(join(), reference)
     assert _pd_nodes_on(hosts, late) == ["ray::PrefillNod", "ray::PrefillNod"]
     (gone,) = old - set(_nodes(c.url))
     _until(lambda: all(n["load"] == 0 for n in _nodes(c.url).values()), "idle", 30)
     _idle_and_whole(c.url)
     REPORT.append(
-        f"prefill host h2 killed: {gone} found dead after {dead:.1f} s ({_why_gone(gone)}), replaced on h4 (prefill: 2) {dead + replaced:.1f} s after the kill"
+        f"prefill host h2 killed: {gone} found dead after {dead:.1f} s ({_why_gone(gone)}), replaced on h4 (prefill: 2) {replaced:.1f} s after the kill"
     )
 
 
 def test_ray_down_leaves_no_process_on_any_host(onprem) -> None:
     c, hosts = onprem, onprem.hosts
     assert c.serve is not None
-    hosts.stop_launched(c.serve)  # Ctrl-C's equivalent: the ssh session of `ray exec` ends
+    hosts.stop_launched(c.serve)  # as when its terminal closes: ray exec's ssh session ends
     c.serve = None
     _until(lambda: not any("pd serve" in p for p in hosts.processes(c.head)), "pd serve ends", 30)
     start = time.monotonic()
