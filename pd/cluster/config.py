@@ -92,7 +92,8 @@ def reachable_address(address: str, timeout_s: float) -> str:
 def init_ray(cfg: ClusterConfig) -> None:
     """Without an address, a private local Ray instance: never RAY_ADDRESS, nor the record a
     ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
-    to be reachable first."""
+    to be reachable first; "auto" is handed to Ray as it is, which then also finds the
+    machine's auth token (``~/.ray/auth_token``): Ray never does for an explicit address."""
     if cfg.address is None:
         ray.init(
             address="local",
@@ -103,4 +104,4 @@ def init_ray(cfg: ClusterConfig) -> None:
         )
     else:
         address = reachable_address(cfg.address, cfg.connect_timeout_s)
-        ray.init(address=address, namespace=cfg.namespace)
+        ray.init(address="auto" if cfg.address == "auto" else address, namespace=cfg.namespace)

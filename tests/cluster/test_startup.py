@@ -104,3 +104,19 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
     assert f"pd: error: cannot reach the Ray cluster at {other}" in out.stderr, out.stderr[-3000:]
     assert took < 30, took  # imports included; the connection check itself takes 5 s at most
+
+
+def test_address_auto_reaches_ray_as_auto_so_it_finds_the_auth_token(monkeypatch) -> None:
+    """Ray reads ~/.ray/auth_token only for ``ray.init("auto")``, never for an explicit
+    address: `pd serve --address auto` on a token-auth cluster (ray_cluster.onprem.yaml)
+    was refused ("Authentication token is missing") when pd resolved "auto" itself."""
+    import ray
+
+    from pd.cluster import config
+
+    calls: list[str] = []
+    monkeypatch.setattr(config, "reachable_address", lambda address, timeout_s: "10.0.0.10:6379")
+    monkeypatch.setattr(ray, "init", lambda address, namespace: calls.append(address))
+    config.init_ray(config.ClusterConfig(address="auto"))
+    config.init_ray(config.ClusterConfig(address="10.0.0.10:6379"))
+    assert calls == ["auto", "10.0.0.10:6379"]

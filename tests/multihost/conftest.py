@@ -1,0 +1,75 @@
+"""Hosts in network namespaces (``scripts/netns_hosts.py``) that run Ray and pd for real.
+
+The set needs root (namespaces, a bridge, an sshd per host). As root it installs what the
+harness lacks (``apt-get install openssh-server rsync``); elsewhere, or where network
+namespaces cannot be made, every test skips saying why. What the tests measured (times, the
+addresses on the KV sockets) is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(_SCRIPTS) not in sys.path:  # as when the harness runs by hand: scripts/ on sys.path
+    sys.path.insert(0, str(_SCRIPTS))
+
+from netns_hosts import HarnessBusy, NetnsHosts, install_tools, missing_tools  # noqa: E402
+
+REPORT: list[str] = []  # lines for the terminal summary
+
+
+def _why_not() -> str | None:
+    """None when the harness can run here, else the reason to skip."""
+    if not sys.platform.startswith("linux"):
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, a bridge, an sshd per host)"
+    if missing_tools():
+        try:
+            install_tools()
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"apt-get install openssh-server rsync failed: {e}"
+        if missing := missing_tools():
+            return f"still missing after apt-get: {', '.join(missing)}"
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot make a network namespace here: {probe.stderr.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def netns_hosts(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NetnsHosts]:
+    """The harness, started with no host yet; everything it made is gone afterwards (after a
+    failure, its logs and the hosts' Ray logs are kept in a pytest temp dir first)."""
+    if why := _why_not():
+        pytest.skip(why)
+    hosts = NetnsHosts()
+    failed = request.session.testsfailed
+    try:
+        hosts.start(0)
+        yield hosts
+    except HarnessBusy as e:
+        pytest.skip(str(e))
+    finally:
+        if request.session.testsfailed > failed:
+            dest = tmp_path_factory.mktemp("netns-logs")
+            hosts.save_logs(dest)
+            REPORT.append(f"logs of the failed run: {dest}")
+        hosts.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORT:
+        terminalreporter.section("multihost: what the hosts showed")
+        for line in REPORT:
+            terminalreporter.write_line(line)
