@@ -43,7 +43,7 @@ import ray
 from pd.cluster.client import ROLES, ClusterClient
 from pd.cluster.config import ClusterConfig, free_port, init_ray
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
-from pd.cluster.node_actor import NodeActor
+from pd.cluster.node_actor import ACTOR_CLASSES
 from pd.cluster.placement import (
     Capacity,
     node_demand,
@@ -414,7 +414,7 @@ class Cluster:
             debug_checks=envs.PD_DEBUG,
             transfer=dataclasses.replace(self.cfg.transfer, secret=self._secret),
         )
-        handle = ray.remote(NodeActor).options(**options).remote(engine_cfg, node_cfg, role)
+        handle = ray.remote(ACTOR_CLASSES[role]).options(**options).remote(engine_cfg, node_cfg)
         self.actors[node_id] = handle
         self.starting[node_id] = role
         return node_id, handle.start.remote()
