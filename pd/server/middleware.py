@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -170,13 +171,13 @@ class ClientStalled(Exception):
 class WriteTimeoutMiddleware:
     """Bounds every ``send`` by ``timeout_s``. uvicorn's ``send`` waits while the connection's
     write buffer is full (its client reads nothing, so its socket buffers are full too); past
-    the bound the connection is aborted at once (closing it gracefully would wait for that
-    client to read), and that ``send`` and any later one raise ``ClientStalled``: a stream then
-    closes its generator, which aborts the request and releases its place. The app's call
-    ends quietly here, counted as ``client_gone{where="stalled"}``.
+    the bound the connection is reset (closing it gracefully would wait for that client to
+    read), and that ``send`` and any later one raise ``ClientStalled``: a stream then closes its
+    generator, which aborts the request and releases its place. The app's call ends quietly
+    here, counted as ``client_gone{where="stalled"}``.
 
     Outermost, outside Starlette's own middleware, so that ``send`` is the server's own: its
-    connection is reachable there (``_abort_connection``)."""
+    connection is reachable there (``_BoundedSend``)."""
 
     def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServerMetrics) -> None:
         self.app = app
@@ -187,40 +188,77 @@ class WriteTimeoutMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        is_stalled = False
-
-        async def send_bounded(message: Message) -> None:
-            nonlocal is_stalled
-            if not is_stalled:
-                with anyio.move_on_after(self.timeout_s):
-                    await send(message)
-                    return
-                is_stalled = True
-                self.metrics.client_gone.labels(where="stalled").inc()
-                _abort_connection(send)
-            raise ClientStalled(f"the client took nothing for {self.timeout_s:g} s")
-
+        bounded = _BoundedSend(send, self.timeout_s, self.metrics)
         try:
-            await self.app(scope, receive, send_bounded)
+            await self.app(scope, receive, bounded.send)
         except ClientStalled:
-            if not is_stalled:
+            if not bounded.is_stalled:
                 raise
-            # the aborted connection reports its loss on the next loop turn: let the server
-            # see it before the app returns, so it does not log an incomplete response
-            await anyio.sleep(0)
+        finally:
+            bounded.close()
 
 
-def _abort_connection(send: Send) -> None:
-    """Reset the connection under the server's ``send``: uvicorn's is a method of its
-    request-response cycle, which holds the asyncio transport (h11 and httptools alike). A
-    reset (SO_LINGER 0), not a close: a closed socket would keep its unsent bytes in the kernel
-    for a client that reads nothing. Elsewhere nothing is done here: the server closes the
-    connection when the app returns."""
-    transport: Any = getattr(getattr(send, "__self__", None), "transport", None)
-    if transport is None or not hasattr(transport, "abort"):
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()
+class _BoundedSend:
+    """One response's ``send``, each call bounded by ``timeout_s``.
+
+    Under uvicorn, ``send`` is a method of its request-response cycle, which holds the asyncio
+    transport: a watchdog timer (one per response, re-armed at most once per ``timeout_s``)
+    resets the connection under a send pending that long, and uvicorn's ``send`` returns at
+    once when its connection is lost; a send costs two assignments. Under any other server,
+    each send waits in a cancel scope of its own (the server closes the connection when the
+    app returns)."""
+
+    def __init__(self, send: Send, timeout_s: float, metrics: ServerMetrics) -> None:
+        self._send = send
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._transport: Any = getattr(getattr(send, "__self__", None), "transport", None)
+        if not hasattr(self._transport, "abort"):
+            self._transport = None
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the pending send began
+        self._timer: asyncio.TimerHandle | None = None
+        self.is_stalled = False
+
+    async def send(self, message: Message) -> None:
+        if not self.is_stalled:
+            if self._transport is None:
+                with anyio.move_on_after(self._timeout_s):
+                    await self._send(message)
+                    return
+                self._on_stalled()
+            else:
+                self._since = self._loop.time()
+                if self._timer is None:
+                    self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+                try:
+                    await self._send(message)
+                finally:
+                    self._since = None
+                if not self.is_stalled:
+                    return
+        raise ClientStalled(f"the client took nothing for {self._timeout_s:g} s")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._since is None:  # no send pending: the next one re-arms
+            return
+        if self._loop.time() - self._since < self._timeout_s:
+            self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+            return
+        self._on_stalled()
+        # a reset (SO_LINGER 0), not a close: a closed socket would keep its unsent bytes in
+        # the kernel for a client that reads nothing
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._transport.abort()
+
+    def _on_stalled(self) -> None:
+        self.is_stalled = True
+        self._metrics.client_gone.labels(where="stalled").inc()

@@ -3,6 +3,7 @@ builder, and helpers for the tests that run the colocated engine on a tiny model
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -144,3 +145,24 @@ def serve(app: Any, timeout_s: float = 10.0, sndbuf: int | None = None) -> Itera
         thread.join(timeout_s)
         sock.close()
         assert not thread.is_alive(), f"uvicorn did not stop within {timeout_s} s"
+
+
+@contextmanager
+def errors_logged() -> Iterator[list[logging.LogRecord]]:
+    """ERROR records logged inside the block, by pd and by uvicorn (whose loggers do not
+    propagate; enter the block once the server runs: uvicorn's start-up resets them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [
+        logging.getLogger(),
+        logging.getLogger("uvicorn"),
+        logging.getLogger("uvicorn.error"),
+    ]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
