@@ -69,7 +69,7 @@ class Admission:
 
     async def admit(self, timeout_s: float) -> AdmissionTicket:
         """A place, now or after waiting in line; 429 when the line is full, 504 when
-        ``timeout_s`` passes first."""
+        ``timeout_s`` passes first, ``close``'s refusal once closed."""
         if self._refusal is not None:
             raise self._refusal()
         if (ticket := self.try_admit()) is not None:

@@ -83,8 +83,8 @@ class ServerState:
 
     @property
     def is_shutting_down(self) -> bool:
-        """SIGTERM came: new requests get 503 (readiness says so too) while those in flight
-        finish."""
+        """SIGTERM came: new requests get 503 while those in flight finish (a readiness
+        probe should fail from now on)."""
         return self._is_shutting_down
 
     async def shut_down(self, grace_s: float) -> bool:
