@@ -1,14 +1,25 @@
-"""``pd serve``: start the cluster, then the OpenAI-compatible HTTP server in this process."""
+"""``pd serve``: start the cluster, then the OpenAI-compatible HTTP server in this process.
+
+On SIGTERM it shuts down gracefully (``_GracefulServer``): new requests get 503, those in flight
+have ``shutdown_grace_s`` to finish, then the server exits and stops its nodes (detached nodes,
+``--address`` with ``--keep-nodes``, stay for the next server to attach). A second SIGTERM, or
+SIGINT, exits at once (uvicorn's own shutdown).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
+import signal
+import ssl
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,9 +34,11 @@ from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
 from pd.server.metrics import ServerMetrics
+from pd.server.state import ServerState
 from transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
+_EXIT_RESERVE_S = 5.0  # at most, of the shutdown grace period: for closing and stopping
 
 
 def build_cluster_app(
@@ -70,15 +83,61 @@ def build_cluster_app(
 
 
 def _announce_when_healthy(url: str, stop: threading.Event) -> None:
+    context = None
+    if url.startswith("https"):  # our own server, perhaps self-signed: only its answer counts
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
     while not stop.is_set():
         try:  # /ready: every pool has a live node (/health answers as soon as HTTP does)
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2, context=context) as resp:
                 if resp.status == 200:
                     print(f"pd is serving {url}/v1 (OpenAI-compatible)", flush=True)
                     return
         except OSError:
             pass
         time.sleep(0.2)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, but the first SIGTERM drains: the app stops admitting (503) and its
+    requests in flight get ``grace_s`` to finish (``ServerState.shut_down``); then uvicorn's
+    shutdown runs as usual and ``run()`` returns (no signal is re-raised: the exit is clean)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._drain is not None or self._loop is None:
+            super().handle_exit(sig, frame)  # a second signal, or one before start-up
+            return
+        # a signal handler runs between two bytecodes of the loop's thread: hand over
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        start = time.monotonic()
+        # the end of the grace period is kept for closing connections and stopping the engine
+        # or the nodes, so that the process is gone within it
+        drain_s = self._grace_s - min(_EXIT_RESERVE_S, self._grace_s / 5)
+        logger.warning("SIGTERM: not admitting; %.1f s for the requests in flight", drain_s)
+        if not await self._state.shut_down(drain_s):
+            logger.warning("requests still in flight after %.1f s: cut off", drain_s)
+        # what is left: answers being written (cut ones end at once)
+        left_s = self._grace_s - (time.monotonic() - start)
+        self.config.timeout_graceful_shutdown = max(left_s / 2, 0.5)
+        self.should_exit = True
 
 
 def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
@@ -126,12 +185,22 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
 
 
 def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None]) -> int:
-    url = f"http://{args.host}:{args.port}"
+    state: ServerState = app.state.server
+    cfg = state.config
+    scheme = "https" if cfg.ssl_certfile else "http"
+    url = f"{scheme}://{args.host}:{args.port}"
     stop = threading.Event()
     threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        ssl_certfile=cfg.ssl_certfile,
+        ssl_keyfile=cfg.ssl_keyfile,
+    )
     try:
-        uvicorn.Server(config).run()
+        _GracefulServer(config, state, cfg.shutdown_grace_s).run()
     finally:
         stop.set()
         on_exit()

@@ -5,7 +5,9 @@ handlers and the middleware; the endpoints live in ``pd.server.routes`` by famil
 request is authenticated, admitted, validated, templated and tokenized here before the engine
 sees it: a bad request is answered 4xx in OpenAI's error shape and nothing is queued. Streams
 are SSE (``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``); a client that goes away cancels its
-stream or its waiting handler, and the request is aborted on the engine.
+stream or its waiting handler, and the request is aborted on the engine. Every wait on a
+client is bounded: its body (408), its place in the admission queue (it leaves when the client
+does), and each write of its response (a client that reads nothing is cut off).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from pd.core.outputs import EngineClient
 from pd.server.auth import ApiKeys
@@ -26,7 +29,13 @@ from pd.server.config import ServerConfig
 from pd.server.errors import APIError, validation_error
 from pd.server.key_limits import KeyLimiter, KeyLimitMiddleware
 from pd.server.metrics import ServerMetrics
-from pd.server.middleware import AuthMiddleware, BodyLimitMiddleware, CatchAllMiddleware
+from pd.server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    BodyRefused,
+    CatchAllMiddleware,
+    WriteTimeoutMiddleware,
+)
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pd.server.routes import ROUTERS
 from pd.server.routes import admin as admin_routes
@@ -43,6 +52,16 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     GenerateRequest,
 )
+
+
+class _App(FastAPI):
+    """FastAPI with ``WriteTimeoutMiddleware`` outside Starlette's own middleware (where
+    ``add_middleware`` cannot put it): it needs the server's own ``send``."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        state: ServerState = self.state.server
+        timeout_s = state.config.stream_write_timeout_s
+        return WriteTimeoutMiddleware(super().build_middleware_stack(), timeout_s, state.metrics)
 
 
 def build_app(
@@ -63,7 +82,7 @@ def build_app(
     called on the event loop. ``admin``: serve the admin endpoints (``pd.server.routes.admin``)."""
     config = config or ServerConfig()
     metrics = metrics or ServerMetrics()
-    app = FastAPI(title="pd", version="0.1.0")
+    app = _App(title="pd", version="0.1.0")
     app.state.server = ServerState(client, tokenizer, model_name, max_model_len, metrics, config)
     app.state.extra_health = extra_health
     app.state.stats_fn = stats_fn
@@ -83,11 +102,16 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, BodyRefused):
+            return exc.error.response()
         headers = dict(exc.headers or {})
         return APIError(str(exc.detail), status_code=exc.status_code, headers=headers).response()
 
     open_paths = {"/health", "/ready"} | ({"/metrics"} if config.metrics_no_auth else set())
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+        read_timeout_s=config.body_read_timeout_s, metrics=metrics,
+    )  # fmt: skip
     limiter = KeyLimiter(config.max_inflight_per_key, config.max_tokens_per_minute_per_key)
     if limiter.is_enabled:
         app.add_middleware(KeyLimitMiddleware, limiter=limiter, metrics=metrics)

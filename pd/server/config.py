@@ -1,7 +1,9 @@
-"""``ServerConfig``: the HTTP server's access control, admission and input limits."""
+"""``ServerConfig``: the HTTP server's access control, admission, input limits, deadlines and
+TLS."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pd.core.options import option
@@ -47,6 +49,24 @@ class ServerConfig:
     max_logit_bias: int = option(1024, "tokens in one request's logit_bias")
     max_cache_salt_chars: int = option(1024, "characters in a cache_salt")
     num_parse_threads: int = option(4, "threads that parse, template and tokenize requests")
+    stream_write_timeout_s: float = option(
+        30.0,
+        "a client that takes none of its response's bytes for this long (its socket buffers "
+        "full) is cut off, and its request aborted",
+    )
+    body_read_timeout_s: float = option(
+        30.0,
+        "seconds to receive a request's whole body, which is read before admission; slower "
+        "gets 408 and its connection closed",
+    )
+    shutdown_grace_s: float = option(
+        30.0,
+        "on SIGTERM: stop admitting (503), let the requests in flight finish, and exit within "
+        "this many seconds (requests still running when a fifth of it, at most 5 s, is left "
+        "are cut off: finish reason abort)",
+    )
+    ssl_certfile: str | None = option(None, "serve HTTPS: the certificate (PEM; with ssl_keyfile)")
+    ssl_keyfile: str | None = option(None, "serve HTTPS: the private key (PEM)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", tuple(self.api_key))
@@ -74,5 +94,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        for name in (
+            "request_timeout", "stream_write_timeout_s", "body_read_timeout_s",
+            "shutdown_grace_s",
+        ):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both ssl_certfile and ssl_keyfile, or neither")
+        for path in (self.ssl_certfile, self.ssl_keyfile):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"no such TLS file: {path}")

@@ -38,6 +38,9 @@ class Generation:
     tokenizer: Any
     metrics: ServerMetrics
     namespace: str = ""  # prefix-cache scope (pd.server.auth.cache_namespace)
+    # the server's ids of running requests: this one is in it while it runs (a shutdown past
+    # its grace aborts them)
+    running: set[str] = field(default_factory=set)
     arrival: float = field(default_factory=time.perf_counter)
     num_cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -59,6 +62,7 @@ class Generation:
         outcome = "abort"
         outputs: AsyncIterator[RequestOutput] | None = None
         self.metrics.running.inc()
+        self.running.add(self.request_id)
         if self.on_tokens is not None:
             self.on_tokens(self.num_prompt_tokens)
         try:
@@ -102,6 +106,7 @@ class Generation:
                 if not engine_done:
                     await self.client.abort(self.request_id)
             self.metrics.running.dec()
+            self.running.discard(self.request_id)
             self.metrics.record_finished(
                 finish_reason=outcome,
                 num_prompt_tokens=self.num_prompt_tokens,

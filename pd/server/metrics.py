@@ -97,8 +97,16 @@ class ServerMetrics:
         self.rejected = Counter(
             "pd_server_rejected_requests",
             "Requests the server refused or cut off, by reason (queue_full, not_ready, "
-            "timeout, body_too_large, unauthorized).",
+            "timeout, body_too_large, body_timeout, shutting_down, unauthorized).",
             ["reason"],
+            registry=r,
+        )
+        self.client_gone = Counter(
+            "pd_server_client_gone",
+            "Requests whose client went away, by where: sending its body (body), waiting for "
+            "admission (queued), while it ran (running), or cut off for reading nothing for "
+            "stream_write_timeout_s (stalled).",
+            ["where"],
             registry=r,
         )
 

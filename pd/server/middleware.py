@@ -1,18 +1,30 @@
 """ASGI middleware of the server, outermost first:
 
+- ``WriteTimeoutMiddleware`` (outside Starlette's own): every ``send`` bounded in time; a
+  client that takes nothing for the write timeout is cut off;
 - ``CatchAllMiddleware``: anything unexpected is a 500 in OpenAI's shape, never plain text;
 - ``AuthMiddleware``: ``Authorization: Bearer <key>`` on every path but the open ones (401),
   an admin key on the admin paths (403 for a tenant key);
 - ``KeyLimitMiddleware`` (``pd.server.key_limits``): each key's requests in flight and tokens
   per minute (429);
 - ``BodyLimitMiddleware``: a body larger than the cap is 413, on its Content-Length before
-  anything is read, or as soon as the bytes read (of a chunked body) pass the cap.
+  anything is read, or as soon as the bytes read (of a chunked body) pass the cap; a body not
+  in within the body-read deadline is 408, and its connection is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
+import struct
+import time
+from typing import Any
 
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd.server.auth import API_KEY_SCOPE, ROLE_SCOPE, ApiKeys, Role
@@ -46,6 +58,10 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, send_tracking)
+        except ClientStalled:
+            raise  # WriteTimeoutMiddleware's: not a failure of the server
+        except ClientDisconnect:
+            return  # the client left while its body was read: nobody to answer
         except Exception as e:
             err = e if isinstance(e, APIError) else internal_error(e)
             if err.status_code >= 500:
@@ -115,9 +131,12 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, read_timeout_s: float, metrics: ServerMetrics
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
         self.metrics = metrics
 
     def _too_large(self, num_bytes: str) -> APIError:
@@ -138,14 +157,143 @@ class BodyLimitMiddleware:
             await self._too_large(length.decode()).response()(scope, receive, send)
             return
         num_read = 0
+        is_complete = False
+        deadline = time.monotonic() + self.read_timeout_s
 
         async def receive_capped() -> Message:
-            nonlocal num_read
-            message = await receive()
-            if message["type"] == "http.request":
-                num_read += len(message.get("body", b""))
-                if num_read > self.max_bytes:
-                    raise self._too_large(f"more than {self.max_bytes}")
-            return message
+            nonlocal num_read, is_complete
+            if is_complete:  # what follows the body (a disconnect) has no deadline
+                return await receive()
+            with anyio.move_on_after(deadline - time.monotonic()):
+                message = await receive()
+                if message["type"] == "http.request":
+                    num_read += len(message.get("body", b""))
+                    if num_read > self.max_bytes:
+                        raise BodyRefused(self._too_large(f"more than {self.max_bytes}"))
+                    is_complete = not message.get("more_body", False)
+                return message
+            raise BodyRefused(self._too_slow(num_read))
 
         await self.app(scope, receive_capped, send)
+
+    def _too_slow(self, num_read: int) -> APIError:
+        self.metrics.rejected.labels(reason="body_timeout").inc()
+        return APIError(
+            f"the request body did not arrive within {self.read_timeout_s:g} s "
+            f"({num_read} bytes came); the connection is closed",
+            status_code=408,
+            type="timeout_error",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+class BodyRefused(HTTPException):
+    """``error`` (413, 408), raised while the body is read. An ``HTTPException``, so that
+    FastAPI's own body parsing passes it on (it answers 400 to any other error there); the
+    app's handler answers ``error``."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status_code, error.message, error.headers)
+        self.error = error
+
+
+class ClientStalled(Exception):
+    """The client took none of the response's bytes for the write timeout (raised by the
+    ``send`` that waited)."""
+
+
+class WriteTimeoutMiddleware:
+    """Bounds every ``send`` by ``timeout_s``. uvicorn's ``send`` waits while the connection's
+    write buffer is full (its client reads nothing, so its socket buffers are full too); past
+    the bound the connection is reset (closing it gracefully would wait for that client to
+    read), and that ``send`` and any later one raise ``ClientStalled``: a stream then closes its
+    generator, which aborts the request and releases its place. The app's call ends quietly
+    here, counted as ``client_gone{where="stalled"}``.
+
+    Outermost, outside Starlette's own middleware, so that ``send`` is the server's own: its
+    connection is reachable there (``_BoundedSend``)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        bounded = _BoundedSend(send, self.timeout_s, self.metrics)
+        try:
+            await self.app(scope, receive, bounded.send)
+        except ClientStalled:
+            if not bounded.is_stalled:
+                raise
+        finally:
+            bounded.close()
+
+
+class _BoundedSend:
+    """One response's ``send``, each call bounded by ``timeout_s``.
+
+    Under uvicorn, ``send`` is a method of its request-response cycle, which holds the asyncio
+    transport: a watchdog timer (one per response, re-armed at most once per ``timeout_s``)
+    resets the connection under a send pending that long, and uvicorn's ``send`` returns at
+    once when its connection is lost; a send costs two assignments. Under any other server,
+    each send waits in a cancel scope of its own (the server closes the connection when the
+    app returns)."""
+
+    def __init__(self, send: Send, timeout_s: float, metrics: ServerMetrics) -> None:
+        self._send = send
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._transport: Any = getattr(getattr(send, "__self__", None), "transport", None)
+        if not hasattr(self._transport, "abort"):
+            self._transport = None
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the pending send began
+        self._timer: asyncio.TimerHandle | None = None
+        self.is_stalled = False
+
+    async def send(self, message: Message) -> None:
+        if not self.is_stalled:
+            if self._transport is None:
+                with anyio.move_on_after(self._timeout_s):
+                    await self._send(message)
+                    return
+                self._on_stalled()
+            else:
+                self._since = self._loop.time()
+                if self._timer is None:
+                    self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+                try:
+                    await self._send(message)
+                finally:
+                    self._since = None
+                if not self.is_stalled:
+                    return
+        raise ClientStalled(f"the client took nothing for {self._timeout_s:g} s")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._since is None:  # no send pending: the next one re-arms
+            return
+        if self._loop.time() - self._since < self._timeout_s:
+            self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+            return
+        self._on_stalled()
+        # a reset (SO_LINGER 0), not a close: a closed socket would keep its unsent bytes in
+        # the kernel for a client that reads nothing
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._transport.abort()
+
+    def _on_stalled(self) -> None:
+        self.is_stalled = True
+        self._metrics.client_gone.labels(where="stalled").inc()

@@ -2,7 +2,8 @@
 and steps common to them.
 
 The ``check_*``/``encode``/``sampling_params`` methods run in a parse thread (they tokenize and
-walk lists that a hostile body can make long); ``admit`` and ``run`` on the event loop.
+walk lists that a hostile body can make long); ``admit``, ``run`` and ``shut_down`` on the
+event loop.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class ServerState:
             config.max_inflight_requests, config.max_queued_requests, metrics
         )
         self._parse_limiter = anyio.CapacityLimiter(config.num_parse_threads)
+        self._is_shutting_down = False
+        self._running: set[str] = set()  # ids of the requests running on the engine
         # No token covers more characters than the longest one in the vocabulary, so a longer
         # text can never fit the context; refusing it spares its tokenization (seconds per MB).
         # Twice the bound, for tokenizers whose normalizer shortens text.
@@ -78,23 +81,47 @@ class ServerState:
 
     # -- on the event loop -------------------------------------------------------------------
 
-    async def admit(self, timeout_s: float) -> AdmissionTicket:
-        """An admission place: 503 while the engine is not ready, 429 when the queue is full."""
+    @property
+    def is_shutting_down(self) -> bool:
+        """SIGTERM came: new requests get 503 while those in flight finish (a readiness
+        probe should fail from now on)."""
+        return self._is_shutting_down
+
+    async def shut_down(self, grace_s: float) -> bool:
+        """Stop admitting; wait until no request holds or waits for a place, at most
+        ``grace_s`` seconds. True: nothing was left in flight. Else the rest are cut: those
+        waiting for a place get 503, those running are aborted on the engine (their answers
+        end now, finish reason "abort")."""
+        self._is_shutting_down = True
+        with anyio.move_on_after(grace_s):
+            await self.admission.wait_empty()
+        if self.admission.is_empty:
+            return True
+        self.admission.close(self._shutting_down)
+        for request_id in list(self._running):
+            await self.client.abort(request_id)
+        return False
+
+    async def admit(self, request: Request, timeout_s: float) -> AdmissionTicket:
+        """An admission place, once the request's body is in: 503 while the engine is not ready
+        or the server shuts down, 429 when the queue is full, 504 past ``timeout_s``;
+        ``ClientGone`` (counted) when the client disconnects while it waits."""
+        if self._is_shutting_down:
+            raise self._shutting_down()
         try:
             ready = bool(await self.client.is_ready())
         except Exception:
             logger.exception("is_ready() failed")
             ready = False
         if not ready:
-            self.metrics.rejected.labels(reason="not_ready").inc()
-            raise APIError(
-                "the engine is not ready; retry later",
-                status_code=503,
-                type="service_unavailable",
-                code="engine_not_ready",
-                headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
-            )
-        return await self.admission.admit(timeout_s)
+            raise self._unavailable("not_ready", "engine_not_ready", "the engine is not ready")
+        if (ticket := self.admission.try_admit()) is not None:
+            return ticket
+        try:  # its own deadline bounds the wait
+            return await cancel_on_disconnect(request, self.admission.admit(timeout_s), None)
+        except ClientGone:
+            self.metrics.client_gone.labels(where="queued").inc()
+            raise
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in a parse thread (a bounded pool)."""
@@ -109,6 +136,7 @@ class ServerState:
             tokenizer=self.tokenizer,
             metrics=self.metrics,
             namespace=prep.namespace,
+            running=self._running,
         )
 
     async def run(self, request: Request, gen: Generation, deadline: float) -> Response | None:
@@ -116,6 +144,7 @@ class ServerState:
         try:
             await cancel_on_disconnect(request, gen.run(), deadline - time.monotonic())
         except ClientGone:
+            self.metrics.client_gone.labels(where="running").inc()
             return Response(status_code=499)
         except DeadlineExceeded:
             raise self.timed_out() from None
@@ -125,6 +154,27 @@ class ServerState:
             logger.exception("request %s failed", gen.request_id)
             raise internal_error(e) from e
         return None
+
+    def _shutting_down(self) -> APIError:
+        """The answer to a request the server will not run: it shuts down (counted; the
+        connection closes, so that the client's next try goes elsewhere)."""
+        return self._unavailable(
+            "shutting_down", "server_shutting_down", "the server is shutting down", close=True
+        )
+
+    def _unavailable(self, reason: str, code: str, why: str, close: bool = False) -> APIError:
+        """503 with Retry-After, counted under ``reason``."""
+        self.metrics.rejected.labels(reason=reason).inc()
+        headers = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
+        if close:
+            headers["Connection"] = "close"
+        return APIError(
+            f"{why}; retry later",
+            status_code=503,
+            type="service_unavailable",
+            code=code,
+            headers=headers,
+        )
 
     def timed_out(self) -> APIError:
         """The answer to a request past its deadline (counted)."""

@@ -1,10 +1,12 @@
 """SSE framing, client-disconnect handling and deadlines of the HTTP server.
 
 A stream is ``data: {json}\\n\\n`` events ending with the raw ``data: [DONE]\\n\\n`` sentinel.
-A client that leaves a stream cancels its generator (the abort happens in ``Generation``);
-a plain handler is not cancelled by the server, so ``cancel_on_disconnect`` watches for it.
-A request past its deadline is cancelled the same way (so aborted on the engine) and answered
-with a timeout error (an error event, then ``[DONE]``, on a stream).
+A stream that ends early (its client left, or stopped reading and was cut off by
+``pd.server.middleware.WriteTimeoutMiddleware``) closes its generator at once, which aborts the
+request on the engine (in ``Generation``); a plain handler is not cancelled by the server, so
+``cancel_on_disconnect`` watches for its client leaving (and for one leaving the admission
+queue). A request past its deadline is cancelled the same way (so aborted on the engine) and
+answered with a timeout error (an error event, then ``[DONE]``, on a stream).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -21,7 +23,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pd.server.errors import APIError, internal_error
 from pd.server.generation import Generation
@@ -50,10 +52,11 @@ class DeadlineExceeded(Exception):
     pass
 
 
-async def cancel_on_disconnect(request: Request, coro: Awaitable[T], timeout_s: float) -> T:
+async def cancel_on_disconnect(request: Request, coro: Awaitable[T], timeout_s: float | None) -> T:
     """Await ``coro``; cancel it if the client disconnects first (``ClientGone``; a plain
     handler is not cancelled by the server when its client goes away, only streams are) or
-    when ``timeout_s`` passes (``DeadlineExceeded``)."""
+    when ``timeout_s`` passes (``DeadlineExceeded``; None: ``coro`` bounds itself). Only once
+    the request's body is read: the watcher takes what the client sends."""
 
     async def wait_for_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -62,9 +65,8 @@ async def cancel_on_disconnect(request: Request, coro: Awaitable[T], timeout_s: 
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(wait_for_disconnect())
     try:
-        await asyncio.wait(
-            {task, watcher}, timeout=max(timeout_s, 0.0), return_when=asyncio.FIRST_COMPLETED
-        )
+        timeout = None if timeout_s is None else max(timeout_s, 0.0)
+        await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
@@ -78,24 +80,46 @@ async def cancel_on_disconnect(request: Request, coro: Awaitable[T], timeout_s: 
 
 
 class _ReleasingStreamingResponse(StreamingResponse):
-    """Calls ``on_close`` once the response is over, however it ends (sent, client gone, or
-    never started): the place the request holds is released exactly once."""
+    """Closes its generator once the response is over, however it ends (sent, client gone,
+    cut off, or never started), so a request cut short is aborted at once; then calls
+    ``on_close`` (exactly once: the place the request holds is released), and ``on_gone``
+    when its client left before the end."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        body: AsyncGenerator[str, None],
+        on_close: Callable[[], None],
+        on_gone: Callable[[], None],
+    ) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+        self._body = body
         self._on_close = on_close
+        self._on_gone = on_gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_sent = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal is_sent
+            await send(message)
+            is_sent = message["type"] == "http.response.body" and not message.get("more_body")
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_tracking)
+            if not is_sent:  # it returned early: the client disconnected
+                self._on_gone()
         finally:
+            with anyio.CancelScope(shield=True):  # bounded: Generation bounds its abort
+                await self._body.aclose()
             self._on_close()
 
 
-def sse_response(body: AsyncIterator[str], on_close: Callable[[], None]) -> StreamingResponse:
-    return _ReleasingStreamingResponse(body, on_close)
+def sse_response(
+    body: AsyncGenerator[str, None], on_close: Callable[[], None], on_gone: Callable[[], None]
+) -> StreamingResponse:
+    return _ReleasingStreamingResponse(body, on_close, on_gone)
 
 
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:
@@ -112,7 +136,7 @@ async def sse_steps(
     first: BaseModel | None,
     deadline: float,
     on_timeout: Callable[[], APIError],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE lines of one request; an engine failure mid-stream becomes an error event, and so
     does the deadline (``time.monotonic()``) passing."""
     try:

@@ -156,7 +156,8 @@ def end_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) 
 class ServeProcess:
     """One ``pd serve --port PORT *args`` process in a process group of its own, its output in
     ``log``. Made once it prints its URL; fails (and ends it) if it exits or ``timeout_s``
-    passes first. ``env`` None: this process's environment."""
+    passes first. ``env`` None: this process's environment. ``scheme``: https when ``args``
+    give it a certificate."""
 
     def __init__(
         self,
@@ -164,9 +165,10 @@ class ServeProcess:
         log: Path,
         env: dict[str, str] | None = None,
         timeout_s: float = 180.0,
+        scheme: str = "http",
     ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(self.port), *args]
         with open(log, "w") as out:
@@ -190,3 +192,13 @@ class ServeProcess:
 
     def end(self, sig: int = signal.SIGKILL) -> None:
         end_process_group(self.proc, sig)
+
+
+def serve_colocated(model_dir: Path, log: Path, *args: str, scheme: str = "http") -> ServeProcess:
+    """``pd serve --colocated`` on ``model_dir`` (a tiny model): a real server process without
+    Ray, quick to start."""
+    base = [
+        "--colocated", "--model", str(model_dir), "--max-total-tokens", "4096",
+        "--num-threads", "1",  # 2 shared cores: more threads only contend
+    ]  # fmt: skip
+    return ServeProcess([*base, *args], log, timeout_s=120, scheme=scheme)

@@ -3,6 +3,7 @@ builder, and helpers for the tests that run the colocated engine on a tiny model
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -44,12 +45,14 @@ def script_ids(tokenizer: Any) -> list[int]:
 @pytest.fixture
 def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, FakeEngineClient]]:
     """``make_app(**fake_kwargs) -> (app, fake)``; fake_kwargs go to FakeEngineClient, plus
-    ``stats_fn`` / ``extra_health`` / ``config`` (a ServerConfig) for build_app."""
+    ``stats_fn`` / ``extra_health`` / ``config`` (a ServerConfig) / ``max_model_len`` for
+    build_app."""
 
     def make(
         stats_fn: Any = None,
         extra_health: Any = None,
         config: ServerConfig | None = None,
+        max_model_len: int = MAX_MODEL_LEN,
         **fake_kwargs: Any,
     ) -> tuple[Any, FakeEngineClient]:
         fake_kwargs.setdefault("output_ids", script_ids)
@@ -59,7 +62,7 @@ def make_app(tokenizer: Any, script_ids: list[int]) -> Callable[..., tuple[Any, 
             fake,
             tokenizer=tokenizer,
             model_name=MODEL_NAME,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_model_len,
             config=config,
             metrics=ServerMetrics(),
             stats_fn=stats_fn,
@@ -113,12 +116,18 @@ def check_idle(client: Any, app: Any) -> None:
 
 
 @contextmanager
-def serve(app: Any, timeout_s: float = 10.0) -> Iterator[str]:
-    """Run ``app`` under uvicorn in a thread on a free loopback port; yield its base URL."""
+def serve(app: Any, timeout_s: float = 10.0, sndbuf: int | None = None) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a thread on a free loopback port; yield its base URL.
+    ``sndbuf``: the send buffer of each connection's socket (inherited from the listening
+    one). Loopback sizes it at 4 MiB from the start (its 64 KiB segments), so a client that
+    stops reading is felt only after megabytes; over a network it starts near 2 x 10 segments
+    and grows with the congestion window."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -136,3 +145,24 @@ def serve(app: Any, timeout_s: float = 10.0) -> Iterator[str]:
         thread.join(timeout_s)
         sock.close()
         assert not thread.is_alive(), f"uvicorn did not stop within {timeout_s} s"
+
+
+@contextmanager
+def errors_logged() -> Iterator[list[logging.LogRecord]]:
+    """ERROR records logged inside the block, by pd and by uvicorn (whose loggers do not
+    propagate; enter the block once the server runs: uvicorn's start-up resets them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [
+        logging.getLogger(),
+        logging.getLogger("uvicorn"),
+        logging.getLogger("uvicorn.error"),
+    ]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

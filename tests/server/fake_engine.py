@@ -11,8 +11,10 @@ from pd.core.sampling_params import SamplingParams
 
 class FakeEngineClient:
     """Replays ``output_ids`` ``tokens_per_step`` at a time, ``delay_s`` apart; honours
-    max_tokens ("length"), stop_token_ids / eos ("stop"); running out of script is "stop".
-    Records every request, abort, cancellation and normal finish."""
+    max_tokens ("length"), stop_token_ids / eos ("stop"); running out of script is "stop"; an
+    abort while it is read ends it with an empty output, finish reason "abort" (as the real
+    engines do). Records every request, abort, cancellation and normal finish, and the loop it
+    runs on."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class FakeEngineClient:
         self.aborted: list[str] = []
         self.cancelled: list[str] = []
         self.finished: list[str] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def is_ready(self) -> bool:
         return self.ready
@@ -53,6 +56,7 @@ class FakeEngineClient:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
     ) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_ids), params))
+        self.loop = asyncio.get_running_loop()
         self.namespaces.append(namespace)
         num_cached = min(self.num_cached_tokens, len(prompt_ids))
         pos = 0
@@ -76,6 +80,7 @@ class FakeEngineClient:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 if request_id in self.aborted:
+                    yield RequestOutput(request_id, [], True, "abort", len(prompt_ids), num_cached)
                     return
                 if self.fail_after is not None and num_outputs >= self.fail_after:
                     raise RuntimeError("fake engine crashed")

@@ -1,12 +1,16 @@
 """The path every generation endpoint takes, whatever its request and response shapes.
 
-1. admission (503 while the engine is not ready, 429 when full, a queue in between);
-2. the body, read under the size cap (413, by the middleware);
+1. the body, read under the size cap (413) and the body-read deadline (408, the connection
+   closed; both by the middleware), before admission: a slow body never holds a place;
+2. admission (503 while the engine is not ready or the server shuts down, 429 when full, a
+   queue in between, left at once when the client disconnects);
 3. parsing, checking, templating and tokenizing in a parse thread (``prepare``; 4xx);
-4. the engine run, bounded by the request's deadline (504, or an error event on a stream).
+4. the engine run, bounded by the request's deadline (504, or an error event on a stream);
+   each write of the response is bounded too (``WriteTimeoutMiddleware``).
 
 The admission place is released when the response is over: at once for an error or a plain
-answer, when the stream ends (however it ends) for a stream.
+answer, when the stream ends (however it ends) for a stream. A client that leaves is counted
+(``pd_server_client_gone_total``) and answered nothing (499 in the access log).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pd.server.admission import AdmissionTicket
 from pd.server.auth import API_KEY_SCOPE
@@ -25,7 +30,7 @@ from pd.server.errors import validation_error
 from pd.server.generation import Generation
 from pd.server.key_limits import TOKEN_METER_SCOPE
 from pd.server.state import Prepared, ServerState
-from pd.server.streaming import sse_response, sse_steps
+from pd.server.streaming import ClientGone, sse_response, sse_steps
 
 Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
 
@@ -68,9 +73,16 @@ async def serve_generation(
     state = server_state(request)
     timeout_s = state.config.request_timeout
     deadline = time.monotonic() + timeout_s
-    ticket: AdmissionTicket | None = await state.admit(timeout_s)
     try:
         body = await request.body()
+    except ClientDisconnect:
+        state.metrics.client_gone.labels(where="body").inc()
+        return Response(status_code=499)
+    try:
+        ticket: AdmissionTicket | None = await state.admit(request, timeout_s)
+    except ClientGone:
+        return Response(status_code=499)
+    try:
         prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))
         gen = state.new_generation(prefix, prep)
         gen.on_tokens = request.scope.get(TOKEN_METER_SCOPE)  # per-key tokens per minute
@@ -83,7 +95,8 @@ async def serve_generation(
                 deadline,
                 state.timed_out,
             )
-            response = sse_response(steps, on_close=ticket.release)
+            left = state.metrics.client_gone.labels(where="running")
+            response = sse_response(steps, on_close=ticket.release, on_gone=left.inc)
             ticket = None  # the response releases it
             return response
         if (gone := await state.run(request, gen, deadline)) is not None:

@@ -43,12 +43,14 @@ async def health() -> JSONResponse:
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 while every pool has a live, ready node; else 503 saying which has none.
     An admin key (or an open API) also gets ``extra_health()``'s keys (the node list)."""
-    client = server_state(request).client
+    state = server_state(request)
     try:
-        reason = await client.readiness()
+        reason = await state.client.readiness()
     except Exception as e:
         logger.exception("readiness() failed")
         reason = f"readiness check failed: {e!r}"
+    if state.is_shutting_down:  # SIGTERM: out of rotation while what is in flight finishes
+        reason = "the server is shutting down"
     body: dict[str, Any] = {"status": "ready"}
     if reason is not None:
         body = {"status": "unavailable", "reason": reason}
