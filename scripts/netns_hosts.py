@@ -410,12 +410,17 @@ def main() -> int:
         for host in hosts.start(args.hosts):
             print(f"{host.ns}: {host.ip}  ({shlex.join(hosts.ssh_args(host, '')[:-1])})")
         print("hosts up; Ctrl-C to remove them", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
+        wait_for_interrupt()
     return 0
+
+
+def wait_for_interrupt() -> None:
+    """Block until Ctrl-C or SIGTERM (then the caller's ``with`` tears everything down)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ import argparse
 import json
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from netns_hosts import REPO, ROOT, HarnessError, Host, NetnsHosts
+from netns_hosts import REPO, ROOT, HarnessError, Host, NetnsHosts, wait_for_interrupt
 
 TEMPLATE = REPO / "ray_cluster.onprem.yaml"
 EXAMPLE_HEAD = "10.0.0.10"
@@ -141,11 +140,7 @@ def main() -> int:
             print(f"  {host.ns} {host.ip} {role}")
         ray = shlex.join(["ray", "exec", str(cluster.yaml), PD_SERVE])
         print(f"from the launcher: {ray}; Ctrl-C to tear down", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
+        wait_for_interrupt()
     return 0
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.cluster.test_ray_cluster_yaml import documented_serve_command
+
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT / "scripts") not in sys.path:  # as when the harness runs: scripts/ on sys.path
     sys.path.insert(0, str(_ROOT / "scripts"))
@@ -103,17 +105,8 @@ def test_rendering_changes_only_what_a_person_edits() -> None:
 def test_the_documented_serve_command_is_the_harness_one_and_asks_for_the_table_s_roles() -> None:
     from pd.cli import build_parser
 
-    header = YAML.read_text().split("\ncluster_name:")[0]
-    lines = [line.lstrip("# ").rstrip() for line in header.splitlines()]
-    start = next(i for i, line in enumerate(lines) if "'pd serve" in line)
-    command = ""
-    for line in lines[start:]:
-        command += line.rstrip("\\")
-        if not line.endswith("\\"):
-            break
-    serve = re.search(r"'(pd serve .*)'", command)
-    assert serve is not None, command
-    assert " ".join(serve.group(1).split()) == PD_SERVE
+    serve = documented_serve_command(YAML)
+    assert " ".join(serve.split()) == PD_SERVE
     readme = (_ROOT / "README.md").read_text()
     assert f"ray exec ray_cluster.onprem.yaml '{PD_SERVE}'" in readme
     args = build_parser().parse_args(shlex.split(PD_SERVE)[1:])

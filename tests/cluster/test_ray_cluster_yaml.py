@@ -17,6 +17,22 @@ pytestmark = pytest.mark.timeout(60)
 YAML = Path(__file__).resolve().parents[2] / "ray_cluster.yaml"
 
 
+def documented_serve_command(yaml_path: Path) -> str:
+    """The `pd serve ...` command quoted in a ray cluster yaml's header comment (its
+    backslash-continued lines joined)."""
+    header = yaml_path.read_text().split("\ncluster_name:")[0]
+    lines = [line.lstrip("# ").rstrip() for line in header.splitlines()]
+    start = next(i for i, line in enumerate(lines) if "'pd serve" in line)
+    command = ""
+    for line in lines[start:]:
+        command += line.rstrip("\\")
+        if not line.endswith("\\"):
+            break
+    serve = re.search(r"'(pd serve .*)'", command)
+    assert serve is not None, command
+    return serve.group(1)
+
+
 def _load() -> dict[str, Any]:
     return yaml.safe_load(YAML.read_text())
 
@@ -45,17 +61,8 @@ def test_the_documented_serve_command_pins_each_role_to_its_worker_type() -> Non
     exactly the resource its worker type offers."""
     from pd.cli import build_parser
 
-    header = YAML.read_text().split("\ncluster_name:")[0]
-    lines = [line.lstrip("# ").rstrip() for line in header.splitlines()]
-    start = next(i for i, line in enumerate(lines) if "'pd serve" in line)
-    command = ""
-    for line in lines[start:]:
-        command += line.rstrip("\\")
-        if not line.endswith("\\"):
-            break
-    serve = re.search(r"'(pd serve .*)'", command)
-    assert serve is not None, command
-    args = build_parser().parse_args(shlex.split(serve.group(1))[1:])
+    serve = documented_serve_command(YAML)
+    args = build_parser().parse_args(shlex.split(serve)[1:])
     assert args.address == "auto" and args.node_gpus == 1 and args.host == "0.0.0.0"
     types = _load()["available_node_types"]
     assert args.prefill_resources == types["prefill_worker"]["resources"]
