@@ -33,7 +33,8 @@ under the same secret does not take replays of its predecessor's traffic, which 
 memory of streams could not tell from new frames. No legitimate frame is older than the socket
 it is meant for: every address is announced only once its socket reads. This asks the members'
 clocks to agree within ``max_clock_skew_s`` (NTP does far better); a sender behind by more has
-its frames refused for that excess after the receiver starts, then accepted.
+its frames refused for that excess after the receiver starts, then accepted. (A DEALER's
+replies need no epoch: their audience names its fresh random routing id.)
 
 What the secret protects: a process that does not know it cannot inject, alter, replay or
 redirect a message. What it does not: confidentiality (frames are not encrypted), and a member

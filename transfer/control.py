@@ -107,7 +107,12 @@ class ControlPlane:
             sock.setsockopt(zmq.ROUTING_ID, routing_id)
             limit_frame_size(sock, self._max_frame_size)
             sock.connect(peer)
-            opener = Opener(self._secret, reply_audience(peer, routing_id), self._max_age_s)
+            # No epoch needed: no frame sealed before this dealer can name its fresh routing id
+            # (and a peer whose clock lags ours must not lose its first replies).
+            audience = reply_audience(peer, routing_id)
+            opener = Opener(
+                self._secret, audience, self._max_age_s, max_clock_skew_s=self._max_age_s
+            )
             reader = SealedReader(sock, opener, self.rejects, CONTROL_BUDGET)
             dealer = _Dealer(sock, Sealer(self._secret, peer), reader)
             self._dealers[peer] = dealer

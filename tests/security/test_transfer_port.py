@@ -23,7 +23,7 @@ from tests.security.helpers import (
 )
 from tests.transfer.helpers import TrackingOwner, assert_moved, buffers, make_pool, run_until
 from transfer import KVPoll, TransferAgent, TransferConfig
-from transfer.auth import HEADER_BYTES, TAG_BYTES, new_secret, reply_audience
+from transfer.auth import HEADER_BYTES, TAG_BYTES, Sealer, new_secret, reply_audience
 from transfer.control import ControlPlane
 from transfer.messages import (
     ControlMsg,
@@ -31,6 +31,7 @@ from transfer.messages import (
     PairKeyMsg,
     TransferRequestMsg,
     decode_msg,
+    encode_msg,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -195,6 +196,15 @@ def test_a_reply_is_accepted_only_by_the_dealer_it_was_sealed_for(
             time.sleep(0.002)
         assert seen == {"p1": ["for-p1"], "p2": ["for-p2"]}
         assert (p1.num_rejected, p2.num_rejected) == (0, 1)
+        # A peer whose clock lags by 5 s: its reply is still taken (a dealer needs no epoch:
+        # nothing sealed before it was made can name its fresh routing id).
+        lagging = Sealer(secret, reply_audience(d.endpoint, id1), clock=lambda: time.time() - 5)
+        d._router.send_multipart([id1, lagging.seal(encode_msg(NoRoomMsg(transfer_id="late")))])
+        for _ in range(5000):  # up to ~10 s
+            if late := [inc.msg.transfer_id for inc in p1.recv_all()]:  # type: ignore[union-attr]
+                break
+            time.sleep(0.002)
+        assert late == ["late"] and p1.num_rejected == 0
     finally:
         for p in (d, p1, p2):
             p.close()
