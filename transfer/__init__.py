@@ -7,8 +7,9 @@ calls ``agent.progress()`` (or a handle's ``poll()``) from its event loop; nothi
 The life of a transfer (P = prefill node, sending; D = decode node, receiving):
 
 1. D announces ``agent.endpoint``. P calls ``agent.sender(tid, d_endpoint, num_tokens,
-   token_ids=None)``: it sends ``TransferRequestMsg`` (naming P's TCPStore and the pair group
-   incarnation to use) and the pair group starts its rendezvous on a worker thread.
+   token_ids=None)``: it sends ``TransferRequestMsg`` (naming the pair group incarnation to
+   use) and the pair group starts its rendezvous on a worker thread, its keys carried as
+   sealed ``PairKeyMsg``s both ways on the control plane (``rendezvous.py``).
    State BOOTSTRAPPING.
 2. D checks the layout and asks its ``BaseSlotOwner.reserve`` for slots (it may already hold
    a prefix: ``num_cached_tokens``). No room -> ``NoRoomMsg``; P asks again every

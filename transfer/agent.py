@@ -10,15 +10,16 @@ import uuid
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from transfer.backend import BaseTransferBackend, FakeTransferBackend
 from transfer.control import ControlPlane
 from transfer.datapath import JobResult, KVLayout, PairWorker
 from transfer.endpoint import parse_endpoint
-from transfer.group import TorchPairGroup, host_store
-from transfer.messages import TransferRequestMsg
+from transfer.group import TorchPairGroup
+from transfer.inbound import RejectsByPeer
+from transfer.messages import PairKeyMsg, TransferRequestMsg
 from transfer.receiver import KVReceiver, ReceiverSide, sender_root
+from transfer.rendezvous import Rendezvous, Route
 from transfer.sender import KVSender, SenderSide
 from transfer.state import BaseSlotOwner, KVPoll, TransferConfig
 
@@ -52,12 +53,16 @@ class TransferAgent:
         self._pair_device = torch.device("cpu") if kind == "gloo" else self.layout.device
         self._uid = uuid.uuid4().hex[:12]
         self._incarnations = itertools.count()
-        self._store: dist.TCPStore | None = None
+        self._rendezvous = Rendezvous(cfg.connect_timeout_s)
         self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._ctrl = ControlPlane(cfg.secret, cfg.host, cfg.port, max_msg_age_s=cfg.max_msg_age_s)
-        self._sender = SenderSide(
-            cfg, self._ctrl, self.layout, kind, self._new_send_worker, self._store_addr
+        self._ctrl = ControlPlane(
+            cfg.secret,
+            cfg.host,
+            cfg.port,
+            max_msg_age_s=cfg.max_msg_age_s,
+            max_frame_size=cfg.max_frame_bytes,
         )
+        self._sender = SenderSide(cfg, self._ctrl, self.layout, kind, self._new_send_worker)
         self._receiver = ReceiverSide(
             cfg, self._ctrl, self.layout, kind, slot_owner, self._new_recv_worker
         )
@@ -77,6 +82,16 @@ class TransferAgent:
     def num_rejected_msgs(self) -> int:
         """Control frames that failed authentication (forged, altered, replayed, stale)."""
         return self._ctrl.num_rejected
+
+    @property
+    def rejects(self) -> RejectsByPeer:
+        """Refused control frames by sending address."""
+        return self._ctrl.rejects
+
+    @property
+    def num_rendezvous(self) -> int:
+        """Pair groups whose rendezvous is under way."""
+        return self._rendezvous.num_open
 
     @property
     def num_pairs(self) -> int:
@@ -118,11 +133,19 @@ class TransferAgent:
         if self._closed:
             return
         for inc in self._ctrl.recv_all():
-            if inc.identity is not None:
+            route: Route | None = inc.identity if inc.identity is not None else inc.peer
+            assert route is not None
+            if isinstance(inc.msg, PairKeyMsg):
+                self._rendezvous.deliver(route, inc.msg)
+            elif inc.identity is not None:
                 self._receiver.on_msg(inc.identity, inc.msg)
             else:
-                assert inc.peer is not None
-                self._sender.on_msg(inc.peer, inc.msg)
+                self._sender.on_msg(route, inc.msg)
+        for out in self._rendezvous.take_outgoing():  # what the pair workers set meanwhile
+            if isinstance(out.route, bytes):
+                self._ctrl.reply(out.route, out.msg)
+            else:
+                self._ctrl.send(out.route, out.msg)
         while True:
             try:
                 res = self._results.get_nowait()
@@ -147,44 +170,37 @@ class TransferAgent:
         self._sender.close()
         self._receiver.close()
         self._ctrl.close()
-        self._store = None  # the rendezvous store's server stops once its pairs let go
 
     # -- pair groups
 
-    def _store_addr(self) -> tuple[str, int]:
-        if self.kind == "fake":
-            return self.cfg.host, 0
-        if self._store is None:
-            self._store = host_store(self.cfg.host, self.cfg.connect_timeout_s)
-        return self.cfg.host, self._store.port
-
     def _new_send_worker(self, peer: str) -> tuple[PairWorker, str]:
         prefix = f"{sender_root(self.endpoint)}{self._uid}/{next(self._incarnations)}"
-        host, port = self._store_addr()
-        worker = PairWorker(
-            prefix, lambda: self._open_pair(prefix, 0, host, port), self.layout, self._results
-        )
-        return worker, prefix
+        return self._new_worker(prefix, 0, peer), prefix
 
-    def _new_recv_worker(self, msg: TransferRequestMsg) -> PairWorker:
-        def connect() -> BaseTransferBackend:
-            return self._open_pair(msg.group_prefix, 1, msg.store_host, msg.store_port)
+    def _new_recv_worker(self, identity: bytes, msg: TransferRequestMsg) -> PairWorker:
+        return self._new_worker(msg.group_prefix, 1, identity)
 
-        return PairWorker(msg.group_prefix, connect, self.layout, self._results)
-
-    def _open_pair(self, prefix: str, rank: int, host: str, port: int) -> BaseTransferBackend:
-        # Runs on the pair's worker thread: the rendezvous blocks until the peer joins.
+    def _new_worker(self, prefix: str, rank: int, peer: Route) -> PairWorker:
+        """A worker that builds the pair as ``rank`` with ``peer``. Its store is open before
+        the peer can hear of the pair, so none of the peer's keys can come too early."""
         if self.kind == "fake":
-            return FakeTransferBackend(prefix, rank, self._pair_device)
-        return TorchPairGroup(
-            self.kind,
-            store_host=host,
-            store_port=port,
-            prefix=prefix,
-            rank=rank,
-            timeout_s=self.cfg.connect_timeout_s,
-            device=self._pair_device,
-            secret=self.cfg.secret,
-            local_host=self.cfg.host,
-            store=self._store if rank == 0 else None,
-        )
+            fake = lambda: FakeTransferBackend(prefix, rank, self._pair_device)  # noqa: E731
+            return PairWorker(prefix, fake, self.layout, self._results)
+        store = self._rendezvous.open(prefix, peer)
+
+        def connect() -> BaseTransferBackend:
+            # On the pair's worker thread: the rendezvous blocks until the peer joins.
+            try:
+                return TorchPairGroup(
+                    self.kind,
+                    store=store,
+                    prefix=prefix,
+                    rank=rank,
+                    timeout_s=self.cfg.connect_timeout_s,
+                    device=self._pair_device,
+                    local_host=self.cfg.host,
+                )
+            finally:
+                self._rendezvous.close(prefix)
+
+        return PairWorker(prefix, connect, self.layout, self._results)

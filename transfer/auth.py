@@ -17,14 +17,24 @@ Frame (big-endian):
     | [n-16, n)    | tag: HMAC-SHA256(secret, len(audience) + audience + [0, n-16))[:16] |
 
 The audience is the endpoint the frame is meant for (a PULL's or ROUTER's advertised address;
-``reply_audience(endpoint)`` for a ROUTER's replies). It is not sent: the receiver puts its own
-in the MAC, so a frame captured on its way to one socket is refused by every other one.
+``reply_audience(endpoint, routing_id)`` for what a ROUTER sends back to the one DEALER whose
+routing id that is). It is not sent: the receiver puts its own in the MAC, so a frame captured
+on its way to one socket is refused by every other one, a reply meant for one dealer included.
 
 An ``Opener`` accepts a stream's frames only with increasing counters (one zmq connection
 keeps a stream's order; one ``Sealer`` per sending socket keeps each receiver on one
 connection per stream) and only within ``max_age_s`` of its own clock; it forgets a stream
 ``max_age_s`` after the stream's newest timestamp, when any replay of it is stale anyway. State
 is only kept for frames whose tag checked, so strangers cannot grow it.
+
+Its epoch: an ``Opener`` also refuses what was sealed before it was made (more than
+``max_clock_skew_s`` before, by the sender's clock), so a process restarted at the same address
+under the same secret does not take replays of its predecessor's traffic, which its empty
+memory of streams could not tell from new frames. No legitimate frame is older than the socket
+it is meant for: every address is announced only once its socket reads. This asks the members'
+clocks to agree within ``max_clock_skew_s`` (NTP does far better); a sender behind by more has
+its frames refused for that excess after the receiver starts, then accepted. (A DEALER's
+replies need no epoch: their audience names its fresh random routing id.)
 
 What the secret protects: a process that does not know it cannot inject, alter, replay or
 redirect a message. What it does not: confidentiality (frames are not encrypted), and a member
@@ -56,6 +66,8 @@ OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
 # stall of its reader (a first-use kernel compile) must still pass; and clocks of machines
 # differ. Replays inside the window are refused by the counters anyway.
 DEFAULT_MAX_AGE_S = 300.0
+# How far a sender's clock may lag the receiver's when the receiver starts (its epoch).
+DEFAULT_MAX_CLOCK_SKEW_S = 2.0
 
 
 def new_secret() -> bytes:
@@ -69,9 +81,10 @@ def check_secret(secret: bytes) -> None:
         raise ValueError(f"the cluster secret must be >= {MIN_SECRET_BYTES} bytes, got {n}")
 
 
-def reply_audience(endpoint: str) -> str:
-    """The audience of what a ROUTER bound at ``endpoint`` sends back to its dialers."""
-    return f"reply:{endpoint}"
+def reply_audience(endpoint: str, routing_id: bytes) -> str:
+    """The audience of what a ROUTER bound at ``endpoint`` sends back to the DEALER whose
+    routing id is ``routing_id`` (each DEALER sets a fresh random one)."""
+    return f"reply:{endpoint}/{routing_id.hex()}"
 
 
 class _Mac:
@@ -127,10 +140,17 @@ class AuthDrops:
     num_bad_tag: int = 0  # forged, altered, another cluster's, or meant for another socket
     num_stale: int = 0  # timestamp further than max_age_s from the receiver's clock
     num_replayed: int = 0  # counter not above the stream's newest
+    num_before_epoch: int = 0  # sealed before this opener was made: a predecessor's, replayed
 
     @property
     def total(self) -> int:
-        return self.num_malformed + self.num_bad_tag + self.num_stale + self.num_replayed
+        return (
+            self.num_malformed
+            + self.num_bad_tag
+            + self.num_stale
+            + self.num_replayed
+            + self.num_before_epoch
+        )
 
 
 class _Seen(NamedTuple):
@@ -147,13 +167,19 @@ class Opener:
         audience: str,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         clock: Callable[[], float] = time.time,
+        max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
     ) -> None:
-        if max_age_s <= 0:
-            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        if max_age_s <= 0 or max_clock_skew_s < 0:
+            raise ValueError(
+                f"max_age_s must be > 0 and max_clock_skew_s >= 0, got {max_age_s}, "
+                f"{max_clock_skew_s}"
+            )
         self._mac = _Mac(secret, audience)
         self.audience = audience
         self._max_age_us = int(max_age_s * 1e6)
         self._clock = clock
+        # the epoch: anything sealed before this (allowing for clock skew) is a replay
+        self.epoch_us = int((clock() - max_clock_skew_s) * 1e6)
         self._seen: dict[bytes, _Seen] = {}  # stream id -> newest accepted frame
         self._next_purge_us = 0
         self.drops = AuthDrops()
@@ -165,7 +191,7 @@ class Opener:
     def num_streams(self) -> int:
         return len(self._seen)
 
-    def open(self, frame: bytes) -> bytes | None:
+    def open(self, frame: bytes | memoryview) -> bytes | None:
         """The payload of an authentic, fresh, first-seen frame; None (counted) otherwise."""
         if len(frame) < OVERHEAD_BYTES or frame[0] != VERSION:
             return self._drop("num_malformed", len(frame))
@@ -177,6 +203,8 @@ class Opener:
         now_us = int(self._clock() * 1e6)
         if abs(now_us - ts_us) > self._max_age_us:
             return self._drop("num_stale", len(frame))
+        if ts_us < self.epoch_us:
+            return self._drop("num_before_epoch", len(frame))
         seen = self._seen.get(stream)
         if seen is not None and counter <= seen.counter:
             return self._drop("num_replayed", len(frame))

@@ -2,30 +2,28 @@
 
 Each is built with keywords only (``kw_only``). One tagged union, ``ControlMsg``, covers every
 frame either side may send; ``decode_msg`` raises ``msgspec.ValidationError``/
-``msgspec.DecodeError`` on anything else (including a request naming a store no one could
-dial), and the caller drops the frame and goes on.
+``msgspec.DecodeError`` on anything else, and the caller drops the frame and goes on.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from transfer.endpoint import check_host
+MAX_KEY_CHARS = 256
+MAX_KEY_VALUE_BYTES = 64 << 10
 
 
 class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True, kw_only=True):
     """Sender -> receiver: reserve ``num_tokens`` slots for ``transfer_id``.
 
     ``token_ids`` (optional) lets the receiver match a prefix it already holds. The pair group
-    to carry the data is named by the sender's store address and ``group_prefix`` (one per
-    group incarnation; a new prefix means "drop the old group, build this one"). The layout
-    fields let the receiver refuse an incompatible KV pool before any data moves.
+    to carry the data is named by ``group_prefix`` (one per group incarnation; a new prefix
+    means "drop the old group, build this one"); its rendezvous follows as ``PairKeyMsg``s.
+    The layout fields let the receiver refuse an incompatible KV pool before any data moves.
     """
 
     transfer_id: str
     num_tokens: int
-    store_host: str
-    store_port: int
     group_prefix: str
     backend: str  # "gloo" | "nccl" | "fake"
     num_layers: int
@@ -34,13 +32,8 @@ class TransferRequestMsg(msgspec.Struct, tag="transfer_request", frozen=True, kw
     token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        check_host(self.store_host)
-        min_port = 0 if self.backend == "fake" else 1  # the fake backend has no store
-        if not min_port <= self.store_port <= 65535 or not 0 < len(self.group_prefix) <= 200:
-            raise ValueError(
-                f"bad pair group: store port {self.store_port}, "
-                f"prefix of {len(self.group_prefix)} chars"
-            )
+        if not 0 < len(self.group_prefix) <= 200:
+            raise ValueError(f"bad pair group: prefix of {len(self.group_prefix)} chars")
 
 
 class TransferReadyMsg(msgspec.Struct, tag="transfer_ready", frozen=True, kw_only=True):
@@ -90,6 +83,19 @@ class TransferAbortMsg(msgspec.Struct, tag="transfer_abort", frozen=True, kw_onl
     pair_broken: bool = False
 
 
+class PairKeyMsg(msgspec.Struct, tag="pair_key", frozen=True, kw_only=True):
+    """Either way: a key the pair group ``group_prefix`` set in its rendezvous store
+    (``rendezvous.py``): gloo's listening address of a rank, NCCL's unique id."""
+
+    group_prefix: str
+    key: str
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.key) > MAX_KEY_CHARS or len(self.value) > MAX_KEY_VALUE_BYTES:
+            raise ValueError(f"rendezvous key of {len(self.key)} chars, {len(self.value)} bytes")
+
+
 ControlMsg = (
     TransferRequestMsg
     | TransferReadyMsg
@@ -97,6 +103,7 @@ ControlMsg = (
     | TransferStartMsg
     | TransferDoneMsg
     | TransferAbortMsg
+    | PairKeyMsg
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -124,7 +124,7 @@ class ReceiverSide:
         layout: KVLayout,
         kind: str,
         owner: BaseSlotOwner | None,
-        new_worker: Callable[[TransferRequestMsg], PairWorker],
+        new_worker: Callable[[bytes, TransferRequestMsg], PairWorker],
     ) -> None:
         self._cfg, self._ctrl, self._layout, self._kind, self._owner = (
             cfg,
@@ -133,9 +133,10 @@ class ReceiverSide:
             kind,
             owner,
         )
-        self._new_worker = new_worker  # a request naming a new group -> worker as rank 1
+        # (its sender's routing id, a request naming a new group) -> worker as rank 1
+        self._new_worker = new_worker
         self._workers: dict[str, PairWorker] = {}  # group prefix -> pair
-        self._prefix_of_store: dict[tuple[str, int], str] = {}  # a sender's newest group
+        self._newest_of_sender: dict[str, str] = {}  # a sender agent -> its newest group
         self._closed: dict[str, float] = {}  # sender_root -> until when its requests are refused
         self.records: dict[str, RecvRecord] = {}
 
@@ -228,9 +229,9 @@ class ReceiverSide:
         for rec in list(self.records.values()):
             if rec.prefix.startswith(root):
                 self.fail(rec, f"sender {endpoint} closed", notify=False)
-        for store, prefix in list(self._prefix_of_store.items()):
+        for sender, prefix in list(self._newest_of_sender.items()):
             if prefix.startswith(root):
-                del self._prefix_of_store[store]
+                del self._newest_of_sender[sender]
 
     def close(self) -> None:
         for worker in self._workers.values():
@@ -252,7 +253,7 @@ class ReceiverSide:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
             self._reply_abort(identity, msg.transfer_id, why)
             return
-        self._worker_for(msg)  # start the rendezvous now, off the critical path
+        self._worker_for(identity, msg)  # start the rendezvous now, off the critical path
         try:
             res = (
                 self._owner.reserve(msg.transfer_id, msg.num_tokens, msg.token_ids)
@@ -351,15 +352,15 @@ class ReceiverSide:
             return f"slot owner gave slots outside [0, {self._layout.num_slots})"
         return None
 
-    def _worker_for(self, msg: TransferRequestMsg) -> PairWorker:
+    def _worker_for(self, identity: bytes, msg: TransferRequestMsg) -> PairWorker:
         worker = self._workers.get(msg.group_prefix)
         if worker is None or worker.is_broken:
-            store = (msg.store_host, msg.store_port)
-            old = self._prefix_of_store.get(store)
+            sender = msg.group_prefix.rpartition("/")[0]  # kvx/{endpoint}/{agent}/{n}
+            old = self._newest_of_sender.get(sender)
             if old is not None and old != msg.group_prefix:
                 self._retire(old, "the sender moved on to a new pair group")
-            worker = self._workers[msg.group_prefix] = self._new_worker(msg)
-            self._prefix_of_store[store] = msg.group_prefix
+            worker = self._workers[msg.group_prefix] = self._new_worker(identity, msg)
+            self._newest_of_sender[sender] = msg.group_prefix
         return worker
 
     def _release(self, rec: RecvRecord) -> None:

@@ -86,11 +86,9 @@ class SenderSide:
         layout: KVLayout,
         kind: str,
         new_worker: Callable[[str], tuple[PairWorker, str]],
-        store_addr: Callable[[], tuple[str, int]],
     ) -> None:
         self._cfg, self._ctrl, self._layout, self._kind = cfg, ctrl, layout, kind
         self._new_worker = new_worker  # peer -> (worker as rank 0, its group prefix)
-        self._store_addr = store_addr
         self._workers: dict[str, tuple[PairWorker, str]] = {}  # peer -> current pair
         self._closed: dict[str, float] = {}  # peer -> until when new transfers to it fail
         self.records: dict[str, SendRecord] = {}
@@ -255,13 +253,10 @@ class SenderSide:
         if w is None or w[0].is_broken:
             w = self._workers[rec.peer] = self._new_worker(rec.peer)
         (rec.worker, rec.prefix), rec.next_request_at = w, 0.0
-        host, port = self._store_addr()
         lo = self._layout
         msg = TransferRequestMsg(
             transfer_id=rec.transfer_id,
             num_tokens=rec.num_tokens,
-            store_host=host,
-            store_port=port,
             group_prefix=w[1],
             backend=self._kind,
             num_layers=lo.num_layers,

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
+from transfer import inbound
 from transfer.auth import DEFAULT_MAX_AGE_S, check_secret, new_secret
 from transfer.endpoint import check_host
 
@@ -48,6 +49,9 @@ class TransferConfig:
     # (``auth.py``): every member must get the same one, through Ray, never on a command line.
     secret: bytes = field(default_factory=new_secret, repr=False)
     max_msg_age_s: float = DEFAULT_MAX_AGE_S  # a frame stamped further from our clock is refused
+    # control frames longer are dropped unread (inbound.py); a node sizes it from its
+    # max_model_len
+    max_frame_bytes: int = inbound.max_frame_bytes(inbound.DEFAULT_MAX_TOKENS)
 
     def __post_init__(self) -> None:
         check_host(self.host)
@@ -57,6 +61,10 @@ class TransferConfig:
         for name in ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_msg_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_frame_bytes < inbound.FRAME_MARGIN_BYTES:
+            raise ValueError(
+                f"max_frame_bytes must be >= {inbound.FRAME_MARGIN_BYTES}, got {self.max_frame_bytes}"
+            )
         if self.retry_interval_s < 0 or self.linger_s < 0:
             raise ValueError(
                 f"retry_interval_s ({self.retry_interval_s}) and linger_s ({self.linger_s}) "

@@ -35,9 +35,12 @@ A server that attaches to running nodes (its predecessor exited) registers them 
 the cache of the prefill node it would be routed to, generating nothing beyond the first token.
 
 Every frame either way is sealed under the cluster secret (``transfer.auth``). The reader of
-node messages drops and counts what fails it, and survives any other message (unknown,
-malformed, out of order: counted and dropped); it is restarted if it dies, and ``is_ready`` is
-false until it reads again.
+node messages drops and counts what fails it (also by sending address), and survives any other
+message (unknown, malformed, out of order: counted and dropped); it is restarted if it dies, and
+``is_ready`` is false until it reads an authentic frame again. Its socket refuses frames over
+its size limit unread, and it reads in bounded batches (``transfer.inbound``), yielding to the
+event loop between them: a flood of frames cannot keep HTTP, ``/health`` or the liveness
+watchdog from running.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ from pd.core.messages import (
 from pd.core.options import option
 from pd.core.outputs import ClusterStats, RequestOutput
 from pd.core.sampling_params import SamplingParams
-from transfer.auth import Opener, Sealer
+from transfer import inbound
+from transfer.auth import DEFAULT_MAX_AGE_S, Opener, Sealer
 from transfer.endpoint import parse_endpoint
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,12 @@ T = TypeVar("T")
 ROLES = ("prefill", "decode")
 # a warm-up ends at its first token, on the prefill node (nothing is sent to the decode node)
 _WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# What the reader handles between two turns of the event loop.
+READ_BUDGET = inbound.ReadBudget(max_frames=256, max_bytes=16 << 20)
+# After a batch of nothing but refused frames (a flood), the reader waits this long before the
+# next: junk then costs at most ~25,000 frames/s of this process's CPU, and a node's frame
+# waits at most this long behind it.
+FLOOD_PAUSE_S = 0.01
 
 
 class ClusterError(RuntimeError):
@@ -135,13 +145,18 @@ class ClusterClient:
         ping: Callable[[str], Awaitable[Any]] | None = None,
         on_node_failed: Callable[[str], None] | None = None,
         resync: Callable[[str], Awaitable[int]] | None = None,
+        max_msg_age_s: float = DEFAULT_MAX_AGE_S,
     ) -> None:
-        """``resync(node_id)`` asks a node for its cache snapshot (``MirrorSync``)."""
+        """``resync(node_id)`` asks a node for its cache snapshot (``MirrorSync``);
+        ``max_msg_age_s``: a frame stamped further from this clock is refused (the nodes')."""
         self.coordinator = coordinator
         self.pull_addr = pull_addr  # what the PULL socket binds
         self.addr = pull_addr  # what nodes push to (``listen_at``)
         self._secret = secret
-        self._opener = Opener(secret, pull_addr)
+        self._max_msg_age_s = max_msg_age_s
+        self._opener = self._new_opener()
+        self.rejects = inbound.RejectsByPeer("server")
+        self._reader: inbound.SealedReader | None = None
         self.cfg = cfg or ClientConfig()
         self.nodes: dict[str, NodeInfo] = {}
         self.node_stats: dict[str, NodeStatsMsg] = {}
@@ -179,14 +194,14 @@ class ClusterClient:
         assert self._pull is None, "the PULL socket is already bound"
         parse_endpoint(addr)
         self.pull_addr, self.addr = pull_addr, addr
-        self._opener = Opener(self._secret, addr)
+        self._opener = self._new_opener()
 
     def use_secret(self, secret: bytes) -> None:
         """Seal and open frames under ``secret`` (that of running nodes this server attaches
         to). Only before ``start()``."""
         assert self._pull is None, "the PULL socket is already reading"
         self._secret = secret
-        self._opener = Opener(secret, self.addr)
+        self._opener = self._new_opener()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -196,7 +211,8 @@ class ClusterClient:
     @property
     def num_rejected_msgs(self) -> int:
         """Frames from nodes (or anyone else) that failed authentication."""
-        return self._opener.drops.total
+        reader = self._reader
+        return reader.num_rejected if reader is not None else self._opener.drops.total
 
     def register_node(self, info: NodeInfo, attached: bool = False) -> None:
         """``attached``: the node ran before this server (its cache snapshot is awaited)."""
@@ -235,7 +251,14 @@ class ClusterClient:
         # a message for a node that is gone must never hold up closing (nor a collected context)
         self._ctx.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
+        # sized for the longest context of the nodes known now (they register before start)
+        max_tokens = max((i.max_model_len for i in self.nodes.values()), default=0)
+        limit = inbound.max_frame_bytes(max(max_tokens, inbound.DEFAULT_MAX_TOKENS))
+        inbound.limit_frame_size(self._pull, limit)
         self._pull.bind(self.pull_addr)
+        # the reader reads through a plain (blocking-API) socket sharing the same libzmq one
+        shadow = zmq.Socket.shadow(self._pull.underlying)
+        self._reader = inbound.SealedReader(shadow, self._opener, self.rejects, READ_BUDGET)
         self._run_task(self._read_forever())
         self._run_task(self.liveness.run())
         self._run_task(self.mirror.run())
@@ -354,6 +377,7 @@ class ClusterClient:
             list(self.node_stats.values()),
             self._room.num_waiting,
             num_rejected_msgs=self.num_rejected_msgs,
+            rejected_by_peer=self.rejects.top(),
             num_dropped_msgs=self.num_bad_msgs,
             num_reader_restarts=self.num_reader_restarts,
             num_rerouted=self.num_rerouted,
@@ -535,17 +559,20 @@ class ClusterClient:
                 await asyncio.sleep(0.05)
 
     async def _read_loop(self) -> None:
-        assert self._pull is not None
+        assert self._pull is not None and self._reader is not None
         while True:
-            frame = await self._pull.recv()
-            self._reader_ok = True
-            if (raw := self._opener.open(frame)) is None:
-                continue  # failed authentication: counted by the opener
-            try:
-                self._on_node_msg(self._decoder.decode(raw))
-            except Exception as e:  # malformed, or out of order: this message alone is lost
-                self.num_bad_msgs += 1
-                logger.warning("dropped a node message: %s: %s", type(e).__name__, e)
+            await self._pull.poll(flags=zmq.POLLIN)
+            # a bounded batch: what fails the seal is counted (by the opener, and by sender)
+            batch = self._reader.read()
+            for got in batch:
+                self._reader_ok = True  # an authentic frame: junk alone does not count
+                try:
+                    self._on_node_msg(self._decoder.decode(got.payload))
+                except Exception as e:  # malformed, or out of order: this message alone is lost
+                    self.num_bad_msgs += 1
+                    logger.warning("dropped a node message: %s: %s", type(e).__name__, e)
+            # HTTP, /health and the watchdog run between batches
+            await asyncio.sleep(FLOOD_PAUSE_S if self._reader.is_flooded else 0)
 
     def _on_node_msg(self, msg: ServerMsg) -> None:
         if isinstance(msg, TokenMsg):
@@ -595,7 +622,14 @@ class ClusterClient:
             sock = self._ctx.socket(zmq.PUSH)
             sock.connect(addr)
             push = self._push[node_id] = (sock, Sealer(self._secret, addr))
-        push[0].send(push[1].seal(self._encoder.encode(msg)), flags=zmq.NOBLOCK)
+        frame = push[1].seal(self._encoder.encode(msg))
+        limit = inbound.max_frame_bytes(self.nodes[node_id].max_model_len)  # what its inbox takes
+        if len(frame) > limit:  # it would drop it unread: say so instead
+            raise ValueError(f"a {len(frame)}-byte message is over {node_id}'s limit {limit}")
+        push[0].send(frame, flags=zmq.NOBLOCK)
+
+    def _new_opener(self) -> Opener:
+        return Opener(self._secret, self.addr, self._max_msg_age_s)
 
     def _run_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -92,6 +92,7 @@ class Cluster:
             ping=self._ping,
             on_node_failed=self._on_node_failed,
             resync=self._resync,
+            max_msg_age_s=cfg.transfer.max_msg_age_s,
         )
         self.actors: dict[str, Any] = {}  # node id -> Ray actor, until it is stopped
         # node id -> role and number of every node started or attached (ids are not reused)

@@ -129,6 +129,8 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
     num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
     num_rejected_msgs: int = 0  # frames that failed authentication (forged, replayed, stale)
+    # of them, per sending address: the few addresses that sent the most (transfer.inbound)
+    rejected_by_peer: dict[str, int] = {}
     num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
     num_pairs: int = 0  # open pair groups (as sender and as receiver)
     num_sockets: int = 0  # open zmq sockets

@@ -32,6 +32,8 @@ class ClusterStats(NamedTuple):
     nodes: list[NodeStatsMsg]
     num_queued: int = 0
     num_rejected_msgs: int = 0  # frames the server refused: failed authentication
+    # of them, per sending address: the few addresses that sent the most
+    rejected_by_peer: dict[str, int] = {}  # noqa: RUF012 - never mutated (a NamedTuple field)
     num_dropped_msgs: int = 0  # authentic frames the server dropped: malformed or failed
     num_reader_restarts: int = 0  # times the server's reader of node messages died
     num_rerouted: int = 0  # requests moved off a dead node before they streamed anything

@@ -1,12 +1,15 @@
 """A node's sockets: the ``Inbox`` it binds (requests from the server, ``PrefilledMsg`` from
 prefill nodes), the ``ServerLink`` it pushes tokens, cache events and stats on, and the
 ``PeerLinks`` to other nodes. Every frame is sealed under the cluster secret
-(``transfer.auth``); what fails the seal is dropped and counted, and so is what does not decode.
+(``transfer.auth``); what fails the seal is dropped and counted (also by sender), and so is what
+does not decode. The inbox refuses frames over its size limit unread and hands the loop a
+bounded batch per iteration (``transfer.inbound``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,8 +20,13 @@ from pd.core.messages import NodeMsg, ServerMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
 from transfer.auth import AuthDrops, Opener, Sealer
+from transfer.inbound import ReadBudget, RejectsByPeer, SealedReader, limit_frame_size
 
 logger = logging.getLogger(__name__)
+
+# Frames one loop iteration reads off the inbox, whatever they hold: the rest wait for the next
+# iteration, so a flood cannot keep the node from stepping and beating.
+INBOX_BUDGET = ReadBudget(max_frames=256, max_bytes=16 << 20)
 
 
 class Inbox:
@@ -32,10 +40,14 @@ class Inbox:
         secret: bytes,
         max_msg_age_s: float,
         node_id: str,
+        max_frame_size: int,
     ) -> None:
         self._pull = ctx.socket(zmq.PULL)
+        limit_frame_size(self._pull, max_frame_size)
         self.addr = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{bind_host}')}"
         self._opener = Opener(secret, self.addr, max_msg_age_s)
+        self.rejects = RejectsByPeer(f"{node_id} inbox")
+        self._reader = SealedReader(self._pull, self._opener, self.rejects, INBOX_BUDGET)
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
         self._node_id = node_id
         self.num_bad_msgs = 0  # authentic frames that held no valid message
@@ -47,27 +59,29 @@ class Inbox:
 
     @property
     def num_rejected_msgs(self) -> int:
-        return self._opener.drops.total
+        """Frames that failed authentication, or were not even one frame."""
+        return self._reader.num_rejected
 
-    def recv(self) -> NodeMsg | None:
-        """The next valid message, None when nothing is queued. Frames that fail the seal or do
-        not decode are counted and skipped."""
-        while True:
+    def recv_batch(self) -> list[NodeMsg]:
+        """The valid messages among the next frames queued (at most ``INBOX_BUDGET``); none
+        when nothing is queued. Frames that fail the seal or do not decode are counted and
+        skipped."""
+        out: list[NodeMsg] = []
+        for got in self._reader.read():
             try:
-                frame = self._pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            if (raw := self._opener.open(frame)) is None:
-                continue
-            try:
-                return self._decoder.decode(raw)
+                out.append(self._decoder.decode(got.payload))
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
                 self.num_bad_msgs += 1
                 logger.warning("%s: dropped a malformed message: %s", self._node_id, e)
+        return out
 
     def wait(self, timeout_ms: int) -> None:
-        """Sleep until a frame comes or ``timeout_ms`` passes."""
-        self._pull.poll(timeout_ms)
+        """Sleep until a frame comes or ``timeout_ms`` passes; under a flood of refused frames,
+        ``timeout_ms`` (a frame always comes: an idle loop would spin on them, one each turn)."""
+        if self._reader.is_flooded:
+            time.sleep(timeout_ms / 1000)
+        else:
+            self._pull.poll(timeout_ms)
 
     def close(self) -> None:
         self._pull.close(linger=0)

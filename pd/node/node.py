@@ -52,6 +52,7 @@ from pd.node.config import NodeConfig, NodeSettings
 from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.role import BaseRole, NodeParts
 from transfer import TransferAgent
+from transfer.inbound import max_frame_bytes, merge_top
 
 logger = logging.getLogger(__name__)
 _PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
@@ -81,6 +82,8 @@ class Node:
             lambda: EngineCore(engine_cfg, node_cfg.node_id, role_cls.scheduler_cls)
         )
         secret = node_cfg.transfer.secret
+        # the largest legitimate frame carries a prompt (or cache path, slots) of max_model_len
+        frame_limit = max_frame_bytes(self.core.max_model_len)
         self._ctx = zmq.Context()
         # a message for a peer that is gone must never hold up closing (nor a collected context)
         self._ctx.setsockopt(zmq.LINGER, 0)
@@ -91,6 +94,7 @@ class Node:
             secret,
             node_cfg.transfer.max_msg_age_s,
             self.node_id,
+            frame_limit,
         )
         self.server = ServerLink(
             self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
@@ -99,7 +103,7 @@ class Node:
         slot_owner = role_cls.make_slot_owner(self.core, self.server)
         pool = self.core.runner.pool
         self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
-            dataclasses.replace(node_cfg.transfer, host=addrs.host),
+            dataclasses.replace(node_cfg.transfer, host=addrs.host, max_frame_bytes=frame_limit),
             pool.k + pool.v,
             pool.num_layers,
             slot_owner=slot_owner,
@@ -243,7 +247,7 @@ class Node:
         return busy
 
     def _recv(self) -> None:
-        while (msg := self.inbox.recv()) is not None:
+        for msg in self.inbox.recv_batch():  # a bounded batch: the step and heartbeat come next
             with self.guard(getattr(msg, "request_id", "")):
                 if isinstance(msg, PeerGoneMsg):
                     self._on_peer_gone(msg)
@@ -300,6 +304,7 @@ class Node:
             msgspec.structs.replace(
                 stats,
                 num_rejected_msgs=self.num_rejected_msgs,
+                rejected_by_peer=merge_top(self.inbox.rejects.top(), self.transfer.rejects.top()),
                 num_pairs=res.num_pairs,
                 num_sockets=res.num_sockets,
                 num_threads=res.num_threads,

@@ -145,6 +145,14 @@ class ServerMetrics:
             attr: Gauge(name, f"{help_}, cumulative.", registry=r)
             for attr, (name, help_) in _SERVER_COUNTERS.items()
         }
+        # labels bounded: the server and each node report their top few senders only
+        self.rejected_by_peer = Gauge(
+            "pd_rejected_messages_by_peer",
+            "Frames refused (failed authentication), cumulative, by receiver (the server or a "
+            "node) and sending address: the few addresses that sent each receiver the most.",
+            ["receiver", "peer"],
+            registry=r,
+        )
 
     def record_first_token(self, arrival: float, first_token: float) -> None:
         self.ttft.observe(first_token - arrival)
@@ -179,6 +187,9 @@ class ServerMetrics:
             g.clear()
         for g in (*self.cache_gauges.values(), self.cache_hit_rate, *self.node_counters.values()):
             g.clear()
+        self.rejected_by_peer.clear()
+        for peer, n in stats.rejected_by_peer.items():
+            self.rejected_by_peer.labels(receiver="server", peer=peer).set(n)
         for s in stats.nodes:
             self._set_node(s)
         self.transfer_bytes.set(sum(s.transfer_bytes for s in stats.nodes))
@@ -210,6 +221,8 @@ class ServerMetrics:
         self.cache_hit_rate.labels(node=s.node_id).set(s.num_hit_tokens / prompt if prompt else 0.0)
         for attr, gauge in self.node_counters.items():
             gauge.labels(node=s.node_id).set(getattr(s, attr))
+        for peer, n in s.rejected_by_peer.items():
+            self.rejected_by_peer.labels(receiver=s.node_id, peer=peer).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -244,19 +244,19 @@ async def test_reader_restarts_and_health_is_unready_until_it_reads_again(monkey
         p, _ = h.add("prefill-0"), h.add("decode-0")
         await _until(lambda: h.client._reader_ok)
         assert await h.client.is_ready()
-        pull = h.client._pull
-        assert pull is not None
-        real_recv = pull.recv
+        reader = h.client._reader
+        assert reader is not None
+        real_read = reader.read
         calls = {"n": 0}
 
-        async def recv(*args: Any, **kwargs: Any) -> Any:
+        def read() -> Any:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected reader failure")
-            return await real_recv(*args, **kwargs)
+            return real_read()
 
-        monkeypatch.setattr(pull, "recv", recv)
-        p.beat()  # wakes the reader: its first recv() now raises
+        monkeypatch.setattr(reader, "read", read)
+        p.beat()  # wakes the reader: its first read() now raises
         await _until(lambda: h.client.num_reader_restarts == 1)
         assert not await h.client.is_ready()
         p.beat()

@@ -13,13 +13,17 @@ from typing import Any
 import msgspec
 import pytest
 
-from transfer.auth import Sealer
+from transfer.auth import Opener, Sealer, reply_audience
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_stranger(actions: list[dict[str, Any]], timeout_s: float = 60.0) -> None:
-    """Run ``tests.security.stranger`` (a process without the secret) over ``actions``."""
+def run_stranger(
+    actions: list[dict[str, Any]], timeout_s: float = 60.0, nice: int = 0
+) -> list[dict[str, Any]]:
+    """Run ``tests.security.stranger`` (a process without the secret) over ``actions``; its
+    result of each. ``nice``: its CPU priority lowered by this much (a flood from another
+    machine does not take this machine's cores; here the cluster under test needs them)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.security.stranger"],
@@ -29,8 +33,10 @@ def run_stranger(actions: list[dict[str, Any]], timeout_s: float = 60.0) -> None
         cwd=ROOT,
         env=env,
         timeout=timeout_s,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
 
 
 def unsigned(msg: Any) -> str:
@@ -43,6 +49,25 @@ def random_frames(n: int, seed: int) -> list[str]:
     return [gen.randbytes(gen.randint(1, 300)).hex() for _ in range(n)]
 
 
+def listening_ports(pid: int | str = "self") -> list[int]:
+    """The TCP ports process ``pid`` listens on (from /proc: its socket fds in the LISTEN
+    table; no traffic)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ports.append(int(fields[1].split(":")[1], 16))
+    return sorted(ports)
+
+
 class Captured:
     """Every frame sealed in this process while ``capture()`` is on, by audience."""
 
@@ -52,6 +77,30 @@ class Captured:
     def first(self, audience: str) -> str:
         assert self.frames.get(audience), f"nothing sealed for {audience}: {list(self.frames)}"
         return self.frames[audience][0].hex()
+
+    def first_reply(self, router: str) -> str:
+        """The first frame the ROUTER at ``router`` sealed for one of its dealers."""
+        prefix = reply_audience(router, b"")
+        sent = [f for aud, fs in self.frames.items() if aud.startswith(prefix) for f in fs]
+        assert sent, f"no reply sealed by {router}: {list(self.frames)}"
+        return sent[0].hex()
+
+
+def capture_opened(monkeypatch: pytest.MonkeyPatch, max_per_audience: int = 16) -> Captured:
+    """From now to the end of the test, the first frames each socket of this process accepted
+    (sealed elsewhere: a node's, to the server), as they came off the wire."""
+    captured = Captured()
+    real_open = Opener.open
+
+    def open_(self: Opener, frame: bytes | memoryview) -> bytes | None:
+        payload = real_open(self, frame)
+        kept = captured.frames.setdefault(self.audience, [])
+        if payload is not None and len(kept) < max_per_audience:
+            kept.append(bytes(frame))
+        return payload
+
+    monkeypatch.setattr(Opener, "open", open_)
+    return captured
 
 
 def capture(monkeypatch: pytest.MonkeyPatch) -> Captured:

@@ -1,5 +1,6 @@
 """A process without the cluster secret sends to every socket of a running cluster (the
-server's PULL, each node's PULL and transfer ROUTER) while requests are in flight.
+server's PULL, each node's PULL and transfer ROUTER) while requests are in flight; and floods
+the nodes' inboxes faster than they can read, while they serve a request.
 
 The cluster is the real ``ClusterClient`` and a ``Node`` + ``Node`` on their own
 loop threads, in this process, over the fake transfer backend and a tiny model (no Ray). The
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -32,7 +34,7 @@ from prefill.node import PrefillRole
 from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
 from transfer import TransferConfig
-from transfer.auth import new_secret, reply_audience
+from transfer.auth import new_secret
 from transfer.messages import TransferReadyMsg, TransferRequestMsg
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,8 +135,6 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         forged_request = TransferRequestMsg(
             transfer_id="r0",
             num_tokens=3,
-            store_host="127.0.0.1",
-            store_port=9,
             group_prefix="kvx/x/0",
             backend="fake",
             num_layers=3,
@@ -172,7 +172,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
             p_ctrl: random_frames(2, seed=5)
             + [
                 unsigned(TransferReadyMsg(transfer_id="r0", slots=[1, 2, 3])),
-                captured.first(reply_audience(d_ctrl)),  # a reply of d's, sent to p's ROUTER
+                captured.first_reply(d_ctrl),  # a reply of d's, sent to p's ROUTER
             ],
         }
         actions = [{"push": a, "frames": f} for a, f in plan.items()]
@@ -211,6 +211,10 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         text = metrics.render().decode()
         assert "pd_server_rejected_messages 7.0" in text
         assert f'pd_node_rejected_messages{{node="decode-0"}} {float(want_d)}' in text
+        by_peer = (
+            f'pd_rejected_messages_by_peer{{peer="127.0.0.1",receiver="decode-0"}} {float(want_d)}'
+        )
+        assert by_peer in text
         for node in (p, d):
             report = node.check_integrity()
             assert report["unfinished"] == 0 and report["in_use"] == 0, (node.node_id, report)
@@ -219,3 +223,69 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         await client.close()
         p.shutdown()
         d.shutdown()
+
+
+def test_nodes_under_a_flood_still_step_and_beat(engine_cfg: EngineConfig) -> None:
+    reference = Engine(engine_cfg).generate(PROMPTS[:1], GREEDY)[0].token_ids
+    asyncio.run(_flood_scenario(engine_cfg, reference))
+
+
+async def _flood_scenario(engine_cfg: EngineConfig, reference: list[int]) -> None:
+    client = ClusterClient(
+        Coordinator(CoordinatorConfig(page_size=4, local_prefill_tokens=-1)),
+        f"tcp://127.0.0.1:{free_port()}",
+        secret=SECRET,
+    )
+    await client.start()
+    fake = TransferConfig(backend="fake", secret=SECRET)
+    p = Node(engine_cfg, NodeConfig("prefill-0", client.addr, transfer=fake), PrefillRole)
+    d = Node(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake), DecodeRole)
+    for node in (p, d):  # each frame costs ~30 us, so the flood outruns the loop's reading
+        node.inbox._opener.open = _slow(node.inbox._opener.open)  # type: ignore[method-assign]
+    try:
+        client.register_node(p.start())
+        client.register_node(d.start())
+        junk = random_frames(32, seed=23)
+        flood = [{"to": n.addr, "kind": "push", "frames": junk, "connections": 4} for n in (p, d)]
+        stranger = asyncio.create_task(
+            asyncio.to_thread(run_stranger, [{"flood": flood, "seconds": 4.0, "linger_s": 0}])
+        )
+        silence = dict.fromkeys(("prefill-0", "decode-0"), 0.0)
+
+        async def watch() -> None:  # how long the server goes without a node's heartbeat
+            while True:
+                now = time.monotonic()
+                for n, heard in client.liveness._last_heard.items():
+                    silence[n] = max(silence[n], now - heard)
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(1.0)  # the flood is on
+        out: list[int] = []
+
+        async def request() -> None:
+            async for o in client.generate("r", PROMPTS[0], GREEDY):
+                out.extend(o.new_token_ids)
+
+        await asyncio.wait_for(request(), 20)
+        (result,) = await stranger
+        watcher.cancel()
+        assert out == reference
+        assert client.dead_nodes == {}
+        assert max(silence.values()) < 1.0, silence  # stats every 0.2 s, flood or not
+        sent = result["num_sent"]
+        assert p.inbox.num_rejected_msgs > 10_000 and d.inbox.num_rejected_msgs > 10_000, sent
+    finally:
+        await client.close()
+        p.shutdown()
+        d.shutdown()
+
+
+def _slow(open_: Any) -> Any:
+    def slow_open(frame: Any) -> bytes | None:
+        end = time.perf_counter() + 30e-6
+        while time.perf_counter() < end:
+            pass
+        return open_(frame)
+
+    return slow_open

@@ -1,24 +1,38 @@
-"""A process without the cluster secret against the transfer plane: a decode node's control
-port (forged requests that would make it dial anywhere) and a pair group's TCPStore."""
+"""A process without the cluster secret against the transfer plane: a node's control port
+(forged and replayed requests, replies and rendezvous keys), the rendezvous of pair groups
+(no store listens anywhere: nothing to list, read or write), and a reply meant for another
+DEALER."""
 
 from __future__ import annotations
 
-import select
-import socket
-import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import NamedTuple
 
 import pytest
-import torch
-import zmq
+import torch.distributed as dist
 
-from tests.security.helpers import capture, random_frames, run_stranger, unsigned
+from pd.core.kv_pool import KVPool
+from tests.security.helpers import (
+    capture,
+    listening_ports,
+    random_frames,
+    run_stranger,
+    unsigned,
+)
 from tests.transfer.helpers import TrackingOwner, assert_moved, buffers, make_pool, run_until
 from transfer import KVPoll, TransferAgent, TransferConfig
-from transfer.auth import Sealer, new_secret, reply_audience
-from transfer.backend import PairError
-from transfer.group import TorchPairGroup, host_store
-from transfer.messages import TransferRequestMsg
+from transfer.auth import HEADER_BYTES, TAG_BYTES, Sealer, new_secret, reply_audience
+from transfer.control import ControlPlane
+from transfer.messages import (
+    ControlMsg,
+    NoRoomMsg,
+    PairKeyMsg,
+    TransferRequestMsg,
+    decode_msg,
+    encode_msg,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,26 +41,41 @@ CFG = TransferConfig(
 )
 
 
+class Pair(NamedTuple):
+    s: TransferAgent
+    r: TransferAgent
+    owner: TrackingOwner
+    src: KVPool
+    dst: KVPool
+
+
 @pytest.fixture
-def listener() -> Iterator[socket.socket]:
-    """Some host:port a forged request names: it must never be dialled."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    yield srv
-    srv.close()
+def pair() -> Iterator[Pair]:
+    src, dst = make_pool(seed=1), make_pool(seed=None)
+    owner = TrackingOwner()
+    s = TransferAgent(CFG, buffers(src), src.num_layers)
+    r = TransferAgent(CFG, buffers(dst), dst.num_layers, owner)
+    try:
+        yield Pair(s, r, owner, src, dst)
+    finally:
+        s.close()
+        r.close()
 
 
-def _was_dialled(srv: socket.socket, wait_s: float) -> bool:
-    return bool(select.select([srv], [], [], wait_s)[0])
+def _move(p: Pair, tid: str, slots: list[int]) -> None:
+    """One transfer from ``p.s`` to ``p.r``, to success, its KV checked."""
+    snd, rcv = p.s.sender(tid, p.r.endpoint, len(slots)), p.r.receiver(tid)
+    snd.send(slots)
+    assert run_until(lambda: snd.poll().is_final and rcv.poll().is_final, [p.s, p.r], 30)
+    assert (snd.poll(), rcv.poll()) == (KVPoll.SUCCESS, KVPoll.SUCCESS), snd.failure
+    assert_moved(p.src, slots, p.dst, rcv.slots)
 
 
-def _request_to(srv: socket.socket, layout_of: TransferAgent) -> TransferRequestMsg:
+def _evil_request(layout_of: TransferAgent) -> TransferRequestMsg:
     lo = layout_of.layout
-    port = srv.getsockname()[1]
     return TransferRequestMsg(
         transfer_id="evil",
         num_tokens=2,
-        store_host="127.0.0.1",
-        store_port=port,
         group_prefix="kvx/evil/0",
         backend="gloo",
         num_layers=lo.num_layers,
@@ -55,110 +84,127 @@ def _request_to(srv: socket.socket, layout_of: TransferAgent) -> TransferRequest
     )
 
 
-def test_forged_transfer_requests_reach_no_handler_and_dial_nothing(
-    listener: socket.socket, monkeypatch: pytest.MonkeyPatch
+def _message(frame: bytes) -> ControlMsg:
+    return decode_msg(frame[HEADER_BYTES:-TAG_BYTES])
+
+
+def _sealed_for(frames: dict[str, list[bytes]], audience: str, kind: type) -> list[bytes]:
+    """Frames sealed for ``audience`` that hold a ``kind`` message (a sniffer's pick)."""
+    return [f for f in frames.get(audience, []) if isinstance(_message(f), kind)]
+
+
+def test_forged_and_replayed_control_frames_reach_no_handler(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src, dst = make_pool(seed=1), make_pool(seed=None)
-    owner = TrackingOwner()
+    s, r, owner = pair.s, pair.r, pair.owner
     captured = capture(monkeypatch)
-    s = TransferAgent(CFG, buffers(src), src.num_layers)
-    r = TransferAgent(CFG, buffers(dst), dst.num_layers, owner)
+    snd, rcv = s.sender("t", r.endpoint, 4), r.receiver("t")
+    # in flight: slots reserved, the pair group built, the data not sent yet
+    assert run_until(lambda: rcv.poll() == KVPoll.WAITING and s.num_pairs == 1, [s, r], 20)
+    assert run_until(lambda: s.num_rendezvous == r.num_rendezvous == 0, [s, r], 20)
+    requests = _sealed_for(captured.frames, r.endpoint, TransferRequestMsg)
+    keys = _sealed_for(captured.frames, r.endpoint, PairKeyMsg)
+    assert requests and keys
+    group = _message(requests[0]).group_prefix  # type: ignore[union-attr]
+    # what a sniffer saw is enough to name the pair, not to write into its rendezvous
+    forged_key = PairKeyMsg(group_prefix=group, key=_message(keys[0]).key, value=b"127.0.0.1:9")  # type: ignore[union-attr]
+    to_r = random_frames(3, seed=7) + [
+        unsigned(_evil_request(r)),  # would reserve slots and start a rendezvous
+        unsigned(forged_key),
+        *(f.hex() for f in requests + keys),  # the sender's request and keys, replayed
+        captured.first_reply(r.endpoint),  # r's own reply, sent back to it
+    ]
+    to_s = random_frames(2, seed=8) + [captured.first_reply(r.endpoint)]  # not for a ROUTER
+    results = run_stranger([
+        {"dealer": r.endpoint, "frames": to_r, "listen_s": 1.0},
+        {"dealer": s.endpoint, "frames": to_s, "listen_s": 0.2},
+    ])  # fmt: skip
+    assert [res["num_received"] for res in results] == [0, 0]  # nothing answers a stranger
+    assert run_until(lambda: r.num_rejected_msgs == len(to_r), [s, r], 10)
+    assert run_until(lambda: s.num_rejected_msgs == len(to_s), [s, r], 10)
+    assert r._ctrl._opener.drops.num_replayed == len(requests) + len(keys)
+    assert r.num_dropped_msgs == 0 and set(owner.reserved) == {"t"}  # no other reservation
+    assert r.num_rendezvous == 0 and r.num_pairs == 1  # none started for the stranger
+    assert r.rejects.top() == {"127.0.0.1": len(to_r)}
+
+    snd.send([9, 3, 40, 41])
+    assert run_until(lambda: snd.poll().is_final and rcv.poll().is_final, [s, r], 20)
+    assert (snd.poll(), rcv.poll()) == (KVPoll.SUCCESS, KVPoll.SUCCESS), snd.failure
+    assert_moved(pair.src, [9, 3, 40, 41], pair.dst, rcv.slots)
+
+    # The same request sealed with the secret is obeyed: the refusal above was the seal's.
+    ctrl = ControlPlane(CFG.secret)
     try:
-        snd = s.sender("t", r.endpoint, 4)  # in flight: reserved, data not sent yet
-        rcv = r.receiver("t")
-        assert run_until(lambda: rcv.poll() == KVPoll.WAITING, [s, r], 20)
-        forged = _request_to(listener, r)
-        to_r = random_frames(3, seed=7) + [
-            unsigned(forged),
-            captured.first(r.endpoint),  # the real request, replayed
-            captured.first(reply_audience(r.endpoint)),  # r's own reply, sent back to it
-        ]
-        run_stranger([
-            {"dealer": r.endpoint, "frames": to_r},
-            {"dealer": s.endpoint, "frames": random_frames(2, seed=8)},
-        ])  # fmt: skip
-        assert run_until(lambda: r.num_rejected_msgs == len(to_r), [s, r], 10)
-        assert run_until(lambda: s.num_rejected_msgs == 2, [s, r], 10)
-        assert not _was_dialled(listener, 1.0)
-        assert r.num_dropped_msgs == 0 and set(owner.reserved) == {"t"}  # no other reservation
-        assert r._ctrl._opener.drops.num_replayed == 1
-
-        snd.send([9, 3, 40, 41])
-        assert run_until(lambda: snd.poll().is_final and rcv.poll().is_final, [s, r], 20)
-        assert (snd.poll(), rcv.poll()) == (KVPoll.SUCCESS, KVPoll.SUCCESS), snd.failure
-        assert_moved(src, [9, 3, 40, 41], dst, rcv.slots)
-
-        # The same request sealed with the secret is obeyed: the refusal above was the seal's.
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(r.endpoint)
-        dealer.send(Sealer(CFG.secret, r.endpoint).seal(unsigned_bytes(forged)))
-        assert run_until(lambda: _was_dialled(listener, 0.01), [r], 10)
-        dealer.close()
+        ctrl.send(r.endpoint, _evil_request(r))
+        assert run_until(lambda: "evil" in owner.reserved, [r], 10)
     finally:
-        s.close()
-        r.close()
+        ctrl.close()
 
 
-def unsigned_bytes(msg: TransferRequestMsg) -> bytes:
-    return bytes.fromhex(unsigned(msg))
+def test_no_store_listens_and_a_stranger_cannot_list_read_or_write_a_rendezvous_entry(
+    pair: Pair,
+) -> None:
+    _move(pair, "a", [1, 2, 3])  # a pair group built: its rendezvous is over
+    ports = listening_ports()  # every port this process (both agents) listens on
+    endpoints = {pair.s.endpoint, pair.r.endpoint}
+    assert {f"tcp://127.0.0.1:{p}" for p in ports} >= endpoints
+    # The probe works: a real TCPStore, as pair groups used to rendezvous over, is listed,
+    # read and written by anyone who reaches it.
+    control = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False
+    )
+    control.set("kvx/p/0/0/0", b"rank 0's address")
+    (result,) = run_stranger([
+        {"probe_stores": [["127.0.0.1", p] for p in [*ports, control.port]], "timeout_s": 3.0}
+    ])  # fmt: skip
+    by_port = {probe["port"]: probe for probe in result["probes"]}
+    assert by_port[control.port]["answered"] and "kvx/p/0/0/0" in by_port[control.port]["keys"]
+    answered = [p for p in ports if by_port[p]["answered"]]
+    assert answered == [], [by_port[p] for p in answered]
+    _move(pair, "b", [6, 7, 8])  # the probes (into gloo's and zmq's ports) broke nothing
 
 
-def _listening_hosts(port: int) -> set[str]:
-    """Local addresses of the LISTEN sockets on ``port`` (from /proc, no traffic)."""
-    hosts = set()
-    for line in open("/proc/net/tcp").read().splitlines()[1:]:
-        local, state = line.split()[1], line.split()[3]
-        addr, p = local.split(":")
-        if state == "0A" and int(p, 16) == port:
-            hosts.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
-    return hosts
-
-
-def _pair(prefix: str, rank: int, port: int, secret: bytes, store=None) -> TorchPairGroup:  # noqa: ANN001
-    return TorchPairGroup(
-        "gloo", store_host="127.0.0.1", store_port=port, prefix=prefix, rank=rank,
-        timeout_s=20.0, device=torch.device("cpu"), secret=secret, store=store,
-    )  # fmt: skip
-
-
-def test_a_stranger_in_a_pair_store_cannot_join_and_breaks_only_that_pair() -> None:
+def test_a_reply_is_accepted_only_by_the_dealer_it_was_sealed_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     secret = new_secret()
-    store = host_store("127.0.0.1", 20.0)
-    assert _listening_hosts(store.port) == {"127.0.0.1"}  # not every interface
-
-    # A stranger poses as rank 1 of "kvx/p/0": rank 0 refuses it at once, no group is built.
-    junk = {"kvx/p/0/auth/nonce1": "11" * 16, "kvx/p/0/auth/proof1": "22" * 32}
-    run_stranger([{"store": ["127.0.0.1", store.port], "set": junk}])
-    with pytest.raises(PairError, match="rank 1 failed the proof of the cluster secret"):
-        _pair("kvx/p/0", 0, store.port, secret, store)
-
-    # Another secret (a stranger that found a live pair's prefix) is refused by both ends.
-    errors: list[str] = []
-
-    def rank1(prefix: str, key: bytes, out: list[TorchPairGroup]) -> None:
-        try:
-            out.append(_pair(prefix, 1, store.port, key))
-        except PairError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=rank1, args=("kvx/p/1", new_secret(), []))
-    t.start()
-    with pytest.raises(PairError, match="rank 1 failed the proof"):
-        _pair("kvx/p/1", 0, store.port, secret, store)
-    t.join(30)
-    assert len(errors) == 1 and "rank 0 failed the proof" in errors[0]
-
-    # The store still serves the cluster's own pairs.
-    out: list[TorchPairGroup] = []
-    t = threading.Thread(target=rank1, args=("kvx/p/2", secret, out))
-    t.start()
-    g0 = _pair("kvx/p/2", 0, store.port, secret, store)
-    t.join(30)
-    x, y = torch.arange(6.0), torch.zeros(6)
-    recv = out[0].irecv(y)
-    g0.isend(x).wait(10)
-    recv.wait(10)
-    assert torch.equal(x, y)
-    g0.close()
-    out[0].close()
+    captured = capture(monkeypatch)
+    d, p1, p2 = ControlPlane(secret), ControlPlane(secret), ControlPlane(secret)
+    try:
+        for i, p in enumerate((p1, p2)):
+            p.send(d.endpoint, NoRoomMsg(transfer_id=f"from-p{i + 1}"))
+        got: dict[str, bytes] = {}
+        for _ in range(5000):  # up to ~10 s
+            for inc in d.recv_all():
+                assert inc.identity is not None
+                got[inc.msg.transfer_id] = inc.identity  # type: ignore[union-attr]
+            if len(got) == 2:
+                break
+            time.sleep(0.002)
+        id1, id2 = got["from-p1"], got["from-p2"]
+        d.reply(id1, NoRoomMsg(transfer_id="for-p1"))
+        (frame,) = captured.frames[reply_audience(d.endpoint, id1)]
+        # The reply for p1's dealer, delivered to p2's: p2 refuses it (it is not its audience).
+        d._router.send_multipart([id2, frame])
+        d.reply(id2, NoRoomMsg(transfer_id="for-p2"))
+        seen: dict[str, list[str]] = {"p1": [], "p2": []}
+        for _ in range(5000):  # up to ~10 s
+            for name, p in (("p1", p1), ("p2", p2)):
+                seen[name] += [inc.msg.transfer_id for inc in p.recv_all()]  # type: ignore[union-attr]
+            if seen["p1"] and seen["p2"]:
+                break
+            time.sleep(0.002)
+        assert seen == {"p1": ["for-p1"], "p2": ["for-p2"]}
+        assert (p1.num_rejected, p2.num_rejected) == (0, 1)
+        # A peer whose clock lags by 5 s: its reply is still taken (a dealer needs no epoch:
+        # nothing sealed before it was made can name its fresh routing id).
+        lagging = Sealer(secret, reply_audience(d.endpoint, id1), clock=lambda: time.time() - 5)
+        d._router.send_multipart([id1, lagging.seal(encode_msg(NoRoomMsg(transfer_id="late")))])
+        for _ in range(5000):  # up to ~10 s
+            if late := [inc.msg.transfer_id for inc in p1.recv_all()]:  # type: ignore[union-attr]
+                break
+            time.sleep(0.002)
+        assert late == ["late"] and p1.num_rejected == 0
+    finally:
+        for p in (d, p1, p2):
+            p.close()

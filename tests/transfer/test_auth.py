@@ -31,6 +31,7 @@ class Clock:
 
 def _drops(opener: Opener) -> tuple[int, int, int, int]:
     d = opener.drops
+    assert d.num_before_epoch == 0, d
     return d.num_malformed, d.num_bad_tag, d.num_stale, d.num_replayed
 
 
@@ -53,8 +54,38 @@ def test_any_altered_byte_and_any_other_key_or_audience_fail_the_tag() -> None:
     assert _drops(opener) == (0, len(frame) - 1, 0, 0)
     assert Opener(new_secret(), TO).open(frame) is None  # another cluster
     assert Opener(SECRET, "tcp://10.0.0.6:5555").open(frame) is None  # another socket
-    assert Opener(SECRET, reply_audience(TO)).open(frame) is None  # the other direction
+    assert Opener(SECRET, reply_audience(TO, b"\x01" * 16)).open(frame) is None  # the replies
     assert opener.open(frame) == b"hello, node"  # the original is still fresh
+
+
+def test_a_reply_opens_only_for_the_dealer_it_was_sealed_for() -> None:
+    mine, other = b"\xaa" * 16, b"\xbb" * 16
+    reply = Sealer(SECRET, reply_audience(TO, mine)).seal(b"ready")
+    assert Opener(SECRET, reply_audience(TO, other)).open(reply) is None
+    assert Opener(SECRET, reply_audience("tcp://10.0.0.6:5555", mine)).open(reply) is None
+    assert Opener(SECRET, reply_audience(TO, mine)).open(reply) == b"ready"
+
+
+def test_a_restarted_receiver_refuses_what_was_sealed_before_it_started() -> None:
+    send_clock, recv_clock = Clock(), Clock()
+    sealer = Sealer(SECRET, TO, clock=send_clock)
+    first = Opener(SECRET, TO, clock=recv_clock)  # the first lifetime of the socket at TO
+    old = [sealer.seal(b"a"), sealer.seal(b"b")]
+    assert [first.open(f) for f in old] == [b"a", b"b"]
+    send_clock.t += 5.0
+    recv_clock.t += 5.0
+    # The process restarts at the same address, same secret: an empty memory of streams.
+    second = Opener(SECRET, TO, clock=recv_clock, max_clock_skew_s=2.0)
+    assert [second.open(f) for f in old] == [None, None]  # replays of the first lifetime
+    assert second.drops.num_before_epoch == 2 and second.drops.total == 2
+    assert second.open(sealer.seal(b"c")) == b"c"  # the same stream goes on
+    # A sender whose clock lags by less than max_clock_skew_s is not refused...
+    lagging = Sealer(SECRET, TO, clock=lambda: recv_clock.t - 2.0 + 1.999)
+    assert second.open(lagging.seal(b"d")) == b"d"
+    # ... one that lags by more is, until its clock passes the epoch.
+    behind = Sealer(SECRET, TO, clock=lambda: recv_clock.t - 2.5)
+    assert second.open(behind.seal(b"e")) is None
+    assert second.drops.num_before_epoch == 3
 
 
 @pytest.mark.parametrize("frame", [b"", b"\x01", b"\x01" * (OVERHEAD_BYTES - 1), b"\x02" * 64])
