@@ -104,9 +104,9 @@ class Tally:
         return sum(c[category] for c in self.counts.values())
 
     def latency_in(self, start: float, end: float) -> str:
-        """Median latency of steady requests that started in [start, end] (or '-')."""
+        """Median and longest latency of the steady requests that started in [start, end]."""
         got = [lat for t, lat in self.latencies if start <= t <= end]
-        return f"{statistics.median(got):.2f} s ({len(got)})" if got else "-"
+        return f"{statistics.median(got):.2f} / {max(got):.1f} s ({len(got)})" if got else "-"
 
 
 class Check(NamedTuple):
@@ -178,13 +178,13 @@ def render(summary: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| t (s) | fault | target | what it showed | steady p50 during |",
+        "| t (s) | fault | target | what it showed | steady load meanwhile: p50 / max (requests) |",
         "|---|---|---|---|---|",
     ]
     for f in s["faults"]:
         shown = "; ".join(f["notes"] + [f"**{x}**" for x in f["failures"]])
         lines.append(
-            f"| {f['t']:.0f} | {f['kind']} | {f['target']} | {shown} | {f['steady_p50']} |"
+            f"| {f['t']:.0f} | {f['kind']} | {f['target']} | {shown} | {f['steady_latency']} |"
         )
     lines += ["", "| check (after the quiet period) | measured | bound | |", "|---|---|---|---|"]
     for c in s["checks"]:
@@ -211,7 +211,7 @@ def fault_rows(records: list[FaultRecord], tally: Tally, origin: float) -> list[
             "seconds": round(r.end - r.start, 1),
             "notes": r.notes,
             "failures": r.failures,
-            "steady_p50": tally.latency_in(r.start, r.end),
+            "steady_latency": tally.latency_in(r.start, r.end),
         }
         for r in records
     ]

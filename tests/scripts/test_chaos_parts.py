@@ -88,7 +88,7 @@ def test_tally_counts_by_source_and_keeps_examples_of_wrong_answers() -> None:
         tally.add(out, judge(out, REF, ctx))
     assert tally.counts["steady"] == {"sent": 5, "ok": 3, "unexpected": 1, "wrong": 1}
     assert tally.num_5xx == 1 and len(tally.examples) == 1 and "text 'x'" in tally.examples[0]
-    assert tally.latency_in(0, 20) == "1.00 s (3)" and tally.latency_in(50, 60) == "-"
+    assert tally.latency_in(0, 20) == "1.00 / 1.0 s (3)" and tally.latency_in(50, 60) == "-"
 
 
 @pytest.mark.parametrize(
