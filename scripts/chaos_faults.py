@@ -246,7 +246,7 @@ class Chaos:
                 rec.notes.append(f"skipped: {len(ready)} ready {role} node(s)")
                 return None
             if loaded or time.monotonic() >= deadline:
-                victim = rng.choice(loaded or ready)
+                victim = rng.choice(loaded if busy and loaded else ready)
                 rec.target = victim["id"]
                 return victim
             await asyncio.sleep(0.2)
@@ -314,11 +314,12 @@ class Chaos:
         )
         self.outcomes.extend(outs)
         whole = sum(o.complete for o in outs)
+        cut = Counter(o.code or o.error[:40] or "connection closed" for o in outs if not o.complete)
         rec.notes.append(
             f"{n} streams of {self.long.body['max_tokens']} tokens reading nothing for {stall:g} s "
-            f"(receive buffer 2 KiB): {whole} whole after it, {n - whole} cut ("
-            + _statuses(Counter(o.status for o in outs if not o.complete))
-            + ")"
+            f"(receive buffer 2 KiB): {whole} whole after it (last at "
+            f"{max(o.latency for o in outs):.0f} s), {n - whole} cut"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in cut.items())})" if cut else "")
         )
 
     async def slow_bodies(self, rec: FaultRecord) -> None:
@@ -340,7 +341,10 @@ class Chaos:
 
     async def hostile_input(self, rec: FaultRecord) -> None:
         cases = hostile_requests(
-            self.cfg.max_body_bytes, self.cfg.max_model_len, self.cfg.admin_roles
+            self.cfg.max_body_bytes,
+            self.cfg.max_model_len,
+            has_keys=self.api.api_key is not None,
+            admin_roles=self.cfg.admin_roles,
         )
         keys = {
             "api": self.api.api_key,

@@ -216,7 +216,11 @@ def _j(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-def hostile_requests(max_body_bytes: int, max_model_len: int, admin_roles: bool) -> list[Hostile]:
+def hostile_requests(
+    max_body_bytes: int, max_model_len: int, has_keys: bool, admin_roles: bool
+) -> list[Hostile]:
+    """The cases for a server with these limits; ``has_keys``: it wants an API key;
+    ``admin_roles``: it tells admin keys from tenant keys."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     cmpl: dict[str, Any] = {"prompt": "hi", "max_tokens": 4}
     c = "/v1/completions"
@@ -246,11 +250,12 @@ def hostile_requests(max_body_bytes: int, max_model_len: int, admin_roles: bool)
         Hostile("unknown path", "POST", "/v1/nothing", _j(cmpl), expect=(404,)),
         Hostile("declared body over the cap", "POST", c, None, expect=(413,), declared=max_body_bytes + 1),
         Hostile("chunked body over the cap", "POST", c, None, expect=(413,), chunked_bytes=max_body_bytes + (1 << 16)),
-        Hostile("no API key", "POST", c, _j(cmpl), expect=(401,), key="none"),
-        Hostile("wrong API key", "POST", c, _j(cmpl), expect=(401,), key="wrong"),
         Hostile("scale to 0 nodes", "POST", "/admin/scale", _j({"prefill": 0}), key="admin"),
         Hostile("drain a node that is not there", "POST", "/admin/nodes/prefill-999/drain", None, expect=(404,), key="admin"),
     ]  # fmt: skip
+    if has_keys:
+        cases.append(Hostile("no API key", "POST", c, _j(cmpl), expect=(401,), key="none"))
+        cases.append(Hostile("wrong API key", "POST", c, _j(cmpl), expect=(401,), key="wrong"))
     if admin_roles:  # the server has admin keys: a tenant's key may not even look
         cases.append(
             Hostile("tenant key on /admin/nodes", "GET", "/admin/nodes", None, (403,), "tenant")

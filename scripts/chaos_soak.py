@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = asyncio.run(soak(args, server, url, tree))
     except RuntimeError as e:
         print(f"chaos_soak: cannot run: {e}", file=sys.stderr)
+        return 2
+    except Exception:  # a bug of the soak's own: no verdict on the server
+        traceback.print_exc()
+        print("chaos_soak: the soak itself failed (above)", file=sys.stderr)
         return 2
     finally:
         if server is not None:

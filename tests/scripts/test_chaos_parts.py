@@ -69,6 +69,12 @@ def test_a_request_is_ok_only_with_the_reference_answer_and_errors_only_with_a_c
     # a stalled stream the server cut (no error it could send) is expected; a steady one is not
     stalled = _out("stalled", status=200, answer=Answer("Paris", None))
     assert judge(stalled, REF, _ctx()).category == "expected"
+    stalled_past_deadline = _out(
+        "stalled", status=200, answer=Answer("Paris", None), code="request_timeout"
+    )
+    assert judge(stalled_past_deadline, REF, _ctx()).category == "expected"
+    broken = _out("stalled", status=200, answer=Answer("Paris", None), code="server_error")
+    assert judge(broken, REF, _ctx()) == ("unexpected", "stream ended early: server_error", True)
     assert (
         judge(_out(status=200, answer=Answer("Paris", None)), REF, _ctx()).category == "unexpected"
     )
