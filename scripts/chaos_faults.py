@@ -67,6 +67,12 @@ class FaultRecord:
     failures: list[str] = field(default_factory=list)
     pressure: bool = False  # it pressed on admission: 429s during it are explained
 
+    def timed(self, what: str, took: float | None, failure: str) -> None:
+        """Note after how long ``what`` happened; None (not in time) is the ``failure``."""
+        self.notes.append(f"{what} after {took:.1f} s" if took is not None else f"NOT {what}")
+        if took is None:
+            self.failures.append(failure)
+
 
 class Chaos:
     def __init__(
@@ -136,16 +142,13 @@ class Chaos:
             return
         if not self._signal(rec, victim, signal.SIGKILL):
             return
-        self.doomed[victim["id"]] = time.monotonic()
-        found = await self._until(lambda p: victim["id"] not in p.ids, self.cfg.heartbeat_s + 10)
+        node_id, limit = victim["id"], self.cfg.heartbeat_s + 10
+        self.doomed[node_id] = time.monotonic()
         rec.notes.append(
-            f"SIGKILL {victim['id']} (pid {victim['pid']}, {victim['load']} requests on it): "
-            + (f"found dead after {found:.1f} s" if found is not None else "NOT found dead")
+            f"SIGKILL {node_id} (pid {victim['pid']}, {victim['load']} requests on it)"
         )
-        if found is None:
-            rec.failures.append(
-                f"{victim['id']} killed, still listed after {self.cfg.heartbeat_s + 10:g} s"
-            )
+        found = await self._until(lambda p: node_id not in p.ids, limit)
+        rec.timed("found dead", found, f"{node_id} killed, still listed after {limit:g} s")
         await self._restored(rec)
 
     async def freeze(self, rec: FaultRecord, rng: random.Random, is_long: bool) -> None:
@@ -157,22 +160,18 @@ class Chaos:
         hb = self.cfg.heartbeat_s
         if not self._signal(rec, victim, signal.SIGSTOP):
             return
-        node_id, stopped = victim["id"], time.monotonic()
+        node_id = victim["id"]
         try:
-            if is_long:
-                self.doomed[node_id] = stopped
-                found = await self._until(lambda p: node_id not in p.ids, hb + 6)
+            if is_long:  # found dead within the timeout (and a beat), replaced
+                self.doomed[node_id] = time.monotonic()
+                found = await self._until(lambda p: node_id not in p.ids, hb + 2)
             else:
                 await asyncio.sleep(0.4 * hb)
         finally:
             self.tree.signal(victim["pid"], signal.SIGCONT)  # if it is still there
         if is_long:
-            rec.notes.append(
-                f"SIGSTOP {node_id} (heartbeat timeout {hb:g} s): "
-                + (f"found dead after {found:.1f} s" if found is not None else "NOT found dead")
-            )
-            if found is None or found > hb + 2:
-                rec.failures.append(f"frozen {node_id} not found dead within {hb + 2:g} s")
+            rec.notes.append(f"SIGSTOP {node_id} (heartbeat timeout {hb:g} s)")
+            rec.timed("found dead", found, f"frozen {node_id} not found dead within {hb + 2:g} s")
             await self._restored(rec)
             return
         await asyncio.sleep(hb + 1)  # past the timeout from the freeze: was it kept?
@@ -200,6 +199,7 @@ class Chaos:
         )
         r = await self.api.drain(node_id)
         self.drained.add(node_id)
+        rec.notes.append(f"POST /admin/nodes/{node_id}/drain: {r.status_code}")
         if r.status_code != 202:
             rec.failures.append(
                 f"POST /admin/nodes/{node_id}/drain: {r.status_code} {r.text[:200]}"
@@ -212,15 +212,9 @@ class Chaos:
             touched.update(o for o in others if now.get(o, "gone") != "ready")
             return node_id not in now
 
-        took = await self._until(left, self.cfg.deadline_s + 30)
-        rec.notes.append(
-            f"drained {node_id}: "
-            + (f"left after {took:.1f} s" if took is not None else "did NOT leave")
-        )
-        if took is None:
-            rec.failures.append(
-                f"drained {node_id} still there after {self.cfg.deadline_s + 30:g} s"
-            )
+        limit = self.cfg.deadline_s + 30
+        took = await self._until(left, limit)
+        rec.timed(f"{node_id} left", took, f"drained {node_id} still there after {limit:g} s")
         if touched:
             self.extra_drained |= touched
             rec.failures.append(
@@ -272,11 +266,10 @@ class Chaos:
         return None
 
     async def _restored(self, rec: FaultRecord, before: bool = False) -> None:
-        took = await self._until(lambda p: p.is_whole(self.cfg.sizes), self.cfg.restore_timeout_s)
-        if took is None:
-            rec.failures.append(f"pools not whole within {self.cfg.restore_timeout_s:g} s")
-        elif not before:
-            rec.notes.append(f"pools whole again after {took:.1f} s")
+        limit = self.cfg.restore_timeout_s
+        took = await self._until(lambda p: p.is_whole(self.cfg.sizes), limit)
+        if took is None or not before:
+            rec.timed("pools whole again", took, f"pools not whole within {limit:g} s")
 
     # -- traffic ----------------------------------------------------------------------------
 
