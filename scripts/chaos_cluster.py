@@ -92,6 +92,10 @@ class Api:
         r = await self.http.get("/admin/nodes", headers=self.headers(admin=True))
         r.raise_for_status()
         body = r.json()
+        for node in body["nodes"]:  # a server older than these: its nodes are not signalled
+            node.setdefault("pid", 0)
+            node.setdefault("addr", "")
+            node.setdefault("transfer_addr", "")
         return Pools(body["target"], body["nodes"])
 
     async def metrics(self) -> Metrics:

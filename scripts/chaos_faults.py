@@ -307,9 +307,9 @@ class Chaos:
         )
         self.outcomes.extend(outs)
         whole = sum(o.complete for o in outs)
-        cut = Counter(o.code or o.error[:40] or "connection closed" for o in outs if not o.complete)
+        cut = Counter(o.code or o.error.split(":")[0] or "closed" for o in outs if not o.complete)
         rec.notes.append(
-            f"{n} streams of {self.long.body['max_tokens']} tokens reading nothing for {stall:g} s "
+            f"{n} streams of {self.long.body['max_tokens']} tokens reading nothing for {stall:.0f} s "
             f"(receive buffer 2 KiB): {whole} whole after it (last at "
             f"{max(o.latency for o in outs):.0f} s), {n - whole} cut"
             + (f" ({', '.join(f'{k}: {v}' for k, v in cut.items())})" if cut else "")
@@ -364,6 +364,9 @@ class Chaos:
         endpoints = [
             (k, n[a]) for n in ready for k, a in (("push", "addr"), ("dealer", "transfer_addr"))
         ]
+        if not endpoints:
+            rec.notes.append("skipped: /admin/nodes gives no socket addresses")
+            return
         before = await self.api.metrics()
         start = time.monotonic()
         num_sent = await asyncio.to_thread(

@@ -288,6 +288,7 @@ class References(NamedTuple):
     answers: dict[str, Answer]  # spec name -> its greedy answer
     specs: list[Spec]  # the steady load's, stop variants included
     problems: list[str]  # answers that were not stable (the soak cannot judge those)
+    seconds: dict[str, float]  # spec name -> how long its first answer took, unloaded
 
 
 async def references(
@@ -298,6 +299,7 @@ async def references(
     specs. ``extra`` specs (the long one) are asked once."""
     answers: dict[str, Answer] = {}
     problems: list[str] = []
+    seconds: dict[str, float] = {}
 
     async def ask(spec: Spec, modes: tuple[bool, ...]) -> None:
         got = []
@@ -307,6 +309,7 @@ async def references(
                 problems.append(f"{spec.name} (stream={stream}): {out.status} {out.error}")
                 return
             got.append(out.answer)
+            seconds.setdefault(spec.name, out.latency)
         # the non-streamed chat and completions answers carry no ids: compare what both have
         for other in got[1:]:
             if (why := other.differs_from(got[0])) is not None:
@@ -323,4 +326,4 @@ async def references(
     for spec in [*variants, *extra]:
         await ask(spec, (spec.stream,) if spec in extra else (spec.stream, not spec.stream))
     steady = [s for s in [*specs, *variants] if s.name in answers]
-    return References(answers, steady, problems)
+    return References(answers, steady, problems, seconds)

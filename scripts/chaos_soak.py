@@ -47,6 +47,14 @@ QUIET_S = 20.0  # steady load without faults before the checks
 SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2 s)
 MAX_INFLIGHT, MAX_QUEUED = 32, 32  # admission limits of a server the soak starts
 MAX_BODY_BYTES = 1 << 20
+WRITE_TIMEOUT_S = 8.0  # a started server's --stream-write-timeout-s, where it has one
+
+
+def stall_for(long_s: float, write_timeout_s: float) -> float:
+    """How long a stalled reader reads nothing: past the time its stream takes to be
+    generated (twice the unloaded time: the server's buffers are full by then) and the
+    server's write timeout after that."""
+    return min(120.0, max(15.0, 2 * long_s + write_timeout_s + 10))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +94,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--long-tokens", type=int, default=400, help="tokens of a stalled reader's stream"
     )
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=None,
+        help="a stalled reader's stall (default: from the long stream's time)",
+    )
+    p.add_argument(
+        "--stream-write-timeout-s",
+        type=float,
+        default=30.0,
+        help="with --url: the server's write timeout (a stall outlasts it)",
+    )
     p.add_argument("--flood-clients", type=int, default=2 * (MAX_INFLIGHT + MAX_QUEUED))
     p.add_argument(
         "--max-body-bytes", type=int, default=None, help="with --url: the server's (default 8 MiB)"
@@ -121,7 +141,7 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
         out += ["--model", args.model]
     optional = {
         "--admin-api-key": args.admin_api_key,
-        "--stream-write-timeout-s": "8",  # shorter than a stalled reader's stall
+        "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
         "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
     }
     for flag, value in optional.items():
@@ -223,7 +243,8 @@ async def _soak(
         url=api.url, sizes=sizes, heartbeat_s=args.heartbeat_timeout_s, deadline_s=deadline_s,
         max_body_bytes=args.max_body_bytes or (MAX_BODY_BYTES if server else 8 << 20),
         max_model_len=model["max_model_len"], admin_roles=bool(args.admin_api_key and args.admin_api_key != args.api_key),
-        flood_clients=args.flood_clients, flood_s=6.0, num_stalled=6, stall_s=15.0,
+        flood_clients=args.flood_clients, flood_s=6.0, num_stalled=6,
+        stall_s=args.stall_s or stall_for(refs.seconds[long.name], args.stream_write_timeout_s),
         num_slow=(MAX_INFLIGHT + 8) if server else 40, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
     )  # fmt: skip
     outcomes: list[Outcome] = []
@@ -270,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         flags = serve_flags()
         if "--admin-api-key" not in flags:  # this server has one kind of key
             args.admin_api_key = None
+        args.stream_write_timeout_s = (
+            WRITE_TIMEOUT_S if "--stream-write-timeout-s" in flags else 0.0
+        )
         server = ServeProcess(serve_args(args, flags), free_port(), log)
         print(f"started pd serve (pid {server.pid}, log {log})", flush=True)
     url = server.url if server else args.url.rstrip("/")
