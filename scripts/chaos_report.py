@@ -168,6 +168,10 @@ def render(summary: dict[str, Any]) -> str:
         f"bound {100 * MAX_UNEXPECTED_FRACTION:g}%; {s['counts']['unexpected_5xx']} of them 5xx). "
         f"Steady load: p50 {s['latency']['p50']} s, p99 {s['latency']['p99']} s.",
         "",
+        "Over the soak: "
+        + ", ".join(f"{_COUNTER_NAMES[k]} {v:.0f}" for k, v in s["metric_deltas"].items())
+        + ".",
+        "",
         "| requests | sent | correct | expected errors (why) | wrong | hangs | unexpected |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -253,10 +257,13 @@ class Run(NamedTuple):
     max_rss_growth_mib: float
 
 
-_COUNTERS = (
-    "pd_rerouted_requests", "pd_failed_nodes", "pd_server_rejected_messages",
-    "pd_node_rejected_messages", "pd_node_dropped_messages",
-)  # fmt: skip
+_COUNTER_NAMES = {  # the server's counters the report gives the soak's increase of (a node's
+    # go when it dies: the junk-frames faults count what the nodes refused)
+    "pd_rerouted_requests": "requests re-routed",
+    "pd_failed_nodes": "nodes found dead",
+    "pd_server_rejected_messages": "frames the server refused",
+    "pd_server_dropped_messages": "node messages the server dropped",
+}
 
 
 def run_checks(run: Run) -> list[Check]:
@@ -322,6 +329,6 @@ def summarize(run: Run) -> dict[str, Any]:
         "faults": fault_rows(run.chaos.records, tally, run.origin),
         "fault_kinds_run": sorted({r.kind for r in run.chaos.records if not any(n.startswith("skipped") for n in r.notes)}),
         "checks": [c._asdict() for c in checks],
-        "metric_deltas": {n: run.metrics1.total(n) - run.metrics0.total(n) for n in _COUNTERS},
+        "metric_deltas": {n: run.metrics1.total(n) - run.metrics0.total(n) for n in _COUNTER_NAMES},
         "failures": failures,
     }  # fmt: skip

@@ -60,8 +60,8 @@ def test_chaos_soak_passes_and_runs_every_fault(long_tiny_dir: Path, tmp_path: P
     assert counts["wrong"] == counts["hangs"] == 0, counts
     assert counts["unexpected"] <= 0.001 * counts["total"], summary["unexpected_kinds"]
     assert summary["failures"] == [] and all(c["ok"] for c in summary["checks"]), report.read_text()
-    steady = summary["requests"]["steady"]
-    assert steady["sent"] >= 200 and steady["ok"] >= 0.9 * steady["sent"], steady
+    steady = summary["requests"]["steady"]  # served throughout; its errors all explained
+    assert steady["ok"] >= 200 and steady["ok"] + steady["expected"] == steady["sent"], steady
     assert "| check (after the quiet period) |" in report.read_text()
     if MINUTES >= 3:
         assert set(summary["fault_kinds_run"]) == {*NODE_FAULTS, *TRAFFIC_FAULTS}, summary["faults"]
