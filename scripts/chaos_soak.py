@@ -92,7 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--concurrency", type=int, default=4, help="steady clients")
     p.add_argument(
-        "--long-tokens", type=int, default=400, help="tokens of a stalled reader's stream"
+        "--long-tokens",
+        type=int,
+        default=700,
+        help="tokens of a stalled reader's stream: its events must outgrow the socket buffers "
+        "and the server's write buffer (~130 KB); at most the context",
     )
     p.add_argument(
         "--stall-s",
@@ -178,9 +182,14 @@ async def steady(
     deadline_s: float,
     outcomes: list[Outcome],
 ) -> None:
+    """One steady client: a request at a time, as the openai client would (a 429 waits its
+    Retry-After, jittered)."""
     rng = random.Random(seed)
     while time.monotonic() < until:
-        outcomes.append(await send(http, rng.choice(refs.specs), api.headers(), deadline_s))
+        out = await send(http, rng.choice(refs.specs), api.headers(), deadline_s)
+        outcomes.append(out)
+        if out.status == 429:
+            await asyncio.sleep(0.5 + rng.random())
 
 
 async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> None:
@@ -245,7 +254,7 @@ async def _soak(
         max_model_len=model["max_model_len"], admin_roles=bool(args.admin_api_key and args.admin_api_key != args.api_key),
         flood_clients=args.flood_clients, flood_s=6.0, num_stalled=6,
         stall_s=args.stall_s or stall_for(refs.seconds[long.name], args.stream_write_timeout_s),
-        num_slow=(MAX_INFLIGHT + 8) if server else 40, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
+        num_slow=MAX_INFLIGHT + 8, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
     )  # fmt: skip
     outcomes: list[Outcome] = []
     monitor = Monitor(api)
