@@ -155,7 +155,8 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
 
 
 async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
-    """The pools, once the server is ready and no node starts or drains."""
+    """The pools, once the server is ready, no node starts or drains, and every node has
+    reported its stats (its idle threads are the baseline of a leak check)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if server is not None and server.proc.poll() is not None:
@@ -164,7 +165,7 @@ async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 3
             ready, _ = await api.readiness()
             if ready:
                 pools = await api.pools()
-                if pools.is_whole(pools.target):
+                if pools.is_whole(pools.target) and all(n["threads"] for n in pools.nodes):
                     return pools
         except httpx.HTTPError:
             pass
