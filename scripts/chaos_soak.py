@@ -127,9 +127,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 for the server the soak starts, outside the kernel's ephemeral
+    range (from 32768) and Ray's worker ports (10002-19999): Ray, which ``pd serve`` starts
+    before it binds its HTTP port, takes ports there meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
