@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
 from pd.cluster.launcher import Cluster
-from pd.core.messages import NodeStatsMsg
+from pd.core.messages import NodeInfo, NodeStatsMsg
 
 if TYPE_CHECKING:
     from pd.cluster.autoscaler import Autoscaler
@@ -39,6 +39,9 @@ class NodeView(NamedTuple):
     pair_groups: int
     threads: int
     sockets: int
+    pid: int  # its process (0 while it starts)
+    addr: str  # its request socket ("" while it starts)
+    transfer_addr: str  # its transfer control endpoint
 
 
 class PoolSizes(NamedTuple):
@@ -69,10 +72,10 @@ class ClusterAdmin:
 
     def nodes(self) -> list[NodeView]:
         cluster, stats = self.cluster, self.client.node_stats
-        views = [_view(n, role, "", "starting", None) for n, role in cluster.starting.items()]
+        views = [_view(n, role, "starting", None, None) for n, role in cluster.starting.items()]
         for node_id, info in self.client.nodes.items():
             state = "draining" if node_id in cluster.draining else "ready"
-            views.append(_view(node_id, info.role, info.ray_node_id, state, stats.get(node_id)))
+            views.append(_view(node_id, info.role, state, info, stats.get(node_id)))
         return sorted(views, key=lambda v: (ROLES.index(v.role), cluster.launched[v.id].index))
 
     def check_capacity(
@@ -134,9 +137,16 @@ def _targets(prefill: int | None, decode: int | None) -> dict[str, int]:
     return {r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None}
 
 
-def _view(node_id: str, role: str, ray_node: str, state: str, s: NodeStatsMsg | None) -> NodeView:
+def _view(
+    node_id: str, role: str, state: str, info: NodeInfo | None, s: NodeStatsMsg | None
+) -> NodeView:
+    ray_node, pid, addr, transfer_addr = (
+        (info.ray_node_id, info.pid, info.addr, info.transfer_addr) if info else ("", 0, "", "")
+    )
     if s is None:
-        return NodeView(node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0)
+        return NodeView(
+            node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0, pid, addr, transfer_addr
+        )
     in_use = s.num_slots - s.num_free_slots - s.num_cached_tokens
     return NodeView(
         id=node_id,
@@ -151,4 +161,7 @@ def _view(node_id: str, role: str, ray_node: str, state: str, s: NodeStatsMsg | 
         pair_groups=s.num_pairs,
         threads=s.num_threads,
         sockets=s.num_sockets,
+        pid=pid,
+        addr=addr,
+        transfer_addr=transfer_addr,
     )

@@ -1,0 +1,334 @@
+"""Judging the soak: each request's verdict (``judge``), the leak checks after the quiet
+period (``leak_checks``), and the report (a markdown table for RELIABILITY.md, and JSON).
+
+A request is *ok* (the reference answer, to the token), *expected* (an error a fault explains:
+a stream cut on a node the soak killed, a 429 while admission was pressed, a 408 to a slow
+body, a stalled stream cut by the server, a 503 while the server said it was not ready),
+*wrong* (any other answer, or a partial answer that is not a prefix of the reference), a
+*hang* (no end within the client's deadline) or *unexpected* (any other error).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter, defaultdict
+from typing import Any, NamedTuple
+
+from chaos_cluster import ROLES, Interval, Metrics, Monitor, Pools
+from chaos_faults import Chaos, FaultRecord
+from chaos_load import Answer, Outcome, References
+
+MAX_UNEXPECTED_FRACTION = 0.001  # the acceptance bound: unexpected errors <= 0.1% of requests
+_NODE_FAILED = re.compile(r"node ([\w.-]+) failed")
+_CUT_CODES = ("", "request_timeout")  # how a server may end a stream whose client stopped reading
+SOURCES = {
+    "steady": "steady load",
+    "flood": "flood",
+    "stalled": "stalled readers",
+    "slow_body": "slow bodies",
+}
+
+
+class Verdict(NamedTuple):
+    category: str  # ok | expected | wrong | hang | unexpected
+    kind: str  # why (for expected and unexpected: counted by kind)
+    is_5xx: bool = False
+
+
+class Context(NamedTuple):
+    """What explains errors: nodes meant to die (-> when), windows of admission pressure,
+    intervals in which the server said it was not ready."""
+
+    doomed: dict[str, float]
+    pressure: list[tuple[float, float]]
+    not_ready: list[Interval]
+
+
+def _overlaps(out: Outcome, windows: list[tuple[float, float]]) -> bool:
+    return any(start <= out.end and out.start <= end for start, end in windows)
+
+
+def judge(out: Outcome, ref: Answer, ctx: Context) -> Verdict:
+    if out.hang:
+        return Verdict("hang", out.error)
+    if out.status == 200 and out.answer is not None:
+        if out.complete:
+            why = out.answer.differs_from(ref)
+            return Verdict("ok", "") if why is None else Verdict("wrong", why)
+        if not out.answer.is_prefix_of(ref):
+            return Verdict("wrong", f"cut short, and what came differs: {out.answer.text[:60]!r}")
+    failed = _NODE_FAILED.search(out.error)
+    if failed and ctx.doomed.get(failed[1], float("inf")) <= out.end:
+        return Verdict("expected", "its node was killed or frozen")
+    if out.status == 200:  # a stream cut short, no node to blame
+        if out.source == "stalled" and out.code in _CUT_CODES:  # its deadline, or its writes
+            return Verdict("expected", f"stalled stream cut ({out.code or 'connection closed'})")
+        return Verdict("unexpected", f"stream ended early: {out.code or out.error[:80]}", True)
+    if out.status == 429 and (out.source != "steady" or _overlaps(out, ctx.pressure)):
+        return Verdict("expected", "429 while admission was pressed")
+    if out.status == 408 and out.source == "slow_body":
+        return Verdict("expected", "408: body too slow")
+    if out.status == 503 and _overlaps(out, [(i.start, i.end) for i in ctx.not_ready]):
+        return Verdict("expected", "503 while not ready")
+    if out.status is None and out.source in ("stalled", "slow_body"):
+        return Verdict("expected", f"connection closed by the server ({out.source})")
+    what = f"{out.status} {out.code or out.error[:80]}" if out.status else out.error[:100]
+    return Verdict("unexpected", what, out.status is not None and out.status >= 500)
+
+
+class Tally:
+    """Verdicts by source, with examples of what failed."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.expected: dict[str, Counter[str]] = defaultdict(Counter)
+        self.unexpected: Counter[str] = Counter()
+        self.examples: list[str] = []  # wrong answers and hangs, the first few
+        self.num_5xx = 0
+        self.latencies: list[tuple[float, float]] = []  # steady ok requests: (start, seconds)
+
+    def add(self, out: Outcome, verdict: Verdict) -> None:
+        self.counts[out.source][verdict.category] += 1
+        self.counts[out.source]["sent"] += 1
+        if verdict.category == "expected":
+            self.expected[out.source][verdict.kind] += 1
+        elif verdict.category == "unexpected":
+            self.unexpected[verdict.kind] += 1
+            self.num_5xx += verdict.is_5xx
+        elif verdict.category in ("wrong", "hang") and len(self.examples) < 10:
+            self.examples.append(f"{verdict.category}: {out.source} {out.spec}: {verdict.kind}")
+        if verdict.category == "ok" and out.source == "steady":
+            self.latencies.append((out.start, out.latency))
+
+    def total(self, category: str) -> int:
+        return sum(c[category] for c in self.counts.values())
+
+    def latency_in(self, start: float, end: float) -> str:
+        """Median and longest latency of the steady requests that started in [start, end]."""
+        got = [lat for t, lat in self.latencies if start <= t <= end]
+        return f"{statistics.median(got):.2f} / {max(got):.1f} s ({len(got)})" if got else "-"
+
+
+class Check(NamedTuple):
+    name: str
+    measured: str
+    bound: str
+    ok: bool
+
+
+def leak_checks(
+    pools: Pools, metrics: Metrics, sizes: dict[str, int], idle_threads: dict[str, int]
+) -> list[Check]:
+    """What must be back at its idle level once the load has stopped."""
+    nodes = pools.nodes
+    peers = {r: sum(n["role"] == o for n in nodes) for r, o in zip(ROLES, reversed(ROLES))}
+    over_pairs = [
+        f"{n['id']}: {n['pair_groups']}" for n in nodes if n["pair_groups"] > peers[n["role"]]
+    ]
+    over_sockets = [
+        f"{n['id']}: {n['sockets']}" for n in nodes if n["sockets"] > 3 + 2 * peers[n["role"]]
+    ]
+    over_threads = [
+        f"{n['id']}: {n['threads']} with {n['pair_groups']} pairs"
+        for n in nodes
+        if n["threads"] - 2 * n["pair_groups"] > idle_threads.get(n["role"], 0)
+    ]
+    sizes_now = ", ".join(f"{len(pools.of(r))}/{sizes[r]} {r}" for r in ROLES)
+    place = {
+        name: metrics.value(name)
+        for name in (
+            "pd_server_admitted_requests",
+            "pd_server_queued_requests",
+            "pd_server_running_requests",
+            "pd_coordinator_queue_depth",
+        )
+    }
+    return [
+        Check("pools whole (ready nodes / size, none starting or draining)", sizes_now, "all", pools.is_whole(sizes)),
+        Check("KV slots held by requests (all nodes)", str(sum(n["slots_in_use"] for n in nodes)), "0", all(n["slots_in_use"] == 0 for n in nodes)),
+        Check("requests and queued tokens on nodes", str(sum(n["load"] + n["queued_tokens"] for n in nodes)), "0", all(n["load"] == n["queued_tokens"] == 0 for n in nodes)),
+        Check("pair groups per node", ", ".join(over_pairs) or f"max {max((n['pair_groups'] for n in nodes), default=0)}", "<= peers", not over_pairs),
+        Check("zmq sockets per node", ", ".join(over_sockets) or f"max {max((n['sockets'] for n in nodes), default=0)}", "<= 3 + 2 per peer", not over_sockets),
+        Check("threads per node beyond 2 per pair group", ", ".join(over_threads) or "at idle level", f"<= idle ({idle_threads})", not over_threads),
+        Check("pending KV transfers", f"{metrics.total('pd_node_pending_transfers'):.0f}", "0", metrics.total("pd_node_pending_transfers") == 0),
+        Check("admission places held, queued; server and coordinator in flight", ", ".join(f"{v:.0f}" for v in place.values()), "0, 0, 0, 0", not any(place.values())),
+    ]  # fmt: skip
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The report, in markdown."""
+    s = summary
+    lines = [
+        f"### Chaos soak: {s['minutes']:g} min, seed {s['seed']}, {s['cluster']}, model {s['model']}",
+        "",
+        f"Result: **{'PASS' if not s['failures'] else 'FAIL'}** — {s['counts']['total']} requests, "
+        f"{s['counts']['wrong']} wrong answers, {s['counts']['hangs']} hangs, "
+        f"{s['counts']['unexpected']} unexpected errors ({s['counts']['unexpected_pct']:.3f}%, "
+        f"bound {100 * MAX_UNEXPECTED_FRACTION:g}%; {s['counts']['unexpected_5xx']} of them 5xx). "
+        f"Steady load: p50 {s['latency']['p50']} s, p99 {s['latency']['p99']} s.",
+        "",
+        "Over the soak: "
+        + ", ".join(f"{_COUNTER_NAMES[k]} {v:.0f}" for k, v in s["metric_deltas"].items())
+        + ".",
+        "",
+        "| requests | sent | correct | expected errors (why) | wrong | hangs | unexpected |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for source, row in s["requests"].items():
+        why = "; ".join(f"{k}: {v}" for k, v in row["expected_kinds"].items())
+        lines.append(
+            f"| {SOURCES.get(source, source)} | {row['sent']} | {row['ok']} | {row['expected']}"
+            f"{f' ({why})' if why else ''} | {row['wrong']} | {row['hang']} | {row['unexpected']} |"
+        )
+    lines += [
+        "",
+        "| t (s) | fault | target | what it showed | steady load meanwhile: p50 / max (requests) |",
+        "|---|---|---|---|---|",
+    ]
+    for f in s["faults"]:
+        shown = "; ".join(f["notes"] + [f"**{x}**" for x in f["failures"]])
+        lines.append(
+            f"| {f['t']:.0f} | {f['kind']} | {f['target']} | {shown} | {f['steady_latency']} |"
+        )
+    lines += ["", "| check (after the quiet period) | measured | bound | |", "|---|---|---|---|"]
+    for c in s["checks"]:
+        lines.append(
+            f"| {c['name']} | {c['measured']} | {c['bound']} | {'ok' if c['ok'] else '**FAIL**'} |"
+        )
+    if s["unexpected_kinds"]:
+        lines += [
+            "",
+            "Unexpected errors: "
+            + "; ".join(f"{k}: {v}" for k, v in s["unexpected_kinds"].items()),
+        ]
+    if s["failures"]:
+        lines += ["", "Failures:", *(f"- {x}" for x in s["failures"])]
+    return "\n".join(lines) + "\n"
+
+
+def fault_rows(records: list[FaultRecord], tally: Tally, origin: float) -> list[dict[str, Any]]:
+    return [
+        {
+            "t": r.start - origin,
+            "kind": r.kind,
+            "target": r.target,
+            "seconds": round(r.end - r.start, 1),
+            "notes": r.notes,
+            "failures": r.failures,
+            "steady_latency": tally.latency_in(r.start, r.end),
+        }
+        for r in records
+    ]
+
+
+def request_rows(tally: Tally) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for source in [s for s in SOURCES if s in tally.counts]:
+        c = tally.counts[source]
+        rows[source] = {k: c[k] for k in ("sent", "ok", "expected", "wrong", "hang", "unexpected")}
+        rows[source]["expected_kinds"] = dict(tally.expected[source])
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Run(NamedTuple):
+    """What a finished soak leaves to judge."""
+
+    minutes: float
+    seed: int
+    model: str
+    sizes: dict[str, int]
+    chaos: Chaos
+    monitor: Monitor
+    refs: References
+    outcomes: list[Outcome]
+    checks: list[Check]  # the leak checks after the quiet period
+    metrics0: Metrics  # at the start (after the reference answers)
+    metrics1: Metrics  # at the end
+    rss: list[tuple[float, float]]  # the server's RSS (MiB) over time
+    origin: float  # when the soak started (monotonic)
+    max_rss_growth_mib: float
+
+
+_COUNTER_NAMES = {  # the server's counters the report gives the soak's increase of (a node's
+    # go when it dies: the junk-frames faults count what the nodes refused)
+    "pd_rerouted_requests": "requests re-routed",
+    "pd_failed_nodes": "nodes found dead",
+    "pd_server_rejected_messages": "frames the server refused",
+    "pd_server_dropped_messages": "node messages the server dropped",
+}
+
+
+def run_checks(run: Run) -> list[Check]:
+    """The leak checks, and what the soak saw of nodes, readiness and memory."""
+    chaos, monitor, rss = run.chaos, run.monitor, run.rss
+    unasked = sorted(set(monitor.left) - set(chaos.doomed) - chaos.drained - chaos.extra_drained)
+    deaths = run.metrics1.value("pd_failed_nodes") - run.metrics0.value("pd_failed_nodes")
+    not_ready_s = sum(i.end - i.start for i in monitor.not_ready)
+    empty_s = sum(i.end - i.start for i in monitor.empty_pools)
+    growth = rss[-1][1] - rss[0][1] if rss else 0.0
+    memory = (
+        f"{rss[0][1]:.0f} -> {rss[-1][1]:.0f} (max {max(r for _, r in rss):.0f})"
+        if rss
+        else "n/a (no pid)"
+    )
+    return [
+        *run.checks,
+        Check("nodes found dead (pd_failed_nodes) / meant to die", f"{deaths:.0f} / {len(chaos.doomed)}", "equal", deaths == len(chaos.doomed)),
+        Check("nodes that left with no fault to explain it", ", ".join(unasked) or "none", "none", not unasked),
+        Check("seconds a pool had no ready node", f"{empty_s:.1f}", "0", empty_s == 0),
+        Check("seconds the server said it was not ready", f"{not_ready_s:.1f}", "0", not_ready_s == 0),
+        Check("admin polls unanswered within 10 s", str(monitor.num_errors), "0", monitor.num_errors == 0),
+        Check("server RSS (MiB)", memory, f"growth <= {run.max_rss_growth_mib:g}", growth <= run.max_rss_growth_mib),
+    ]  # fmt: skip
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The soak's verdicts, checks and failures (JSON-ready; ``render`` makes the report)."""
+    ctx = Context(run.chaos.doomed, run.chaos.pressure_windows(), run.monitor.not_ready)
+    tally = Tally()
+    for out in run.outcomes:
+        tally.add(out, judge(out, run.refs.answers[out.spec], ctx))
+    total, unexpected = len(run.outcomes), tally.total("unexpected")
+    checks = run_checks(run)
+    failures = [
+        f"{r.kind} at t={r.start - run.origin:.0f} s: {x}"
+        for r in run.chaos.records
+        for x in r.failures
+    ]
+    failures += [
+        f"check failed: {c.name}: {c.measured} (bound {c.bound})" for c in checks if not c.ok
+    ]
+    if tally.total("wrong") or tally.total("hang"):
+        failures.append(
+            f"{tally.total('wrong')} wrong answers, {tally.total('hang')} hangs: "
+            + "; ".join(tally.examples)
+        )
+    if unexpected > MAX_UNEXPECTED_FRACTION * total:
+        worst = "; ".join(f"{k}: {v}" for k, v in tally.unexpected.most_common(5))
+        failures.append(f"{unexpected} unexpected errors of {total} requests: {worst}")
+    latencies = [lat for _, lat in tally.latencies]
+    return {
+        "minutes": run.minutes, "seed": run.seed, "model": run.model,
+        "cluster": " + ".join(f"{run.sizes[r]} {r}" for r in ROLES),
+        "counts": {
+            "total": total, "ok": tally.total("ok"), "expected": tally.total("expected"),
+            "wrong": tally.total("wrong"), "hangs": tally.total("hang"), "unexpected": unexpected,
+            "unexpected_5xx": tally.num_5xx, "unexpected_pct": 100 * unexpected / max(total, 1),
+        },
+        "latency": {"p50": round(percentile(latencies, 0.5), 2), "p99": round(percentile(latencies, 0.99), 2)},
+        "requests": request_rows(tally),
+        "unexpected_kinds": dict(tally.unexpected),
+        "faults": fault_rows(run.chaos.records, tally, run.origin),
+        "fault_kinds_run": sorted({r.kind for r in run.chaos.records if not any(n.startswith("skipped") for n in r.notes)}),
+        "checks": [c._asdict() for c in checks],
+        "metric_deltas": {n: run.metrics1.total(n) - run.metrics0.total(n) for n in _COUNTER_NAMES},
+        "failures": failures,
+    }  # fmt: skip

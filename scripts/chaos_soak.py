@@ -1,0 +1,344 @@
+"""A chaos soak of a pd cluster: steady load with known greedy answers while nodes are killed,
+frozen and drained, admission is flooded, readers stall, bodies trickle, and hostile input and
+junk frames arrive, on a seeded schedule; then, after a quiet period, checks that nothing
+leaked. Prints a report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
+
+    python scripts/chaos_soak.py --minutes 30 [--seed S] [--model DIR] [--report PATH]
+    python scripts/chaos_soak.py --url http://127.0.0.1:8000 --api-key K [--server-pid PID]
+
+Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
+ended with every process in it); with ``--url`` it tests that server, and signals its nodes
+only with ``--server-pid`` (only processes under that pid). ``--minutes`` counts from the
+first request after the reference answers to the report. Exit status: 0 pass, 1 a failure,
+2 the soak could not run (no server, unstable reference answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import httpx
+from chaos_cluster import (
+    ROLES,
+    Api,
+    Monitor,
+    Pools,
+    ProcessTree,
+    ServeProcess,
+    rss_mib,
+    serve_flags,
+)
+from chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
+from chaos_load import Outcome, References, long_spec, make_specs, references, send
+from chaos_report import Check, Run, leak_checks, render, summarize
+
+QUIET_S = 20.0  # steady load without faults before the checks
+SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2 s)
+MAX_INFLIGHT, MAX_QUEUED = 32, 32  # admission limits of a server the soak starts
+MAX_BODY_BYTES = 1 << 20
+WRITE_TIMEOUT_S = 8.0  # a started server's --stream-write-timeout-s, where it has one
+
+
+def stall_for(long_s: float, write_timeout_s: float) -> float:
+    """How long a stalled reader reads nothing: past the time its stream takes to be
+    generated (twice the unloaded time: the server's buffers are full by then) and the
+    server's write timeout after that."""
+    return min(120.0, max(15.0, 2 * long_s + write_timeout_s + 10))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--minutes", type=float, default=30.0, help="length of the soak")
+    p.add_argument("--seed", type=int, default=0, help="the fault schedule's and the load's seed")
+    p.add_argument("--url", default=None, help="test this server instead of starting one")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="with --url: the pd serve process; its nodes may be signalled",
+    )
+    p.add_argument("--model", default=None, help="pd serve --model (default: SmolLM2)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="a key for requests (default: a fresh one for a server the soak starts)",
+    )
+    p.add_argument(
+        "--admin-api-key", default=None, help="a key for /admin and /metrics (default: --api-key)"
+    )
+    p.add_argument("--report", type=Path, default=None, help="write the markdown report here")
+    p.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
+    p.add_argument(
+        "--log", type=Path, default=None, help="the started server's log (default: a temp file)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=4.0,
+        help="the server's (passed to one the soak starts)",
+    )
+    p.add_argument("--concurrency", type=int, default=4, help="steady clients")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=700,
+        help="tokens of a stalled reader's stream: its events must outgrow the socket buffers "
+        "and the server's write buffer (~130 KB); at most the context",
+    )
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=None,
+        help="a stalled reader's stall (default: from the long stream's time)",
+    )
+    p.add_argument(
+        "--stream-write-timeout-s",
+        type=float,
+        default=30.0,
+        help="with --url: the server's write timeout (a stall outlasts it)",
+    )
+    p.add_argument("--flood-clients", type=int, default=2 * (MAX_INFLIGHT + MAX_QUEUED))
+    p.add_argument(
+        "--max-body-bytes", type=int, default=None, help="with --url: the server's (default 8 MiB)"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="the server's; a client waits 30 s more",
+    )
+    p.add_argument(
+        "--max-rss-growth-mib", type=float, default=96.0, help="server memory growth allowed"
+    )
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    """A free port on 127.0.0.1 for the server the soak starts, outside the kernel's ephemeral
+    range (from 32768) and Ray's worker ports (10002-19999): Ray, which ``pd serve`` starts
+    before it binds its HTTP port, takes ports there meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
+def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
+    """``pd serve`` flags of a server the soak starts; newer flags only where they exist."""
+    out = [
+        "--prefill", "2", "--decode", "2",
+        "--heartbeat-timeout-s", f"{args.heartbeat_timeout_s:g}",
+        "--max-inflight-requests", str(MAX_INFLIGHT), "--max-queued-requests", str(MAX_QUEUED),
+        "--max-body-bytes", str(MAX_BODY_BYTES), "--request-timeout", f"{args.request_timeout:g}",
+        "--api-key", args.api_key,
+    ]  # fmt: skip
+    if args.model:
+        out += ["--model", args.model]
+    optional = {
+        "--admin-api-key": args.admin_api_key,
+        "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
+        "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
+    }
+    for flag, value in optional.items():
+        if value is not None and flag in flags:
+            out += [flag, value]
+    return out
+
+
+async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
+    """The pools, once the server is ready, no node starts or drains, and every node has
+    reported its stats (its idle threads are the baseline of a leak check)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"pd serve exited ({server.proc.returncode}):\n{server.tail()}")
+        try:
+            ready, _ = await api.readiness()
+            if ready:
+                pools = await api.pools()
+                if pools.is_whole(pools.target) and all(n["threads"] for n in pools.nodes):
+                    return pools
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
+        await asyncio.sleep(1.0)
+
+
+async def steady(
+    http: httpx.AsyncClient,
+    api: Api,
+    refs: References,
+    seed: int,
+    until: float,
+    deadline_s: float,
+    outcomes: list[Outcome],
+) -> None:
+    """One steady client: a request at a time, as the openai client would (a 429 waits its
+    Retry-After, jittered)."""
+    rng = random.Random(seed)
+    while time.monotonic() < until:
+        out = await send(http, rng.choice(refs.specs), api.headers(), deadline_s)
+        outcomes.append(out)
+        if out.status == 429:
+            await asyncio.sleep(0.5 + rng.random())
+
+
+async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> None:
+    while pid is not None and (rss := rss_mib(pid)) is not None:
+        samples.append((time.monotonic(), rss))
+        await asyncio.sleep(5.0)
+
+
+async def settle(
+    api: Api, sizes: dict[str, int], idle_threads: dict[str, int], timeout_s: float
+) -> tuple[list[Check], Pools]:
+    """The leak checks, polled until they pass or ``timeout_s`` passes (the last result)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pools, metrics = await api.pools(), await api.metrics()
+            checks = leak_checks(pools, metrics, sizes, idle_threads)
+            if all(c.ok for c in checks) or time.monotonic() > deadline:
+                return checks, pools
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(1.0)
+
+
+async def soak(
+    args: argparse.Namespace, server: ServeProcess | None, url: str, tree: ProcessTree
+) -> dict[str, Any]:
+    api = Api(url, args.api_key, args.admin_api_key)
+    http = httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_keepalive_connections=0))
+    try:
+        return await _soak(args, server, api, http, tree)
+    finally:
+        await http.aclose()
+        await api.close()
+
+
+async def _soak(
+    args: argparse.Namespace,
+    server: ServeProcess | None,
+    api: Api,
+    http: httpx.AsyncClient,
+    tree: ProcessTree,
+) -> dict[str, Any]:
+    pools = await wait_ready(api, server)
+    sizes = dict(pools.target)
+    idle_threads = {
+        r: max((n["threads"] for n in pools.of(r) if n["pair_groups"] == 0), default=0)
+        for r in ROLES
+    }
+    model = (await http.get("/v1/models", headers=api.headers())).json()["data"][0]
+    long = long_spec(min(args.long_tokens, model["max_model_len"] - 16))
+    deadline_s = args.request_timeout + 30
+    print(f"computing reference answers on the unloaded server ({api.url}) ...", flush=True)
+    refs = await references(http, make_specs(), [long], api.headers())
+    if refs.problems:
+        raise RuntimeError("no stable reference answers: " + "; ".join(refs.problems))
+    metrics0 = await api.metrics()
+    settings = Settings(
+        url=api.url, sizes=sizes, heartbeat_s=args.heartbeat_timeout_s, deadline_s=deadline_s,
+        max_body_bytes=args.max_body_bytes or (MAX_BODY_BYTES if server else 8 << 20),
+        max_model_len=model["max_model_len"], admin_roles=bool(args.admin_api_key and args.admin_api_key != args.api_key),
+        flood_clients=args.flood_clients, flood_s=6.0, num_stalled=6,
+        stall_s=args.stall_s or stall_for(refs.seconds[long.name], args.stream_write_timeout_s),
+        num_slow=MAX_INFLIGHT + 8, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
+    )  # fmt: skip
+    outcomes: list[Outcome] = []
+    monitor = Monitor(api)
+    chaos = Chaos(api, monitor, tree, settings, refs, long, outcomes)
+    rss: list[tuple[float, float]] = []
+    origin = time.monotonic()
+    end = origin + 60 * args.minutes
+    faults_end, load_end = end - SETTLE_S - QUIET_S, end - SETTLE_S
+    print(
+        f"soak: {args.minutes:g} min, seed {args.seed}, {len(refs.specs)} requests with known answers, faults until t={faults_end - origin:.0f} s",
+        flush=True,
+    )
+    monitor.start()
+    sampler = asyncio.get_running_loop().create_task(
+        sample_rss(server.pid if server else args.server_pid, rss)
+    )
+    await asyncio.gather(
+        chaos.lane(NODE_FAULTS, faults_end, random.Random(f"{args.seed}/nodes")),
+        chaos.lane(TRAFFIC_FAULTS, faults_end, random.Random(f"{args.seed}/traffic")),
+        *(
+            steady(http, api, refs, 1000 * args.seed + i, load_end, deadline_s, outcomes)
+            for i in range(args.concurrency)
+        ),
+    )
+    checks, _ = await settle(api, sizes, idle_threads, max(SETTLE_S, end - time.monotonic()))
+    metrics1 = await api.metrics()
+    await monitor.poll()
+    await monitor.stop()
+    sampler.cancel()
+    run = Run(
+        args.minutes, args.seed, model["id"], sizes, chaos, monitor, refs, outcomes, checks,
+        metrics0, metrics1, rss, origin, args.max_rss_growth_mib,
+    )  # fmt: skip
+    return summarize(run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server: ServeProcess | None = None
+    if args.url is None:
+        args.api_key = args.api_key or secrets.token_hex(16)
+        log = args.log or Path(tempfile.mkdtemp(prefix="chaos-soak-")) / "serve.log"
+        flags = serve_flags()
+        if "--admin-api-key" not in flags:  # this server has one kind of key
+            args.admin_api_key = None
+        args.stream_write_timeout_s = (
+            WRITE_TIMEOUT_S if "--stream-write-timeout-s" in flags else 0.0
+        )
+        server = ServeProcess(serve_args(args, flags), free_port(), log)
+        print(f"started pd serve (pid {server.pid}, log {log})", flush=True)
+    url = server.url if server else args.url.rstrip("/")
+    tree = ProcessTree(server.pid if server else args.server_pid)
+    try:
+        summary = asyncio.run(soak(args, server, url, tree))
+    except RuntimeError as e:
+        print(f"chaos_soak: cannot run: {e}", file=sys.stderr)
+        return 2
+    except Exception:  # a bug of the soak's own: no verdict on the server
+        traceback.print_exc()
+        print("chaos_soak: the soak itself failed (above)", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            code = server.end()
+            print(f"pd serve ended (exit status {code})", flush=True)
+    report = render(summary)
+    print(report)
+    if args.report:
+        args.report.write_text(report)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 1 if summary["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The chaos soak's parts that need no server: how a request is judged, how answers are read
+off streams and raw sockets, the leak checks, the seeded schedule, and which processes it may
+signal."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+import chaos_faults
+import pytest
+from chaos_cluster import Interval, Metrics, Pools, ProcessTree
+from chaos_faults import NODE_FAULTS, Chaos
+from chaos_hostile import parse_raw
+from chaos_load import Answer, Outcome, StreamReader, stop_for
+from chaos_report import Context, Tally, judge, leak_checks
+
+REF = Answer("Paris is the capital.", "stop", 6)
+
+
+def _out(source: str = "steady", **kw: Any) -> Outcome:
+    return Outcome("spec", source, kw.pop("start", 10.0), kw.pop("end", 11.0), **kw)
+
+
+def _ctx(**kw: Any) -> Context:
+    return Context(kw.get("doomed", {}), kw.get("pressure", []), kw.get("not_ready", []))
+
+
+def test_a_request_is_ok_only_with_the_reference_answer_and_errors_only_with_a_cause() -> None:
+    ok = _out(status=200, answer=REF, complete=True)
+    assert judge(ok, REF, _ctx()).category == "ok"
+    for wrong in (
+        REF._replace(text="Paris is a city."),
+        REF._replace(finish_reason="length"),
+        REF._replace(num_tokens=7),
+    ):
+        assert judge(_out(status=200, answer=wrong, complete=True), REF, _ctx()).category == "wrong"
+    # a stream cut on a node the soak killed before it ended: expected, if what came agrees
+    cut = _out(
+        status=200,
+        answer=Answer("Paris is", None),
+        error="internal error: node decode-1 failed: gone",
+    )
+    assert judge(cut, REF, _ctx(doomed={"decode-1": 10.5})).category == "expected"
+    assert judge(cut, REF, _ctx(doomed={"decode-1": 11.5})).category == "unexpected"  # died after
+    assert judge(cut, REF, _ctx(doomed={"decode-0": 10.5})).is_5xx  # another node: unexplained
+    bad_prefix = _out(status=200, answer=Answer("London", None), error="node decode-1 failed")
+    assert judge(bad_prefix, REF, _ctx(doomed={"decode-1": 10.5})).category == "wrong"
+    died = _out(status=500, error="internal error: ClusterError('node prefill-2 failed: x')")
+    assert judge(died, REF, _ctx(doomed={"prefill-2": 1.0})).category == "expected"
+    # 429s: a flood's own, or the steady load's while admission was pressed (not after)
+    assert judge(_out("flood", status=429), REF, _ctx()).category == "expected"
+    assert judge(_out(status=429), REF, _ctx(pressure=[(9.0, 10.5)])).category == "expected"
+    assert judge(_out(status=429), REF, _ctx(pressure=[(1.0, 5.0)])).category == "unexpected"
+    assert judge(_out("slow_body", status=408), REF, _ctx()).category == "expected"
+    assert judge(_out(status=408), REF, _ctx()).category == "unexpected"
+    assert (
+        judge(
+            _out(status=503), REF, _ctx(not_ready=[Interval(10.5, 12, "no decode node")])
+        ).category
+        == "expected"
+    )
+    v = judge(_out(status=503), REF, _ctx())
+    assert v.category == "unexpected" and v.is_5xx
+    # a stalled stream the server cut (no error it could send) is expected; a steady one is not
+    stalled = _out("stalled", status=200, answer=Answer("Paris", None))
+    assert judge(stalled, REF, _ctx()).category == "expected"
+    stalled_past_deadline = _out(
+        "stalled", status=200, answer=Answer("Paris", None), code="request_timeout"
+    )
+    assert judge(stalled_past_deadline, REF, _ctx()).category == "expected"
+    broken = _out("stalled", status=200, answer=Answer("Paris", None), code="server_error")
+    assert judge(broken, REF, _ctx()) == ("unexpected", "stream ended early: server_error", True)
+    assert (
+        judge(_out(status=200, answer=Answer("Paris", None)), REF, _ctx()).category == "unexpected"
+    )
+    assert judge(_out(hang=True, error="no answer within 150 s"), REF, _ctx()).category == "hang"
+    assert judge(_out(error="ConnectError: refused"), REF, _ctx()).category == "unexpected"
+    assert (
+        judge(_out("slow_body", error="ConnectionResetError"), REF, _ctx()).category == "expected"
+    )
+
+
+def test_tally_counts_by_source_and_keeps_examples_of_wrong_answers() -> None:
+    tally, ctx = Tally(), _ctx()
+    for out in [_out(status=200, answer=REF, complete=True)] * 3 + [
+        _out(status=502),
+        _out(status=200, answer=Answer("x", "stop", 1), complete=True),
+    ]:
+        tally.add(out, judge(out, REF, ctx))
+    assert tally.counts["steady"] == {"sent": 5, "ok": 3, "unexpected": 1, "wrong": 1}
+    assert tally.num_5xx == 1 and len(tally.examples) == 1 and "text 'x'" in tally.examples[0]
+    assert tally.latency_in(0, 20) == "1.00 / 1.0 s (3)" and tally.latency_in(50, 60) == "-"
+
+
+@pytest.mark.parametrize(
+    "endpoint, events, answer",
+    [
+        ("chat", ['{"choices":[{"delta":{"role":"assistant","content":""}}]}', '{"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}', '{"choices":[{"delta":{},"finish_reason":"stop"}]}', '{"choices":[],"usage":{"completion_tokens":2}}'], Answer("Hi", "stop", 2)),
+        ("completions", ['{"choices":[{"text":" a","finish_reason":null}]}', '{"choices":[{"text":" b","finish_reason":"length"}]}', '{"choices":[],"usage":{"completion_tokens":2}}'], Answer(" a b", "length", 2)),
+        ("generate", ['{"text":"x","output_ids":[5],"finish_reason":null,"completion_tokens":1}', '{"text":"y","output_ids":[6],"finish_reason":"stop","completion_tokens":2}'], Answer("xy", "stop", 2, (5, 6))),
+    ],
+)  # fmt: skip
+def test_streams_of_every_endpoint_read_to_their_answer(
+    endpoint: str, events: list[str], answer: Answer
+) -> None:
+    reader = StreamReader(endpoint)
+    for event in events:
+        reader.feed(f"data: {event}")
+    assert not reader.done and reader.answer() == answer
+    reader.feed(
+        'data: {"error": {"message": "node decode-0 failed", "code": null, "type": "server_error"}}'
+    )
+    reader.feed("data: [DONE]")
+    assert reader.done and reader.error == "node decode-0 failed" and reader.code == "server_error"
+    assert Answer(answer.text[:1], None).is_prefix_of(answer)
+    assert not Answer("z", None).is_prefix_of(answer)
+
+
+def test_raw_responses_are_read_whole_or_marked_cut_short() -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    whole = parse_raw(head + b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", "")
+    assert whole == (200, b"hello world", True, "")
+    cut = parse_raw(head + b"5\r\nhello\r\n6\r\n wo", "")
+    assert cut.status == 200 and cut.body == b"hello wo" and not cut.complete
+    sized = parse_raw(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 4\r\n\r\nslow", "")
+    assert sized == (408, b"slow", True, "")
+    assert parse_raw(b"", "ConnectionResetError").status is None
+
+
+def test_stop_strings_come_from_the_answer_past_its_start() -> None:
+    text = "The capital of France is Paris, a city on the Seine."
+    stop = stop_for(text)
+    assert stop is not None and stop in text[4:] and len(stop) == 3
+    assert stop_for("ok") is None and stop_for("") is None
+
+
+def test_metrics_are_parsed_by_name_and_labels() -> None:
+    text = "\n".join([
+        "# HELP pd_failed_nodes Nodes found dead",
+        "pd_failed_nodes 2.0",
+        'pd_node_pending_transfers{node="prefill-0",role="prefill"} 0.0',
+        'pd_node_pending_transfers{node="decode-1",role="decode"} 3.0',
+    ])  # fmt: skip
+    m = Metrics.parse(text)
+    assert m.value("pd_failed_nodes") == 2 and m.total("pd_node_pending_transfers") == 3
+    assert m.value("pd_node_pending_transfers", node="decode-1", role="decode") == 3
+    assert m.by("pd_node_pending_transfers", "node") == {"prefill-0": 0.0, "decode-1": 3.0}
+
+
+def _node(node_id: str, **kw: Any) -> dict[str, Any]:
+    base = dict(id=node_id, role=node_id.split("-")[0], state="ready", load=0, queued_tokens=0, slots_in_use=0, pair_groups=2, sockets=7, threads=7)  # fmt: skip
+    return {**base, **kw}
+
+
+def test_leak_checks_pass_at_idle_and_name_what_is_held() -> None:
+    sizes, idle = {"prefill": 2, "decode": 2}, {"prefill": 3, "decode": 3}
+    nodes = [_node("prefill-0"), _node("prefill-3"), _node("decode-1"), _node("decode-2")]
+    metrics = Metrics.parse("pd_server_admitted_requests 0\npd_server_queued_requests 0")
+    assert all(c.ok for c in leak_checks(Pools(sizes, nodes), metrics, sizes, idle))
+    leaky = [
+        _node("prefill-0", slots_in_use=12, threads=10),
+        _node("prefill-3", pair_groups=3),
+        _node("decode-1"),
+        _node("decode-2", state="draining"),
+    ]
+    held = Metrics.parse("pd_server_admitted_requests 1\npd_server_queued_requests 0")
+    failed = {
+        c.name: c.measured for c in leak_checks(Pools(sizes, leaky), held, sizes, idle) if not c.ok
+    }
+    assert failed.keys() == {
+        "pools whole (ready nodes / size, none starting or draining)",
+        "KV slots held by requests (all nodes)",
+        "pair groups per node",
+        "threads per node beyond 2 per pair group",
+        "admission places held, queued; server and coordinator in flight",
+    }, failed  # fmt: skip
+    assert (
+        failed["pair groups per node"] == "prefill-3: 3"
+        and failed["KV slots held by requests (all nodes)"] == "12"
+    )
+
+
+def test_each_lane_runs_rounds_of_its_faults_in_a_seeded_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(chaos_faults, "GAP_S", (0.0, 0.0))
+
+    def schedule(seed: int, num_faults: int) -> list[str]:
+        chaos, ran = Chaos.__new__(Chaos), []
+
+        async def run(name: str, rng: random.Random) -> None:
+            ran.append(name)
+            if len(ran) == num_faults:
+                raise asyncio.CancelledError  # the lane's end, for this test
+
+        chaos.run = run  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(chaos.lane(NODE_FAULTS, float("inf"), random.Random(seed)))
+        return ran
+
+    first = schedule(0, 2 * len(NODE_FAULTS))
+    assert first == schedule(0, 2 * len(NODE_FAULTS)) != schedule(1, 2 * len(NODE_FAULTS))
+    n = len(NODE_FAULTS)
+    assert sorted(first[:n]) == sorted(first[n:]) == sorted(NODE_FAULTS)  # each once a round
+
+
+def test_only_the_server_and_its_descendants_may_be_signalled() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = ProcessTree(os.getpid())
+        assert mine.owns(child.pid) and mine.owns(os.getpid())
+        assert not ProcessTree(child.pid).owns(os.getpid())  # not a descendant of it
+        assert not ProcessTree(None).owns(child.pid)  # attached without --server-pid: none
+        assert not mine.owns(1) and not mine.owns(2**22 + 7)  # init; no such process
+    finally:
+        child.kill()
+        child.wait()
+    assert not ProcessTree(os.getpid()).signal(child.pid, 0)  # gone: never signalled
