@@ -55,6 +55,7 @@ from pd.core import envs
 from pd.core.addresses import choose_addrs, cluster_node_ip, node_bind_host
 from pd.core.messages import NodeInfo
 from pd.engine.config import EngineConfig
+from pd.model.loader import resolve_model
 from pd.node import NodeConfig, NodeSettings
 from transfer.auth import new_secret
 
@@ -220,15 +221,25 @@ class Cluster:
         """How many ``role`` nodes the Ray cluster can hold beside ``num_other`` nodes of the
         other pool (``pd.cluster.placement``). Blocking (it asks Ray): not on the event loop."""
         other = next(r for r in ROLES if r != role)
+        memory = self._node_memory_bytes()
         return pool_capacity(
             role,
-            node_demand(self._gpus, self.cfg.resources(role)),
+            node_demand(self._gpus, self.cfg.resources(role), memory),
             other,
-            node_demand(self._gpus, self.cfg.resources(other)),
+            node_demand(self._gpus, self.cfg.resources(other), memory),
             num_other,
             ray_totals(is_local=self.cfg.address is None),
             ray_autoscaler_max(),
         )
+
+    def _node_memory_bytes(self) -> float:
+        """What a CPU node takes in memory: the largest resident size a node reports, or
+        before any has, its checkpoint's weight files."""
+        measured = max((s.rss_bytes for s in self.client.node_stats.values()), default=0)
+        if measured:
+            return float(measured)
+        model_dir = resolve_model(self.engine_cfg.model)
+        return float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")))
 
     def drain(self, node_id: str) -> None:
         """Drain ``node_id`` and remove it; its pool's target drops by one. Call on the

@@ -3,11 +3,14 @@ that could never fill (409, with the numbers) instead of starting a pool that wa
 
 A node asks Ray for what ``Cluster._start_actor`` gives it: with GPUs, a CPU and its GPUs;
 its role's custom resources (``--prefill-resources``) either way. A CPU node without custom
-resources asks Ray for nothing (Ray would place any number of them), so it is counted as one
-CPU core: a node runs at least one torch thread. The resources counted are the alive Ray
-nodes' totals (on the private local instance, whose CPU count pd sets itself, the machine's
-cores), raised to what Ray's autoscaler reports it may grow the cluster to when it runs (its
-node types' ``max_workers``); the other pool's nodes hold their share. Packing is not modelled
+resources asks Ray for nothing (Ray would place any number of them, and CPU nodes share cores:
+``pd serve --prefill 2 --decode 2`` runs on two), so what bounds them is memory: such a node is
+counted as the resident memory the running nodes measure (the largest a node reports), or,
+before any has reported, its checkpoint's bytes. The resources counted are the alive Ray
+nodes' totals (on the private local instance, whose CPU count and memory pd sets itself, the
+machine's cores and physical memory), raised to what Ray's autoscaler reports it may grow the
+cluster to when it runs (its node types' ``max_workers``); the other pool's nodes hold their
+share. Packing is not modelled
 (fractional GPUs over several machines): the count is an upper bound, and a node that Ray
 still cannot place fails its start (``ready_timeout_s``) and lowers the target again.
 """
@@ -29,11 +32,12 @@ class Capacity(NamedTuple):
     why: str  # how it was counted, for the refusal's message
 
 
-def node_demand(gpus: float, custom: Resources) -> dict[str, float]:
-    """What one node takes: as it asks Ray, or one CPU core when it asks for nothing."""
+def node_demand(gpus: float, custom: Resources, memory_bytes: float) -> dict[str, float]:
+    """What one node takes: as it asks Ray, or ``memory_bytes`` of memory when it asks for
+    nothing (a CPU node without custom resources)."""
     demand = {"CPU": 1.0, "GPU": gpus} if gpus else {}
     demand.update(custom)
-    return demand or {"CPU": 1.0}
+    return demand or {"memory": float(memory_bytes)}
 
 
 def max_nodes(totals: Resources, demand: Resources, held: Resources) -> int:
@@ -62,7 +66,7 @@ def pool_capacity(
         }
     held = {name: num_other * amount for name, amount in other_demand.items()}
     n = max_nodes(totals, demand, held)
-    have = ", ".join(f"{name} {_num(totals.get(name, 0.0))}" for name in demand)
+    have = ", ".join(f"{name} {_num(name, totals.get(name, 0.0))}" for name in demand)
     why = f"a {role} node takes {_resources(demand)}; the cluster has {have}" + (
         " (as far as Ray's autoscaler may grow it)" if autoscaler_max else ""
     )
@@ -83,6 +87,7 @@ def ray_totals(is_local: bool) -> dict[str, float]:
                 totals[name] = totals.get(name, 0.0) + float(amount)
     if is_local:
         totals["CPU"] = float(os.cpu_count() or 1)
+        totals["memory"] = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return totals
 
 
@@ -99,9 +104,11 @@ def ray_autoscaler_max() -> dict[str, float] | None:
     return None if not found else {name: float(v) for name, v in found.items()}
 
 
-def _num(x: float) -> str:
+def _num(name: str, x: float) -> str:
+    if name == "memory":  # Ray counts it in bytes
+        return f"{x / 2**30:.2f} GiB"
     return str(int(x)) if x == int(x) else f"{x:g}"
 
 
 def _resources(resources: Resources) -> str:
-    return ", ".join(f"{name} {_num(amount)}" for name, amount in resources.items())
+    return ", ".join(f"{name} {_num(name, amount)}" for name, amount in resources.items())

@@ -135,6 +135,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     num_pairs: int = 0  # open pair groups (as sender and as receiver)
     num_sockets: int = 0  # open zmq sockets
     num_threads: int = 0  # Python threads of the node's process
+    rss_bytes: int = 0  # the node process's resident memory
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -58,6 +58,15 @@ logger = logging.getLogger(__name__)
 _PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class NodeResources(NamedTuple):
     """What a node holds open; leak checks compare these with their idle level."""
 
@@ -308,6 +317,7 @@ class Node:
                 num_pairs=res.num_pairs,
                 num_sockets=res.num_sockets,
                 num_threads=res.num_threads,
+                rss_bytes=_resident_bytes(),
             )
         )
 

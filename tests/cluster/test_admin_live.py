@@ -13,6 +13,7 @@ model, one thread each), behind tenant and admin keys, in order:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -103,13 +104,20 @@ def test_scaling_past_what_the_cluster_can_place_is_409_with_the_numbers(
     r = httpx.post(f"{live.url}/admin/scale", json={"prefill": 1024}, headers=ADMIN, timeout=30)
     assert r.status_code == 409, r.text
     err = r.json()["error"]
-    # a CPU node without custom resources takes a core of this machine (a local instance)
-    cores = os.cpu_count() or 1
-    assert err["message"].startswith(
-        f"asked for 1024 prefill nodes, the cluster can place at most {max(0, cores - 1)}: "
-        f"a prefill node takes CPU 1; the cluster has CPU {cores}, of which the 1 decode "
-        "node(s) hold CPU 1"
-    ), err
+    # a CPU node without custom resources takes its memory (the largest a node measures):
+    # CPU nodes share cores, so this machine's 2 cores are no bound
+    rss = max(s.rss_bytes for s in cluster.client.node_stats.values())
+    found = re.match(
+        r"asked for 1024 prefill nodes, the cluster can place at most (\d+): a prefill node "
+        r"takes memory (\d+\.\d\d) GiB; the cluster has memory (\d+\.\d\d) GiB, of which "
+        r"the 1 decode node\(s\) hold memory (\d+\.\d\d) GiB",
+        err["message"],
+    )
+    assert found, err
+    most, node_gib, total_gib, held_gib = int(found[1]), *map(float, found.groups()[1:])
+    assert 0.5 < node_gib * 2**30 / rss < 2.0, (node_gib, rss)  # what the nodes report
+    assert total_gib == round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 2)
+    assert held_gib == node_gib and abs(most - (total_gib - held_gib) / node_gib) <= 1  # rounding
     assert err["param"] == "prefill" and err["code"] == "insufficient_capacity"
     assert cluster.target == {"prefill": 2, "decode": 1} and not cluster.starting
     r = httpx.post(f"{live.url}/admin/scale", json={"prefill": 2}, headers=ADMIN, timeout=30)

@@ -10,11 +10,28 @@ from pd.cluster.placement import max_nodes, node_demand, pool_capacity
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_a_node_takes_what_it_asks_ray_for_or_a_core() -> None:
-    assert node_demand(1.0, {}) == {"CPU": 1.0, "GPU": 1.0}
-    assert node_demand(0.5, {"prefill": 1.0}) == {"CPU": 1.0, "GPU": 0.5, "prefill": 1.0}
-    assert node_demand(0.0, {"decode": 1.0}) == {"decode": 1.0}  # CPU nodes ask num_cpus=0
-    assert node_demand(0.0, {}) == {"CPU": 1.0}  # asks Ray for nothing: counted as a core
+MIB = 2**20
+
+
+def test_a_node_takes_what_it_asks_ray_for_or_its_memory() -> None:
+    assert node_demand(1.0, {}, 500 * MIB) == {"CPU": 1.0, "GPU": 1.0}
+    assert node_demand(0.5, {"prefill": 1.0}, 1) == {"CPU": 1.0, "GPU": 0.5, "prefill": 1.0}
+    assert node_demand(0.0, {"decode": 1.0}, 1) == {"decode": 1.0}  # CPU nodes ask num_cpus=0
+    # asks Ray for nothing: counted as its memory (CPU nodes share cores)
+    assert node_demand(0.0, {}, 500 * MIB) == {"memory": 500.0 * MIB}
+
+
+def test_cpu_nodes_are_bounded_by_memory_not_cores() -> None:
+    """Two cores hold a 2P2D cluster (nodes share cores); 24 GiB hold what their memory
+    allows, and the message says it in GiB."""
+    node = node_demand(0.0, {}, 768 * MIB)
+    totals = {"CPU": 2.0, "memory": 24.0 * 2**30}
+    cap = pool_capacity("prefill", node, "decode", node, 2, totals, None)
+    assert cap.max_nodes == 30  # 32 nodes of 0.75 GiB, 2 of them decode
+    assert cap.why == (
+        "a prefill node takes memory 0.75 GiB; the cluster has memory 24.00 GiB, "
+        "of which the 2 decode node(s) hold memory 1.50 GiB"
+    )
 
 
 def test_the_scarcest_resource_bounds_the_pool() -> None:
@@ -27,7 +44,7 @@ def test_the_scarcest_resource_bounds_the_pool() -> None:
 
 
 def test_the_other_pool_holds_its_share_and_the_message_says_the_numbers() -> None:
-    gpu = node_demand(1.0, {})
+    gpu = node_demand(1.0, {}, 1)
     cap = pool_capacity("prefill", gpu, "decode", gpu, 3, {"CPU": 96, "GPU": 8}, None)
     assert cap.max_nodes == 5
     assert cap.why == (
@@ -35,7 +52,7 @@ def test_the_other_pool_holds_its_share_and_the_message_says_the_numbers() -> No
         "of which the 3 decode node(s) hold CPU 3, GPU 3"
     )
     # role resources: the other pool holds none of them
-    p, d = node_demand(0.0, {"prefill": 1.0}), node_demand(0.0, {"decode": 1.0})
+    p, d = node_demand(0.0, {"prefill": 1.0}, 1), node_demand(0.0, {"decode": 1.0}, 1)
     cap = pool_capacity("prefill", p, "decode", d, 2, {"prefill": 4, "decode": 4}, None)
     assert cap == (4, "a prefill node takes prefill 1; the cluster has prefill 4")
 
@@ -43,7 +60,7 @@ def test_the_other_pool_holds_its_share_and_the_message_says_the_numbers() -> No
 def test_what_rays_autoscaler_may_add_counts() -> None:
     """Ray's autoscaler reports the most of each resource its node types' max_workers give;
     the alive nodes are the floor (a head type reports no max of its own)."""
-    gpu = node_demand(1.0, {"prefill": 1.0})
+    gpu = node_demand(1.0, {"prefill": 1.0}, 1)
     alive = {"CPU": 8, "GPU": 1, "prefill": 1}
     grown = {"CPU": 40, "GPU": 5, "prefill": 5}
     assert pool_capacity("prefill", gpu, "decode", gpu, 1, alive, None).max_nodes == 0
