@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = serve_flags()
         if "--admin-api-key" not in flags:  # this server has one kind of key
             args.admin_api_key = None
+        else:  # a tenant key for the load, an admin key for /admin and /metrics
+            args.admin_api_key = args.admin_api_key or secrets.token_hex(16)
         args.stream_write_timeout_s = (
             WRITE_TIMEOUT_S if "--stream-write-timeout-s" in flags else 0.0
         )
