@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from pd.cache.host_tier import TierStats
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 
@@ -141,6 +142,16 @@ class BasePrefixCache(ABC):
         ``running`` holds each running request's full slot list and the node it has locked;
         the request must share the cache's slots along that node's path and own the rest.
         """
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """The counters of the tier below the pool, or None without one."""
+        return None
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed ``num_tokens`` of prompts in ``seconds`` (a tier weighs loads
+        against it; without one, nothing to do)."""
+        return None
 
     def match_prompt(self, prompt: Sequence[int], namespace: str = "") -> MatchResult:
         """``match_prefix(prompt[:-1])``: a fully cached prompt still computes its last token."""

@@ -12,7 +12,6 @@ Counts (tokens): num_cached = num_evictable + num_protected; protected = on a lo
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -23,6 +22,7 @@ from pd.cache.base import (
     NodeHandle,
     check_slot_count,
 )
+from pd.cache.host_tier import HostTier, TierStats
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeInsert
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
@@ -32,9 +32,15 @@ class RadixCache(BasePrefixCache):
     """Token-level (page-granular) prefix cache over ``allocator``'s slots."""
 
     def __init__(
-        self, allocator: SlotAllocator, node_id: str = "", *, max_pending_events: int = 65536
+        self,
+        allocator: SlotAllocator,
+        node_id: str = "",
+        *,
+        max_pending_events: int = 65536,
+        lower: HostTier | None = None,
     ) -> None:
         self.allocator = allocator
+        self._lower = lower  # the host tier below the device pool, if any
         self.page_size = allocator.page_size
         self.node_id = node_id
         self._tree = RadixTree(self.page_size)
@@ -52,9 +58,33 @@ class RadixCache(BasePrefixCache):
 
     def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
         m = self._tree.match(tokens, namespace)
-        self._num_hit += m.num_tokens
-        self._num_miss += len(tokens) - m.num_tokens
-        return MatchResult(m.values, m.node, m.num_tokens)
+        match = MatchResult(m.values, m.node, m.num_tokens)
+        if self._lower is not None and len(tokens) - m.num_tokens >= self.page_size:
+            match = self._load_back(tokens, namespace, match)
+        self._num_hit += match.num_tokens
+        self._num_miss += len(tokens) - match.num_tokens
+        return match
+
+    def _load_back(self, tokens: Sequence[int], namespace: str, m: MatchResult) -> MatchResult:
+        """Extend the device match ``m`` with what the host tier holds beyond it, when loading
+        beats computing and the device pool has room (evicting what is unlocked)."""
+        assert self._lower is not None
+        h = self._lower.match(tokens, namespace)
+        num_load = h.num_tokens - m.num_tokens
+        if num_load <= 0 or not self._lower.pays(num_load):
+            return m
+        self.inc_lock_ref(m.last_node)
+        self._lower.lock(h)  # making room saves evicted paths into the tier: never over h
+        try:
+            if not self.make_room(num_load):
+                return m
+            slots = self.allocator.allocate(num_load)
+            self._lower.load(h, m.num_tokens, slots)
+            ins = self._insert(tokens[: h.num_tokens], m.slots + slots, m.last_node, namespace)
+        finally:
+            self._lower.unlock(h)
+            self.dec_lock_ref(m.last_node)
+        return MatchResult(m.slots + slots, ins.node, h.num_tokens)
 
     def inc_lock_ref(self, node: NodeHandle) -> None:
         while node.parent is not None:
@@ -135,32 +165,31 @@ class RadixCache(BasePrefixCache):
     # -- eviction ---------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        ps = self.page_size
-        heap = [
-            (node.last_access, i, node)
-            for i, node in enumerate(self._tree.iter_nodes())
-            if not node.children and node.lock_ref == 0
-        ]
-        heapq.heapify(heap)
-        tiebreak = len(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            assert parent is not None
-            wanted = num_tokens - freed
-            take = min(len(node.key), wanted + (-wanted) % ps)
+        for node, take in self._tree.evict_order(num_tokens):
             path = self._tree.path_tokens(node)
+            held = len(path) - take  # tokens of the path this node still holds afterwards
+            if self._lower is not None:
+                held = max(held, self._save_down(node, path))
             self.allocator.free(self._tree.trim_leaf(node, take))
             freed += take
-            self._emit("evicted", node.namespace, path, take)
-            if node.parent is None and not parent.is_root and not parent.children:
-                if parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, tiebreak, parent))
-                    tiebreak += 1
+            if held < len(path):
+                self._emit("evicted", node.namespace, path, len(path) - held)
         self._num_cached -= freed
         self._num_evicted += freed
         return freed
+
+    def _save_down(self, node: RadixNode, path: list[int]) -> int:
+        """Hand an evicted leaf's whole path to the host tier; returns how much of it the
+        tier holds. What the tier dropped for room, and the device does not hold either,
+        is gone from this node: an eviction event for each."""
+        assert self._lower is not None
+        held, dropped = self._lower.save(path, self._tree.path_values(node), node.namespace)
+        for d in dropped:
+            still = max(len(d.path) - d.num_tokens, self._tree.held_len(d.path, d.namespace))
+            if still < len(d.path):
+                self._emit("evicted", d.namespace, d.path, len(d.path) - still)
+        return held
 
     # -- counters and events ----------------------------------------------------------------
 
@@ -181,6 +210,17 @@ class RadixCache(BasePrefixCache):
         return CacheStats(self._num_hit, self._num_miss, self._num_evicted)
 
     @property
+    def tier_stats(self) -> TierStats | None:
+        """The host tier's counters, or None without one."""
+        return None if self._lower is None else self._lower.stats
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed ``num_tokens`` of prompts in ``seconds``: the speed a load
+        from the host tier must beat."""
+        if self._lower is not None:
+            self._lower.prefill_rate.add(num_tokens, seconds)
+
+    @property
     def next_seq(self) -> int:
         """The seq the next event will carry."""
         return self._next_seq
@@ -198,9 +238,11 @@ class RadixCache(BasePrefixCache):
         """
         self._events.clear()
         self._emit("reset", "", [])
-        for node in self._tree.iter_nodes():
-            if not node.children:
-                self._emit("inserted", node.namespace, self._tree.path_tokens(node))
+        trees = [self._tree] if self._lower is None else [self._tree, self._lower.tree]
+        for tree in trees:  # what the node holds in either tier
+            for node in tree.iter_nodes():
+                if not node.children:
+                    self._emit("inserted", node.namespace, tree.path_tokens(node))
         return self.take_events()
 
     def _emit(self, kind: str, namespace: str, tokens: list[int], num_evicted: int = 0) -> None:
@@ -243,6 +285,8 @@ class RadixCache(BasePrefixCache):
         assert num_protected == self._num_protected, (
             f"{num_protected} protected, counter {self._num_protected}"
         )
+        if self._lower is not None:
+            self._lower.check_integrity()
 
     def check_slot_ownership(self, running: Iterable[tuple[Sequence[int], NodeHandle]]) -> None:
         owned: list[Sequence[int]] = [n.value for n in self._tree.iter_nodes() if n.value]

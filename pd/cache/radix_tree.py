@@ -21,6 +21,7 @@ Page arithmetic (page_size = 4), a node whose edge starts at path position 8:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -174,6 +175,51 @@ class RadixTree:
             if node.value is not None:
                 node.value = node.value[:keep]
         return removed
+
+    def evict_order(self, num_tokens: int) -> Iterator[tuple[RadixNode, int]]:
+        """Unlocked leaves, least recently used first, each with how many of its last tokens
+        (whole pages) to trim, until ``num_tokens`` are trimmed or nothing is left to trim.
+
+        The caller trims each (``trim_leaf(node, take)``) before asking for the next; a parent
+        whose last child was trimmed away becomes a leaf and joins the order.
+        """
+        ps = self.page_size
+        heap = [
+            (node.last_access, i, node)
+            for i, node in enumerate(self.iter_nodes())
+            if not node.children and node.lock_ref == 0
+        ]
+        heapq.heapify(heap)
+        tiebreak = len(heap)
+        trimmed = 0
+        while trimmed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            wanted = num_tokens - trimmed
+            take = min(len(node.key), wanted + (-wanted) % ps)
+            yield node, take
+            trimmed += take
+            if node.parent is None and not parent.is_root and not parent.children:
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, tiebreak, parent))
+                    tiebreak += 1
+
+    def held_len(self, tokens: Sequence[int], namespace: str = "") -> int:
+        """How many leading tokens of ``tokens`` the tree holds, in whole pages (read-only:
+        nothing is split or touched)."""
+        key = tuple(tokens)
+        ps = self.page_size
+        node = self.roots.get(namespace)
+        pos = 0
+        while node is not None and pos + ps <= len(key):
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            pos += common
+            node = child if common == len(child.key) else None
+        return pos
 
     def path_tokens(self, node: RadixNode) -> list[int]:
         """The full token path from the namespace root to the end of ``node``."""

@@ -12,7 +12,17 @@ from typing import Any
 
 from pd.core import envs
 
-_COLUMNS = ("id", "role", "state", "ray_node", "load", "queued_tokens", "kv_usage", "cached_tokens")
+_COLUMNS = (
+    "id",
+    "role",
+    "state",
+    "ray_node",
+    "load",
+    "queued_tokens",
+    "kv_usage",
+    "cached_tokens",
+    "host_cached_tokens",
+)
 
 
 class AdminError(RuntimeError):

@@ -35,6 +35,7 @@ class NodeView(NamedTuple):
     queued_tokens: int  # prompt tokens waiting or being prefilled there
     kv_usage: float  # KV slots held by requests / all slots (cached prefixes not counted)
     cached_tokens: int
+    host_cached_tokens: int  # held in its host tier, below the pool
     slots_in_use: int  # held by requests (0 when idle: a leak check)
     pair_groups: int
     threads: int
@@ -145,7 +146,7 @@ def _view(
     )
     if s is None:
         return NodeView(
-            node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0, pid, addr, transfer_addr
+            node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, pid, addr, transfer_addr
         )
     in_use = s.num_slots - s.num_free_slots - s.num_cached_tokens
     return NodeView(
@@ -157,6 +158,7 @@ def _view(
         queued_tokens=s.num_queued_tokens,
         kv_usage=in_use / s.num_slots if s.num_slots else 0.0,
         cached_tokens=s.num_cached_tokens,
+        host_cached_tokens=s.num_host_cached_tokens,
         slots_in_use=in_use,
         pair_groups=s.num_pairs,
         threads=s.num_threads,

@@ -136,6 +136,14 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     num_sockets: int = 0  # open zmq sockets
     num_threads: int = 0  # Python threads of the node's process
     rss_bytes: int = 0  # the node process's resident memory
+    # the host tier below the KV pool (pd.cache.host_tier): its size and use, cumulative counts
+    num_host_slots: int = 0  # 0: no host tier
+    num_host_cached_tokens: int = 0
+    num_host_hit_tokens: int = 0  # hit tokens loaded back from the host tier (of num_hit_tokens)
+    num_host_loads: int = 0
+    host_load_bytes: int = 0
+    host_load_seconds: float = 0.0
+    num_host_skipped: int = 0  # host hits computed instead: measured faster than loading
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,6 +46,12 @@ class EngineConfig:
     )
     max_model_len: int | None = option(None, "context length; default: the model's")
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
+    host_cache_tokens: int | None = option(
+        None,
+        "KV slots of the host tier below each pool, holding what the pool evicts (resident "
+        "only as it fills); default: 4 x max_total_tokens, at most 1/8 of the machine's "
+        "memory; 0: off",
+    )
     num_threads: int | None = option(None, "torch threads per process; default: torch's")
     seed: int = option(0, "seed for requests that bring none")
 
@@ -68,6 +74,13 @@ class EngineConfig:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {self.new_token_ratio}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.host_cache_tokens is not None and not (
+            self.host_cache_tokens == 0 or self.host_cache_tokens >= self.page_size
+        ):
+            raise ValueError(
+                f"host_cache_tokens must be 0 (off) or hold one page ({self.page_size}), "
+                f"got {self.host_cache_tokens}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -11,15 +11,17 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pd.cache import make_prefix_cache
+from pd.cache import TierStats, make_prefix_cache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
+from pd.engine.host_pool import HostKVPool, host_tier_slots
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -70,7 +72,9 @@ class EngineCore:
         self.runner = ModelRunner(cfg)
         self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
-        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id)
+        num_host = host_tier_slots(cfg, self.runner.pool.num_bytes_per_token)
+        host = HostKVPool(self.runner.pool, num_host) if num_host else None
+        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host)
         self.scheduler = scheduler_cls(
             self.allocator,
             self.cache,
@@ -122,7 +126,11 @@ class EngineCore:
         try:
             on_layer = _both(before_run(batch) if before_run is not None else None, on_layer_done)
             banned = [self._banned(r) for r in batch.reqs]
+            t0 = time.perf_counter()
             rows = self.runner.run(batch.reqs, batch.seqs, on_layer, banned)
+            if batch.num_decode == 0:  # a pure prefill: the speed a host-tier load must beat
+                num_tokens = sum(len(s.new_token_ids) for s in batch.seqs)
+                self.cache.note_prefill(num_tokens, time.perf_counter() - t0)
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
@@ -157,7 +165,23 @@ class EngineCore:
             num_transfers=transfer.num_done,
             num_dropped_msgs=transfer.num_dropped_msgs,
             num_retracted=s.num_retracted,
+            **_tier_fields(self.cache.tier_stats),
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _tier_fields(t: TierStats | None) -> dict[str, int | float]:
+    """The host tier's counters as NodeStatsMsg fields."""
+    if t is None:
+        return {}
+    return {
+        "num_host_slots": t.num_slots,
+        "num_host_cached_tokens": t.num_cached_tokens,
+        "num_host_hit_tokens": t.num_hit_tokens,
+        "num_host_loads": t.num_loads,
+        "host_load_bytes": t.num_load_bytes,
+        "host_load_seconds": t.load_seconds,
+        "num_host_skipped": t.num_skipped,
+    }

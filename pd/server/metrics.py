@@ -31,6 +31,19 @@ _NODE_COUNTERS = {
         "frames its sockets refused (failed authentication)",
     ),
     "num_retracted": ("retractions", "running requests retracted for want of KV slots"),
+    "num_host_slots": ("host_tier_slots", "KV slots of its host tier (0: none)"),
+    "num_host_cached_tokens": ("host_tier_cached_tokens", "tokens its host tier holds"),
+    "num_host_hit_tokens": (
+        "host_tier_hit_tokens",
+        "prompt tokens loaded back from its host tier (of cache_hit_tokens)",
+    ),
+    "num_host_loads": ("host_tier_loads", "loads from its host tier"),
+    "host_load_bytes": ("host_tier_load_bytes", "KV bytes loaded from its host tier"),
+    "host_load_seconds": ("host_tier_load_seconds", "time spent loading from its host tier"),
+    "num_host_skipped": (
+        "host_tier_skipped",
+        "host-tier hits computed instead, as measured faster than loading",
+    ),
 }
 # ClusterStats field -> (metric name, help) of the server side
 _SERVER_COUNTERS = {

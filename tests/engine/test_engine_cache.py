@@ -40,6 +40,7 @@ class Done(NamedTuple):
 
 def _make_engine(model_dir, *, cache: bool, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("host_cache_tokens", 0)  # the device pool alone (the tier: test_host_tier.py)
     return Engine(EngineConfig(model=str(model_dir), enable_prefix_cache=cache, **kw))
 
 

@@ -61,7 +61,7 @@ class FakeAdmin:
     def nodes(self) -> list[NodeView]:
         return [
             NodeView(
-                *(f"{role}-{i}", role, "ray-1", "ready", 2, 30, 0.25, 100, 10, 1, 12, 5),
+                *(f"{role}-{i}", role, "ray-1", "ready", 2, 30, 0.25, 100, 400, 10, 1, 12, 5),
                 pid=4000 + i,
                 addr=f"tcp://127.0.0.1:{5000 + i}",
                 transfer_addr=f"tcp://127.0.0.1:{6000 + i}",
@@ -156,7 +156,7 @@ def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokeniz
         assert body["nodes"][0] == {
             "id": "prefill-0", "role": "prefill", "ray_node": "ray-1", "state": "ready",
             "load": 2, "queued_tokens": 30, "kv_usage": 0.25, "cached_tokens": 100,
-            "slots_in_use": 10, "pair_groups": 1, "threads": 12, "sockets": 5,
+            "host_cached_tokens": 400, "slots_in_use": 10, "pair_groups": 1, "threads": 12, "sockets": 5,
             "pid": 4000, "addr": "tcp://127.0.0.1:5000", "transfer_addr": "tcp://127.0.0.1:6000",
         }  # fmt: skip
         r = c.post("/admin/scale", json={"prefill": 1024}, headers=AUTH)

@@ -1,0 +1,227 @@
+"""The host tier: a second, larger KV pool below a node's RadixCache, holding what the device
+pool evicted, so that a prefix pushed out by other traffic is loaded back instead of computed.
+
+On a GPU the host pool is pinned host memory; on the CPU it is a separate pool, so the device
+pool's size (``--max-total-tokens``) keeps its meaning. The tier is plain Python: a RadixTree
+whose values are host slots, a SlotAllocator over them, and a ``BaseKVMover`` (the engine's
+torch side) that copies KV between the two pools.
+
+The life of a prefix across the tiers:
+
+1. The RadixCache evicts a leaf piece: before its device slots are freed, ``save(path, slots)``
+   copies the whole path (root .. leaf end) into the tier, except the part the tier already
+   holds (so each token is copied once, however often its path is evicted). The tier makes
+   room by dropping its own least recently used leaves; those drops are returned, so the cache
+   can tell the coordinator what the node no longer holds anywhere.
+2. A request's match finds ``m`` tokens on the device and ``h > m`` here: when loading
+   ``h - m`` tokens is faster than computing them (measured: this tier's copy bandwidth against
+   the engine's prefill speed, ``pays``), the cache takes device slots for them, ``load``s
+   them, and inserts the path, so the request sees an ``h``-token hit.
+
+Paths here always start at a namespace's root, so tenants stay apart as on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pd.cache.radix_tree import RadixNode, RadixTree, TreeMatch
+from pd.core.kv_pool import SlotAllocator
+
+_RATE_WEIGHT = 0.2  # weight of the newest measurement in a rate's moving average
+
+
+class BaseKVMover(ABC):
+    """Copies KV between the device pool and a host pool of ``num_slots`` slots (the engine's
+    side of the tier; only it touches tensors)."""
+
+    num_slots: int
+    num_bytes_per_token: int
+
+    @abstractmethod
+    def save(self, device_slots: Sequence[int], host_slots: Sequence[int]) -> None:
+        """Copy every layer's K and V of ``device_slots[i]`` into ``host_slots[i]``; returns
+        when the copy is done (the device slots may be reused right after)."""
+
+    @abstractmethod
+    def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None:
+        """Copy every layer's K and V of ``host_slots[i]`` into ``device_slots[i]``; returns
+        when the device slots hold it."""
+
+
+class Dropped(NamedTuple):
+    """A piece the tier dropped to make room: the last ``num_tokens`` of ``path``."""
+
+    namespace: str
+    path: list[int]
+    num_tokens: int
+
+
+class TierStats(NamedTuple):
+    num_slots: int
+    num_cached_tokens: int
+    num_hit_tokens: int  # tokens loaded back for requests (hits served from this tier)
+    num_loads: int
+    num_load_bytes: int
+    load_seconds: float
+    num_skipped: int  # hits not loaded: computing them was measured faster
+    num_saved_tokens: int
+    num_dropped_tokens: int
+
+
+class Rate:
+    """A moving average of a rate (units per second), None until first measured."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:
+            return
+        rate = units / seconds
+        self.value = (
+            rate if self.value is None else ((1 - _RATE_WEIGHT) * self.value + _RATE_WEIGHT * rate)
+        )
+
+
+class HostTier:
+    """KV evicted from a device pool, in a host pool of ``mover.num_slots`` slots."""
+
+    def __init__(self, mover: BaseKVMover, page_size: int) -> None:
+        self.mover = mover
+        self.page_size = page_size
+        self.allocator = SlotAllocator(mover.num_slots, page_size)
+        self.tree = RadixTree(page_size)  # values: host slots
+        self._num_cached = 0
+        self._num_hit = self._num_loads = self._num_load_bytes = self._num_skipped = 0
+        self._num_saved = self._num_dropped = 0
+        self._load_seconds = 0.0
+        self.load_rate = Rate()  # bytes per second, host -> device
+        self.prefill_rate = Rate()  # tokens per second the engine computes prompts at
+
+    # -- down: what the device evicts ---------------------------------------------------------
+
+    def save(
+        self, tokens: Sequence[int], device_slots: Sequence[int], namespace: str
+    ) -> tuple[int, list[Dropped]]:
+        """Hold the page-aligned path ``tokens`` whose KV is in ``device_slots``, as far as
+        room allows; returns how many leading tokens the tier holds now, and what it dropped."""
+        assert len(tokens) == len(device_slots) and len(tokens) % self.page_size == 0
+        m = self.tree.match(tokens, namespace)
+        have = m.num_tokens
+        if have == len(tokens):
+            return have, []
+        _lock(m.node, +1)
+        try:
+            dropped = self._make_room(len(tokens) - have)
+            ps = self.page_size
+            room = min(len(tokens) - have, self.allocator.num_free_slots // ps * ps)
+            if room:
+                host_slots = self.allocator.allocate(room)
+                self.mover.save(device_slots[have : have + room], host_slots)
+                self.tree.insert(tokens[: have + room], m.values + host_slots, namespace)
+                self._num_cached += room
+                self._num_saved += room
+        finally:
+            _lock(m.node, -1)
+        return have + room, dropped
+
+    def _make_room(self, num_tokens: int) -> list[Dropped]:
+        missing = self.allocator.num_pages_for(num_tokens) * self.page_size
+        missing -= self.allocator.num_free_slots
+        dropped: list[Dropped] = []
+        if missing <= 0:
+            return dropped
+        for node, take in self.tree.evict_order(missing):
+            dropped.append(Dropped(node.namespace, self.tree.path_tokens(node), take))
+            self.allocator.free(self.tree.trim_leaf(node, take))
+            self._num_cached -= take
+            self._num_dropped += take
+        return dropped
+
+    # -- up: what a request finds here ----------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], namespace: str) -> TreeMatch:
+        """The longest path of ``tokens`` held here (touches it; does not lock)."""
+        return self.tree.match(tokens, namespace)
+
+    def pays(self, num_tokens: int) -> bool:
+        """Loading ``num_tokens`` is faster than computing them, as last measured (True until
+        both speeds are known). A skip is counted."""
+        load_bps, prefill_tps = self.load_rate.value, self.prefill_rate.value
+        if load_bps is None or prefill_tps is None:
+            return True
+        load_s = num_tokens * self.mover.num_bytes_per_token / load_bps
+        if load_s < num_tokens / prefill_tps:
+            return True
+        self._num_skipped += 1
+        return False
+
+    def lock(self, match: TreeMatch) -> None:
+        """Keep ``match``'s path from being dropped (until ``unlock``)."""
+        _lock(match.node, +1)
+
+    def unlock(self, match: TreeMatch) -> None:
+        _lock(match.node, -1)
+
+    def load(self, match: TreeMatch, start: int, device_slots: Sequence[int]) -> None:
+        """Copy ``match``'s tokens from ``start`` on into ``device_slots`` (one per token)."""
+        host_slots = match.values[start : match.num_tokens]
+        assert len(host_slots) == len(device_slots) and match.node.lock_ref > 0
+        t0 = time.perf_counter()
+        self.mover.load(host_slots, device_slots)
+        seconds = time.perf_counter() - t0
+        num_bytes = len(host_slots) * self.mover.num_bytes_per_token
+        self.load_rate.add(num_bytes, seconds)
+        self._num_hit += len(host_slots)
+        self._num_loads += 1
+        self._num_load_bytes += num_bytes
+        self._load_seconds += seconds
+
+    # -- counters and checks --------------------------------------------------------------------
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached
+
+    def held_len(self, tokens: Sequence[int], namespace: str) -> int:
+        """Leading tokens of ``tokens`` held here (read-only: no touch, no split)."""
+        return self.tree.held_len(tokens, namespace)
+
+    @property
+    def stats(self) -> TierStats:
+        return TierStats(
+            num_slots=self.allocator.num_slots,
+            num_cached_tokens=self._num_cached,
+            num_hit_tokens=self._num_hit,
+            num_loads=self._num_loads,
+            num_load_bytes=self._num_load_bytes,
+            load_seconds=self._load_seconds,
+            num_skipped=self._num_skipped,
+            num_saved_tokens=self._num_saved,
+            num_dropped_tokens=self._num_dropped,
+        )
+
+    def check_integrity(self) -> None:
+        """Every host slot is free or held by one tree node; no lock is left; counts agree."""
+        self.tree.check_integrity()
+        owned: list[list[int]] = []
+        num_cached = 0
+        for node in self.tree.iter_nodes():
+            assert node.value is not None and node.lock_ref == 0, f"host node {node}"
+            owned.append(node.value)
+            num_cached += len(node.key)
+        assert num_cached == self._num_cached, f"{num_cached} held, counter {self._num_cached}"
+        self.allocator.check_integrity(owned)
+
+
+def _lock(node: RadixNode, delta: int) -> None:
+    """Add ``delta`` to the lock count of every node on the path root..node."""
+    cur: RadixNode | None = node
+    while cur is not None and cur.parent is not None:
+        cur.lock_ref += delta
+        assert cur.lock_ref >= 0, f"unlock of an unlocked host node {cur}"
+        cur = cur.parent

@@ -1,0 +1,67 @@
+"""The torch side of the host tier (``pd.cache.host_tier``): a host KV pool beside the device
+pool, and the copies between them.
+
+The host pool has the device pool's layout (per layer K and V, ``[num_slots, num_kv_heads,
+head_dim]``, the same dtype), allocated with ``torch.empty``: its pages become resident only as
+the tier fills them, so a large tier costs memory only when used. On CUDA it is pinned, so the
+copies are DMA.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pd.cache.host_tier import BaseKVMover
+from pd.core.kv_pool import KVPool
+from pd.engine.config import EngineConfig
+
+DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools
+DEFAULT_MEMORY_SHARE = 8  # ... at most 1/8 of the machine's memory per tier
+
+
+def host_tier_slots(cfg: EngineConfig, num_bytes_per_token: int) -> int:
+    """The host tier's slots for ``cfg``: as set, or by default ``DEFAULT_POOL_MULTIPLE``
+    device pools, bounded by a share of physical memory (0: no tier)."""
+    if not cfg.enable_prefix_cache:
+        return 0
+    if cfg.host_cache_tokens is not None:
+        return cfg.host_cache_tokens
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    by_memory = memory // DEFAULT_MEMORY_SHARE // max(1, num_bytes_per_token)
+    return min(DEFAULT_POOL_MULTIPLE * cfg.max_total_tokens, by_memory)
+
+
+class HostKVPool(BaseKVMover):
+    """``num_slots`` host slots for the KV of ``device``'s slots."""
+
+    def __init__(self, device: KVPool, num_slots: int) -> None:
+        self.device = device
+        self.num_slots = num_slots
+        self.num_bytes_per_token = device.num_bytes_per_token
+        pin = device.device.type == "cuda"
+        shape = (num_slots, device.num_kv_heads, device.head_dim)
+        self.k = [torch.empty(shape, dtype=device.dtype, pin_memory=pin) for _ in device.k]
+        self.v = [torch.empty(shape, dtype=device.dtype, pin_memory=pin) for _ in device.v]
+
+    def save(self, device_slots: Sequence[int], host_slots: Sequence[int]) -> None:
+        src = torch.tensor(device_slots, dtype=torch.int64, device=self.device.device)
+        dst = torch.tensor(host_slots, dtype=torch.int64)
+        for layer in range(self.device.num_layers):
+            # [n, num_kv_heads, head_dim] gathered on the device, then one copy down
+            self.k[layer].index_copy_(0, dst, self.device.k[layer].index_select(0, src).cpu())
+            self.v[layer].index_copy_(0, dst, self.device.v[layer].index_select(0, src).cpu())
+
+    def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None:
+        src = torch.tensor(host_slots, dtype=torch.int64)
+        dev = self.device.device
+        dst = torch.tensor(device_slots, dtype=torch.int64, device=dev)
+        for layer in range(self.device.num_layers):
+            k = self.k[layer].index_select(0, src)
+            v = self.v[layer].index_select(0, src)
+            self.device.k[layer].index_copy_(0, dst, k.to(dev, non_blocking=True))
+            self.device.v[layer].index_copy_(0, dst, v.to(dev, non_blocking=True))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
