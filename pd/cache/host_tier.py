@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from pd.cache.disk_tier import Chunk, DiskStats, DiskTier
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeMatch
 from pd.core.kv_pool import SlotAllocator
 
@@ -51,6 +52,24 @@ class BaseKVMover(ABC):
         """Copy every layer's K and V of ``host_slots[i]`` into ``device_slots[i]``; returns
         when the device slots hold it."""
 
+    @abstractmethod
+    def host_bytes(self, host_slots: Sequence[int]) -> bytes:
+        """Every layer's K and V of ``host_slots``, as bytes (a disk chunk's payload)."""
+
+    @abstractmethod
+    def device_bytes(self, device_slots: Sequence[int]) -> bytes:
+        """The same for device slots (a hot prefix written through to disk)."""
+
+    @abstractmethod
+    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
+        """Copy the KV of tokens ``skip ..`` of a ``host_bytes`` payload into
+        ``device_slots`` (one per token)."""
+
+    @abstractmethod
+    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
+        """Copy the KV of tokens ``skip ..`` of a ``host_bytes`` payload into ``host_slots``
+        (a disk chunk read up)."""
+
 
 class Dropped(NamedTuple):
     """A piece the tier dropped to make room: the last ``num_tokens`` of ``path``."""
@@ -58,6 +77,19 @@ class Dropped(NamedTuple):
     namespace: str
     path: list[int]
     num_tokens: int
+
+
+class BelowHost(NamedTuple):
+    """What a match found past the device: in the host tier (``host``, up to its end) and on
+    disk after it (``chunks``)."""
+
+    host: TreeMatch
+    chunks: list[Chunk]
+    read_seconds: float  # reading and checking the chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.chunks[-1].end if self.chunks else self.host.num_tokens
 
 
 class TierStats(NamedTuple):
@@ -70,6 +102,7 @@ class TierStats(NamedTuple):
     num_skipped: int  # hits not loaded: computing them was measured faster
     num_saved_tokens: int
     num_dropped_tokens: int
+    disk: DiskStats | None  # the disk tier below, if any
 
 
 class Rate:
@@ -90,8 +123,11 @@ class Rate:
 class HostTier:
     """KV evicted from a device pool, in a host pool of ``mover.num_slots`` slots."""
 
-    def __init__(self, mover: BaseKVMover, page_size: int) -> None:
+    def __init__(self, mover: BaseKVMover, page_size: int, disk: DiskTier | None = None) -> None:
+        if disk is not None and disk.chunk_tokens % page_size:
+            raise ValueError(f"disk chunks of {disk.chunk_tokens} tokens, pages of {page_size}")
         self.mover = mover
+        self.disk = disk
         self.page_size = page_size
         self.allocator = SlotAllocator(mover.num_slots, page_size)
         self.tree = RadixTree(page_size)  # values: host slots
@@ -100,6 +136,7 @@ class HostTier:
         self._num_saved = self._num_dropped = 0
         self._load_seconds = 0.0
         self.load_rate = Rate()  # bytes per second, host -> device
+        self.disk_rate = Rate()  # bytes per second, disk -> device (read, checked, copied)
         self.prefill_rate = Rate()  # tokens per second the engine computes prompts at
 
     # -- down: what the device evicts ---------------------------------------------------------
@@ -136,26 +173,94 @@ class HostTier:
         if missing <= 0:
             return dropped
         for node, take in self.tree.evict_order(missing):
-            dropped.append(Dropped(node.namespace, self.tree.path_tokens(node), take))
+            path = self.tree.path_tokens(node)
+            if self.disk is not None:
+                self._write_down(node, path, len(path) - take)
+            dropped.append(Dropped(node.namespace, path, take))
             self.allocator.free(self.tree.trim_leaf(node, take))
             self._num_cached -= take
             self._num_dropped += take
         return dropped
 
+    def _write_down(self, node: RadixNode, path: list[int], dropped_from: int) -> None:
+        """Write the whole disk chunks of ``path`` that hold a token from ``dropped_from`` on
+        (the rest of such a chunk is still here, on the path above ``node``)."""
+        assert self.disk is not None
+        values = self.tree.path_values(node)
+        c = self.disk.chunk_tokens
+        for end in self.disk.chunk_ends(len(path), dropped_from):
+            if not self.disk.has(node.namespace, path[:end]):
+                payload = self.mover.host_bytes(values[end - c : end])
+                self.disk.write(node.namespace, path[:end], payload)
+
+    def write_through(self, tokens: Sequence[int], device_slots: Sequence[int], ns: str) -> None:
+        """A request reused ``tokens`` (held on the device in ``device_slots``): write their
+        whole chunks to disk now, if they are not there, so that a node that dies leaves its
+        hot prefixes to its replacement (evicted ones reach disk through this tier anyway)."""
+        if self.disk is None:
+            return
+        c = self.disk.chunk_tokens
+        for end in range(c, len(tokens) + 1, c):
+            if not self.disk.has(ns, tokens[:end]):
+                payload = self.mover.device_bytes(device_slots[end - c : end])
+                self.disk.write(ns, tokens[:end], payload)
+
+    def warm_up(self) -> list[tuple[str, list[int]]]:
+        """Read the disk's chains into this tier, most recently used first, while it has room
+        (a node that starts on a host where others wrote chunks); returns the (namespace,
+        path) of each chain now held here, as far as it was read."""
+        if self.disk is None:
+            return []
+        held: list[tuple[str, list[int]]] = []
+        c = self.disk.chunk_tokens
+        for namespace, path in self.disk.scan():
+            end = self.tree.held_len(path, namespace) // c * c
+            while end < len(path) and self.allocator.can_allocate(c):
+                chunk = self.disk.read(namespace, path[: end + c])
+                if chunk is None:  # removed meanwhile, or damaged since the scan
+                    break
+                m = self.tree.match(chunk.path, namespace)
+                slots = self.allocator.allocate(len(chunk.path) - m.num_tokens)
+                # the chunk's first tokens may be here already (a path held in part)
+                self.mover.store_bytes(chunk.payload, c - len(slots), slots)
+                self.tree.insert(chunk.path, m.values + slots, namespace)
+                self._num_cached += len(slots)
+                end += c
+            if end:
+                held.append((namespace, path[:end]))
+            if not self.allocator.can_allocate(c):
+                break
+        return held
+
     # -- up: what a request finds here ----------------------------------------------------------
+
+    def match_below(self, tokens: Sequence[int], namespace: str, device_len: int) -> BelowHost:
+        """What this tier, then the disk, hold of ``tokens`` past ``device_len`` tokens (the
+        host path is touched; nothing is locked or loaded)."""
+        h = self.tree.match(tokens, namespace)
+        if self.disk is None:
+            return BelowHost(h, [], 0.0)
+        t0 = time.perf_counter()
+        chunks = self.disk.match(tokens, namespace, max(device_len, h.num_tokens))
+        return BelowHost(h, chunks, time.perf_counter() - t0)
 
     def match(self, tokens: Sequence[int], namespace: str) -> TreeMatch:
         """The longest path of ``tokens`` held here (touches it; does not lock)."""
         return self.tree.match(tokens, namespace)
 
-    def pays(self, num_tokens: int) -> bool:
-        """Loading ``num_tokens`` is faster than computing them, as last measured (True until
-        both speeds are known). A skip is counted."""
-        load_bps, prefill_tps = self.load_rate.value, self.prefill_rate.value
-        if load_bps is None or prefill_tps is None:
+    def pays(self, num_host: int, num_disk: int = 0) -> bool:
+        """Loading ``num_host`` tokens from here and ``num_disk`` from disk is faster than
+        computing them, as last measured (True while a speed is unknown). A skip is counted."""
+        prefill_tps = self.prefill_rate.value
+        if prefill_tps is None:
             return True
-        load_s = num_tokens * self.mover.num_bytes_per_token / load_bps
-        if load_s < num_tokens / prefill_tps:
+        load_s = 0.0
+        for n, rate in ((num_host, self.load_rate.value), (num_disk, self.disk_rate.value)):
+            if n and rate is None:
+                return True
+            if n and rate:
+                load_s += n * self.mover.num_bytes_per_token / rate
+        if load_s < (num_host + num_disk) / prefill_tps:
             return True
         self._num_skipped += 1
         return False
@@ -181,6 +286,23 @@ class HostTier:
         self._num_load_bytes += num_bytes
         self._load_seconds += seconds
 
+    def load_chunks(self, below: BelowHost, start: int, device_slots: Sequence[int]) -> None:
+        """Copy the disk chunks' tokens from path position ``start`` on into ``device_slots``
+        (one per token)."""
+        assert self.disk is not None and below.chunks
+        assert len(device_slots) == below.num_tokens - start
+        t0 = time.perf_counter() - below.read_seconds
+        i = 0
+        for chunk in below.chunks:
+            skip = max(0, start - chunk.start)
+            n = chunk.end - chunk.start - skip
+            self.mover.load_bytes(chunk.payload, skip, device_slots[i : i + n])
+            i += n
+        seconds = time.perf_counter() - t0
+        num_bytes = len(device_slots) * self.mover.num_bytes_per_token
+        self.disk_rate.add(num_bytes, seconds)
+        self.disk.note_load(len(below.chunks), len(device_slots), num_bytes, seconds)
+
     # -- counters and checks --------------------------------------------------------------------
 
     @property
@@ -203,6 +325,7 @@ class HostTier:
             num_skipped=self._num_skipped,
             num_saved_tokens=self._num_saved,
             num_dropped_tokens=self._num_dropped,
+            disk=None if self.disk is None else self.disk.stats,
         )
 
     def check_integrity(self) -> None:

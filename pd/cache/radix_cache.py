@@ -53,6 +53,9 @@ class RadixCache(BasePrefixCache):
         # Bounded so an undrained cache cannot grow without limit; a consumer that falls behind
         # sees a seq gap and asks for take_snapshot().
         self._events: deque[CacheEventMsg] = deque(maxlen=max_pending_events)
+        if lower is not None:  # what the disk holds from before this node: announced
+            for namespace, path in lower.warm_up():
+                self._emit("inserted", namespace, path)
 
     # -- matching and locking ---------------------------------------------------------------
 
@@ -61,17 +64,22 @@ class RadixCache(BasePrefixCache):
         match = MatchResult(m.values, m.node, m.num_tokens)
         if self._lower is not None and len(tokens) - m.num_tokens >= self.page_size:
             match = self._load_back(tokens, namespace, match)
+        if self._lower is not None and match.num_tokens:  # a reused prefix: written through
+            self._lower.write_through(tokens[: match.num_tokens], match.slots, namespace)
         self._num_hit += match.num_tokens
         self._num_miss += len(tokens) - match.num_tokens
         return match
 
     def _load_back(self, tokens: Sequence[int], namespace: str, m: MatchResult) -> MatchResult:
-        """Extend the device match ``m`` with what the host tier holds beyond it, when loading
-        beats computing and the device pool has room (evicting what is unlocked)."""
+        """Extend the device match ``m`` with what the host tier, then the disk, hold beyond
+        it, when loading beats computing and the device pool has room (evicting what is
+        unlocked)."""
         assert self._lower is not None
-        h = self._lower.match(tokens, namespace)
-        num_load = h.num_tokens - m.num_tokens
-        if num_load <= 0 or not self._lower.pays(num_load):
+        below = self._lower.match_below(tokens, namespace, m.num_tokens)
+        h = below.host
+        num_host = max(0, h.num_tokens - m.num_tokens)
+        num_load = below.num_tokens - m.num_tokens
+        if num_load <= 0 or not self._lower.pays(num_host, num_load - num_host):
             return m
         self.inc_lock_ref(m.last_node)
         self._lower.lock(h)  # making room saves evicted paths into the tier: never over h
@@ -79,12 +87,16 @@ class RadixCache(BasePrefixCache):
             if not self.make_room(num_load):
                 return m
             slots = self.allocator.allocate(num_load)
-            self._lower.load(h, m.num_tokens, slots)
-            ins = self._insert(tokens[: h.num_tokens], m.slots + slots, m.last_node, namespace)
+            if num_host:
+                self._lower.load(h, m.num_tokens, slots[:num_host])
+            if num_load > num_host:
+                self._lower.load_chunks(below, m.num_tokens + num_host, slots[num_host:])
+            end = below.num_tokens
+            ins = self._insert(tokens[:end], m.slots + slots, m.last_node, namespace)
         finally:
             self._lower.unlock(h)
             self.dec_lock_ref(m.last_node)
-        return MatchResult(m.slots + slots, ins.node, h.num_tokens)
+        return MatchResult(m.slots + slots, ins.node, end)
 
     def inc_lock_ref(self, node: NodeHandle) -> None:
         while node.parent is not None:

@@ -52,6 +52,13 @@ class EngineConfig:
         "only as it fills); default: 4 x max_total_tokens, at most 1/8 of the machine's "
         "memory; 0: off",
     )
+    disk_cache_dir: str | None = option(
+        None,
+        "directory of the disk tier below the host tier: what the host tier drops is written "
+        "there in checked chunks, read back on a hit, and found by a node that starts on the "
+        "host (share it between the nodes of one host); default: no disk tier",
+    )
+    disk_cache_gb: float = option(16.0, "the disk tier directory's bound, GiB")
     num_threads: int | None = option(None, "torch threads per process; default: torch's")
     seed: int = option(0, "seed for requests that bring none")
 
@@ -81,6 +88,12 @@ class EngineConfig:
                 f"host_cache_tokens must be 0 (off) or hold one page ({self.page_size}), "
                 f"got {self.host_cache_tokens}"
             )
+        if self.disk_cache_dir is not None and (
+            self.host_cache_tokens == 0 or not self.enable_prefix_cache
+        ):
+            raise ValueError("disk_cache_dir needs the prefix cache and its host tier")
+        if not self.disk_cache_gb > 0:
+            raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pd.cache import TierStats, make_prefix_cache
+from pd.cache import DiskStats, TierStats, make_prefix_cache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
-from pd.engine.host_pool import HostKVPool, host_tier_slots
+from pd.engine.host_pool import HostKVPool, host_tier_slots, make_disk_tier
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -74,7 +74,8 @@ class EngineCore:
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
         num_host = host_tier_slots(cfg, self.runner.pool.num_bytes_per_token)
         host = HostKVPool(self.runner.pool, num_host) if num_host else None
-        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host)
+        disk = make_disk_tier(cfg, self.runner.model_dir, self.runner.pool) if host else None
+        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host, disk)
         self.scheduler = scheduler_cls(
             self.allocator,
             self.cache,
@@ -184,4 +185,20 @@ def _tier_fields(t: TierStats | None) -> dict[str, int | float]:
         "host_load_bytes": t.num_load_bytes,
         "host_load_seconds": t.load_seconds,
         "num_host_skipped": t.num_skipped,
+        **_disk_fields(t.disk),
+    }
+
+
+def _disk_fields(d: DiskStats | None) -> dict[str, int | float]:
+    """The disk tier's counters as NodeStatsMsg fields."""
+    if d is None:
+        return {}
+    return {
+        "disk_bytes": d.num_bytes,
+        "num_disk_hit_tokens": d.num_hit_tokens,
+        "num_disk_loads": d.num_loads,
+        "disk_load_bytes": d.num_load_bytes,
+        "disk_load_seconds": d.load_seconds,
+        "num_disk_written": d.num_written,
+        "num_disk_rejected": d.num_rejected,
     }

@@ -9,17 +9,40 @@ copies are DMA.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from pd.cache.disk_tier import DiskTier, model_key
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
 from pd.engine.config import EngineConfig
 
 DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools
 DEFAULT_MEMORY_SHARE = 8  # ... at most 1/8 of the machine's memory per tier
+
+
+DISK_CHUNK_TOKENS = 64  # a disk chunk's tokens (rounded up to whole pages)
+
+
+def make_disk_tier(cfg: EngineConfig, model_dir: Path, pool: KVPool) -> DiskTier | None:
+    """The disk tier ``cfg`` asks for, keyed by the checkpoint's files, the weight format, the
+    KV layout and the page and chunk sizes; None without ``disk_cache_dir``."""
+    if cfg.disk_cache_dir is None:
+        return None
+    ps = cfg.page_size
+    chunk = -(-DISK_CHUNK_TOKENS // ps) * ps
+    weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
+    config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+    key = model_key(
+        config, weights, str(pool.dtype), cfg.quantization, cfg.linear_backend,
+        pool.num_layers, pool.num_kv_heads, pool.head_dim, ps, chunk,
+    )  # fmt: skip
+    max_bytes = int(cfg.disk_cache_gb * 2**30)
+    return DiskTier(Path(cfg.disk_cache_dir).expanduser(), key, chunk, max_bytes)
 
 
 def host_tier_slots(cfg: EngineConfig, num_bytes_per_token: int) -> int:
@@ -65,3 +88,40 @@ class HostKVPool(BaseKVMover):
             self.device.v[layer].index_copy_(0, dst, v.to(dev, non_blocking=True))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    def host_bytes(self, host_slots: Sequence[int]) -> bytes:
+        return _as_bytes(self.k, self.v, host_slots)
+
+    def device_bytes(self, device_slots: Sequence[int]) -> bytes:
+        return _as_bytes(self.device.k, self.device.v, device_slots)
+
+    def _from_bytes(self, payload: bytes) -> torch.Tensor:
+        d = self.device
+        kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(d.dtype)
+        return kv.view(d.num_layers, 2, -1, d.num_kv_heads, d.head_dim)
+
+    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
+        kv = self._from_bytes(payload)[:, :, skip:]
+        assert kv.shape[2] == len(device_slots), (kv.shape, len(device_slots))
+        dev = self.device.device
+        dst = torch.tensor(device_slots, dtype=torch.int64, device=dev)
+        for layer in range(self.device.num_layers):
+            self.device.k[layer].index_copy_(0, dst, kv[layer, 0].to(dev))
+            self.device.v[layer].index_copy_(0, dst, kv[layer, 1].to(dev))
+
+    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
+        kv = self._from_bytes(payload)[:, :, skip:]
+        assert kv.shape[2] == len(host_slots), (kv.shape, len(host_slots))
+        dst = torch.tensor(host_slots, dtype=torch.int64)
+        for layer in range(self.device.num_layers):
+            self.k[layer].index_copy_(0, dst, kv[layer, 0])
+            self.v[layer].index_copy_(0, dst, kv[layer, 1])
+
+
+def _as_bytes(k: list[torch.Tensor], v: list[torch.Tensor], slots: Sequence[int]) -> bytes:
+    """The K and V of ``slots`` in every layer, ``[num_layers, 2, n, num_kv_heads, head_dim]``,
+    as raw bytes."""
+    idx = torch.tensor(slots, dtype=torch.int64, device=k[0].device)
+    kv = torch.stack([torch.stack([kl.index_select(0, idx), vl.index_select(0, idx)])
+                      for kl, vl in zip(k, v)])  # fmt: skip
+    return kv.cpu().view(torch.uint8).numpy().tobytes()

@@ -44,6 +44,19 @@ _NODE_COUNTERS = {
         "host_tier_skipped",
         "host-tier hits computed instead, as measured faster than loading",
     ),
+    "disk_bytes": ("disk_tier_bytes", "bytes its disk tier's directory holds"),
+    "num_disk_hit_tokens": (
+        "disk_tier_hit_tokens",
+        "prompt tokens loaded from its disk tier (of cache_hit_tokens)",
+    ),
+    "num_disk_loads": ("disk_tier_loads", "chunks loaded from its disk tier"),
+    "disk_load_bytes": ("disk_tier_load_bytes", "KV bytes loaded from its disk tier"),
+    "disk_load_seconds": ("disk_tier_load_seconds", "time spent reading and loading chunks"),
+    "num_disk_written": ("disk_tier_written", "chunks written to its disk tier"),
+    "num_disk_rejected": (
+        "disk_tier_rejected",
+        "disk chunks found truncated, corrupt or foreign, and removed",
+    ),
 }
 # ClusterStats field -> (metric name, help) of the server side
 _SERVER_COUNTERS = {

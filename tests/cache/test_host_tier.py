@@ -8,6 +8,7 @@ measured slower than recomputing is skipped. The engine with real KV: tests/engi
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 
@@ -46,6 +47,22 @@ class PathMover(BaseKVMover):
         for h, d in zip(host_slots, device_slots, strict=True):
             self.device[d] = self.host[h]
         self.num_loaded += len(host_slots)
+
+    def host_bytes(self, host_slots: Sequence[int]) -> bytes:
+        return json.dumps([self.host[h] for h in host_slots]).encode()
+
+    def device_bytes(self, device_slots: Sequence[int]) -> bytes:
+        return json.dumps([self.device[d] for d in device_slots]).encode()
+
+    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
+        kv = [(ns, tuple(path)) for ns, path in json.loads(payload)]
+        for value, d in zip(kv[skip:], device_slots, strict=True):
+            self.device[d] = value
+
+    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
+        kv = [(ns, tuple(path)) for ns, path in json.loads(payload)]
+        for value, h in zip(kv[skip:], host_slots, strict=True):
+            self.host[h] = value
 
 
 def _make(

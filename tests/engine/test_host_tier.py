@@ -18,7 +18,7 @@ from tests.hf_reference import hf_greedy
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def _engine(model_dir: Path, host: int, **kw: int) -> Engine:
+def _engine(model_dir: Path, host: int, **kw: object) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), host_cache_tokens=host, **kw))
 
 
@@ -82,6 +82,36 @@ def test_no_slot_or_host_page_leaks_over_fifty_cycles(tiny_llama_dir: Path) -> N
     _assert_no_leak(engine)
     engine.cache.evict(engine.cache.num_evictable_tokens)
     assert engine.allocator.num_free_slots == 256
+
+
+@pytest.mark.timeout(120)
+def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The host tier too small to keep them: prefixes come back from the disk tier; a new
+    engine on the same directory (a replacement node) finds them and hits at once."""
+    kw = {"max_total_tokens": 256, "page_size": 16, "disk_cache_dir": str(tmp_path)}
+    tiered = _engine(tiny_llama_dir, 256, **kw)
+    cold = _engine(tiny_llama_dir, 0, max_total_tokens=384, enable_prefix_cache=False)
+    vocab = tiered.runner.model_config.vocab_size
+    systems = [_prompt(192, seed, vocab) for seed in range(4)]  # 768 > 256 + 256
+    for s in systems:
+        _one(tiered, s + [1])
+    for i, s in enumerate(systems[:2]):  # the oldest: on disk only by now
+        prompt = s + _prompt(5, 200 + i, vocab)
+        tokens, cached = _one(tiered, prompt)
+        assert tokens == _one(cold, prompt)[0], i
+        assert cached >= 192 - 16, (i, cached)
+    disk = tiered.cache.tier_stats.disk
+    assert disk.num_hit_tokens >= 128 and disk.num_written > 0 and disk.num_rejected == 0
+    _assert_no_leak(tiered)
+    _one(tiered, systems[3] + [2])  # reused: the hot prefix is written through to disk
+    restarted = _engine(tiny_llama_dir, 1024, **kw)
+    prompt = systems[3] + _prompt(5, 300, vocab)
+    tokens, cached = _one(restarted, prompt)
+    assert tokens == _one(cold, prompt)[0]
+    assert cached >= 192 - 64, cached  # its whole 64-token chunks
+    _assert_no_leak(restarted)
 
 
 @pytest.mark.slow

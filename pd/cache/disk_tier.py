@@ -1,0 +1,283 @@
+"""The disk tier: KV chunks in a directory, bounded in bytes, shared by the nodes of one host,
+below each node's host tier. What the host tier drops is written here; a match continues here
+past what the device and host hold; a node started on the host (a replacement, a scale-up)
+finds what its predecessors wrote and announces it.
+
+A chunk holds the KV of ``chunk_tokens`` consecutive tokens of a path, starting at a multiple
+of ``chunk_tokens`` from the path's root; it is keyed by everything its KV depends on:
+
+    key = sha256(model key | namespace | the path's tokens up to the chunk's end)
+
+The model key (``model_key``) covers the checkpoint, the weight format, the KV dtype and the
+page size, so a file of another model, format or tenant never matches. A file is written to a
+temporary name and renamed (atomic on one file system); its header repeats the key's parts and
+a sha256 of the payload, checked on every read: a truncated, corrupt or foreign file is counted,
+removed and never loaded. Files are evicted oldest first (by modification time, which a read
+refreshes) when the directory passes its byte budget; a file another node removed meanwhile is a
+miss.
+
+File layout::
+
+    b"PDKV1\\n" | header length (4 bytes, little endian) | header (JSON) | payload
+
+The payload's bytes are the mover's (``BaseKVMover.chunk_bytes``); this module never looks
+inside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+MAGIC = b"PDKV1\n"
+_SUFFIX = ".kv"
+
+
+class DiskStats(NamedTuple):
+    num_bytes: int  # what the directory holds now (as this node last counted)
+    max_bytes: int
+    num_hit_tokens: int  # prompt tokens loaded from here
+    num_loads: int  # chunks loaded
+    num_load_bytes: int
+    load_seconds: float
+    num_written: int  # chunks written
+    num_rejected: int  # files found truncated, corrupt or foreign, and removed
+    num_evicted: int  # files removed for room
+
+
+class Chunk(NamedTuple):
+    path: list[int]  # the path's tokens from its root to the chunk's end
+    start: int  # where the chunk begins in the path
+    payload: bytes
+
+    @property
+    def end(self) -> int:
+        return len(self.path)
+
+
+def model_key(*parts: object) -> str:
+    """A short digest of what a chunk's KV depends on besides its tokens (model files, weight
+    format, KV dtype, page size, chunk size)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def chain_key(key: str, namespace: str, tokens: Sequence[int]) -> str:
+    h = hashlib.sha256(f"{key}|{namespace}|".encode())
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return h.hexdigest()[:40]
+
+
+class DiskTier:
+    """Chunks of ``chunk_tokens`` in ``root/<key>/``, at most ``max_bytes`` of them."""
+
+    def __init__(self, root: str | os.PathLike[str], key: str, chunk_tokens: int, max_bytes: int):
+        if chunk_tokens < 1 or max_bytes < 1:
+            raise ValueError(
+                f"chunk_tokens and max_bytes must be >= 1: {chunk_tokens}, {max_bytes}"
+            )
+        self.key = key
+        self.chunk_tokens = chunk_tokens
+        self.max_bytes = max_bytes
+        self.dir = Path(root) / key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._num_bytes = sum(_size(p) for p in self.dir.glob("*" + _SUFFIX))
+        self._num_hit = self._num_loads = self._num_load_bytes = 0
+        self._num_written = self._num_rejected = self._num_evicted = 0
+        self._load_seconds = 0.0
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def chunk_ends(self, path_len: int, dropped_from: int) -> range:
+        """Ends of the whole chunks of a path of ``path_len`` tokens that hold a token at or
+        after ``dropped_from`` (the chunks to write when those tokens leave the host)."""
+        c = self.chunk_tokens
+        first = (dropped_from // c + 1) * c
+        return range(first, path_len - path_len % c + 1, c)
+
+    def has(self, namespace: str, tokens: Sequence[int]) -> bool:
+        return self._file(namespace, tokens).exists()
+
+    def write(self, namespace: str, path: Sequence[int], payload: bytes) -> None:
+        """Store the chunk that ends at ``len(path)`` (atomically; evicting for room)."""
+        assert len(path) % self.chunk_tokens == 0, (len(path), self.chunk_tokens)
+        target = self._file(namespace, path)
+        if target.exists():
+            os.utime(target)
+            return
+        header = json.dumps(
+            {
+                "key": self.key,
+                "namespace": namespace,
+                "tokens": list(path),
+                "start": len(path) - self.chunk_tokens,
+                "payload_bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        ).encode()
+        data = MAGIC + struct.pack("<I", len(header)) + header + payload
+        self._make_room(len(data))
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink(Path(tmp))
+            raise
+        self._num_bytes += len(data)
+        self._num_written += 1
+
+    def _make_room(self, num_bytes: int) -> None:
+        if self._num_bytes + num_bytes <= self.max_bytes:
+            return
+        files = sorted(self.dir.glob("*" + _SUFFIX), key=_mtime)
+        self._num_bytes = sum(_size(p) for p in files)  # other nodes write here too
+        for p in files:
+            if self._num_bytes + num_bytes <= self.max_bytes:
+                break
+            self._num_bytes -= _size(p)
+            _unlink(p)
+            self._num_evicted += 1
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], namespace: str, start: int) -> list[Chunk]:
+        """The chunks that continue ``tokens`` from the chunk holding position ``start``, in
+        order, as far as the directory has them whole and intact."""
+        c = self.chunk_tokens
+        chunks: list[Chunk] = []
+        for end in range((start // c + 1) * c, len(tokens) + 1, c):
+            chunk = self.read(namespace, tokens[:end])
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        return chunks
+
+    def read(self, namespace: str, path: Sequence[int]) -> Chunk | None:
+        """The chunk ending at ``len(path)``, checked; None if absent or rejected (removed)."""
+        file = self._file(namespace, path)
+        try:
+            data = file.read_bytes()
+        except FileNotFoundError:
+            return None
+        payload = self._check(data, namespace, path)
+        if payload is None:
+            self._reject(file, len(data))
+            return None
+        os.utime(file)  # recently used: evicted last
+        return Chunk(list(path), len(path) - self.chunk_tokens, payload)
+
+    def _check(self, data: bytes, namespace: str, path: Sequence[int]) -> bytes | None:
+        """The payload, if ``data`` is an intact chunk of exactly this key, else None."""
+        n = len(MAGIC)
+        if len(data) < n + 4 or not data.startswith(MAGIC):
+            return None
+        (header_len,) = struct.unpack_from("<I", data, n)
+        try:
+            header = json.loads(data[n + 4 : n + 4 + header_len])
+        except ValueError:
+            return None
+        payload = data[n + 4 + header_len :]
+        ok = (
+            isinstance(header, dict)
+            and header.get("key") == self.key
+            and header.get("namespace") == namespace
+            and header.get("tokens") == list(path)
+            and header.get("payload_bytes") == len(payload)
+            and header.get("sha256") == hashlib.sha256(payload).hexdigest()
+        )
+        return payload if ok else None
+
+    def _reject(self, file: Path, num_bytes: int) -> None:
+        self._num_rejected += 1
+        if _unlink(file):
+            self._num_bytes -= num_bytes
+
+    def note_load(self, num_chunks: int, num_tokens: int, num_bytes: int, seconds: float) -> None:
+        self._num_hit += num_tokens
+        self._num_loads += num_chunks
+        self._num_load_bytes += num_bytes
+        self._load_seconds += seconds
+
+    # -- what the directory holds, for a node that starts --------------------------------------
+
+    def scan(self) -> list[tuple[str, list[int]]]:
+        """(namespace, path) of the longest whole chains the directory holds (every chunk of
+        the path from its root is here and intact), most recently used first; rejected files
+        are removed on the way."""
+        found: dict[tuple[str, tuple[int, ...]], float] = {}
+        for file in self.dir.glob("*" + _SUFFIX):
+            try:
+                data = file.read_bytes()
+                n = len(MAGIC)
+                (header_len,) = struct.unpack_from("<I", data, n)
+                header = json.loads(data[n + 4 : n + 4 + header_len])
+                namespace, tokens = header["namespace"], header["tokens"]
+                used = file.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            except (ValueError, KeyError, TypeError, struct.error):
+                self._reject(file, _size(file))
+                continue
+            if (
+                self._file(namespace, tokens) != file
+                or self._check(data, namespace, tokens) is None
+            ):
+                self._reject(file, len(data))
+                continue
+            found[(namespace, tuple(tokens))] = used
+        c = self.chunk_tokens
+        parents = {(namespace, tokens[:-c]) for namespace, tokens in found}
+        chains = [
+            (used, namespace, list(tokens))
+            for (namespace, tokens), used in found.items()
+            if (namespace, tokens) not in parents
+            and all((namespace, tokens[:end]) in found for end in range(c, len(tokens), c))
+        ]
+        chains.sort(key=lambda chain: -chain[0])
+        return [(namespace, path) for _, namespace, path in chains]
+
+    @property
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            num_bytes=self._num_bytes,
+            max_bytes=self.max_bytes,
+            num_hit_tokens=self._num_hit,
+            num_loads=self._num_loads,
+            num_load_bytes=self._num_load_bytes,
+            load_seconds=self._load_seconds,
+            num_written=self._num_written,
+            num_rejected=self._num_rejected,
+            num_evicted=self._num_evicted,
+        )
+
+    def _file(self, namespace: str, tokens: Sequence[int]) -> Path:
+        return self.dir / (chain_key(self.key, namespace, tokens) + _SUFFIX)
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _unlink(p: Path) -> bool:
+    try:
+        p.unlink()
+        return True
+    except FileNotFoundError:
+        return False
