@@ -13,12 +13,14 @@
       re-sends the whole history (user messages 64-256 tokens, answers 32-128) plus a new message,
       conversations interleaved turn by turn.
 (c) BlockHashCache (vLLM-style) hit rate on the same workloads at the same token capacity.
+(d) TTFT by tier on the real model: a prefix served from the device pool, the host tier, the
+    disk tier, and a fresh engine on the same disk directory, beside cold (cache off).
 
 Each request matches ``prompt[:-1]`` (the last prompt token is always computed), takes slots for
 prompt + answer, evicting LRU under pressure, and on finish hands back prompt + answer less the
 last sampled token (whose KV is never computed). Hit rate = matched tokens / prompt tokens.
 
-    python scripts/bench_cache.py [--parts a b c] [--capacity 16384 65536 262144]
+    python scripts/bench_cache.py [--parts a b c d] [--capacity 16384 65536 262144]
                                   [--page-size 1 16] [--block-size 16] [--seed 0]
                                   [--model M] [--prefix-len 2048] [--new-len 64] [--repeats 3]
                                   [--num-threads N]
@@ -29,7 +31,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -197,6 +201,87 @@ def bench_ttft_warm_vs_cold(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def bench_ttft_tiers(args: argparse.Namespace) -> list[str]:
+    """Part (d): TTFT of a prompt whose prefix is served from each tier, beside cold (cache
+    off), on one pool that holds one request: the device pool (just used), the host tier
+    (pushed out of the pool by one other request), the disk tier (pushed out of the pool and
+    the host tier too), and a fresh engine on the same disk directory (a node replaced on the
+    same host; the prefix was reused before, so it was written through). Each first token
+    must equal cold's."""
+    n = args.prefix_len + args.new_len
+    pool = n + 64
+    base = EngineConfig(model=args.model, max_total_tokens=pool, num_threads=args.num_threads)
+    disk_dir = tempfile.mkdtemp(prefix="pd-bench-disk-")
+    cold_engine = Engine(dataclasses.replace(base, enable_prefix_cache=False))
+    host_engine = Engine(dataclasses.replace(base, host_cache_tokens=8 * pool))
+    disk_cfg = dataclasses.replace(base, host_cache_tokens=pool, disk_cache_dir=disk_dir)
+    disk_engine = Engine(disk_cfg)
+    rng = random.Random(args.seed)
+    for engine in (cold_engine, host_engine, disk_engine):  # first-call overheads
+        engine.generate([_ids(rng, 64)], SamplingParams(max_tokens=2, temperature=0.0))
+    times: dict[str, list[float]] = {k: [] for k in ("cold", "device", "host", "disk", "restart")}
+    cached: dict[str, int] = {}
+
+    def timed(case: str, engine: Engine, prompt: list[int]) -> None:
+        seconds, token, num_cached = time_to_first_token(engine, prompt)
+        _, want, _ = time_to_first_token(cold_engine, prompt)
+        assert token == want, f"{case}: first token {token} != cold {want}"
+        times[case].append(seconds)
+        cached[case] = num_cached
+
+    def filler() -> None:  # another request of the pool's size
+        time_to_first_token(host_engine, _ids(rng, n))
+
+    for _ in range(args.repeats):
+        prefix = _ids(rng, args.prefix_len)
+        prompt = [prefix + _ids(rng, args.new_len) for _ in range(5)]
+        timed("cold", cold_engine, prompt[0])
+        time_to_first_token(host_engine, prompt[0])
+        timed("device", host_engine, prompt[1])
+        filler()
+        timed("host", host_engine, prompt[2])
+        time_to_first_token(disk_engine, prompt[0])
+        time_to_first_token(disk_engine, prompt[1])  # reused: written through to disk
+        for _ in range(3):  # out of the pool and the host tier
+            time_to_first_token(disk_engine, _ids(rng, n))
+        timed("disk", disk_engine, prompt[3])
+        restarted = Engine(dataclasses.replace(disk_cfg, host_cache_tokens=8 * pool))
+        timed("restart", restarted, prompt[4])
+    for engine in (cold_engine, host_engine, disk_engine):
+        engine.check_integrity()
+    host, disk = host_engine.cache.tier_stats, disk_engine.cache.tier_stats.disk
+    runner = host_engine.runner
+    cold_s = statistics.median(times["cold"])
+    lines = [
+        f"TTFT by tier on {runner.model_dir.name} ({runner.device}, {runner.dtype}, "
+        f"{torch.get_num_threads()} threads), {args.prefix_len:,}-token prefix + "
+        f"{args.new_len} new tokens, a {pool:,}-slot pool, median of {args.repeats}",
+        "",
+        "| prefix served from | cached tokens | TTFT median (ms) | x cold | runs (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for case, t in times.items():
+        runs = ", ".join(f"{x * 1e3:.1f}" for x in t)
+        med = statistics.median(t)
+        lines.append(
+            f"| {case} | {cached.get(case, 0):,} | {med * 1e3:.1f} | {med / cold_s:.3f} | {runs} |"
+        )
+    lines += [
+        "",
+        f"host tier: {host.num_loads} loads, {host.num_load_bytes / 2**20:.1f} MiB in "
+        f"{host.load_seconds * 1e3:.1f} ms ({_gbps(host.num_load_bytes, host.load_seconds)}); "
+        f"disk tier: {disk.num_loads} chunks, {disk.num_load_bytes / 2**20:.1f} MiB in "
+        f"{disk.load_seconds * 1e3:.1f} ms read, checked and copied "
+        f"({_gbps(disk.num_load_bytes, disk.load_seconds)}), {disk.num_written} chunks written",
+    ]
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    return lines
+
+
+def _gbps(num_bytes: int, seconds: float) -> str:
+    return f"{num_bytes / seconds / 1e9:.2f} GB/s" if seconds else "-"
+
+
 def bench_hit_rates(args: argparse.Namespace) -> Iterator[str]:
     """Parts (b) and (c): markdown table lines of radix (b) and block-hash (c) hit rates,
     yielded as each row is measured."""
@@ -242,9 +327,10 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         nargs="+",
-        choices=["a", "b", "c"],
-        default=["a", "b", "c"],
-        help="a: TTFT warm vs cold (real model); b: radix hit rates; c: block-hash hit rates",
+        choices=["a", "b", "c", "d"],
+        default=["a", "b", "c", "d"],
+        help="a: TTFT warm vs cold (real model); b: radix hit rates; c: block-hash hit rates; "
+        "d: TTFT by tier (real model)",
     )
     ap.add_argument("--model", default=None, help="part (a)'s model (default: SmolLM2-135M)")
     ap.add_argument("--prefix-len", type=int, default=2048, help="part (a): cached prefix")
@@ -261,6 +347,10 @@ def main() -> None:
         print()
     if "a" in args.parts:
         for line in bench_ttft_warm_vs_cold(args):
+            print(line, flush=True)
+        print()
+    if "d" in args.parts:
+        for line in bench_ttft_tiers(args):
             print(line, flush=True)
 
 
