@@ -70,10 +70,12 @@ def start_live_cluster(
     model: str | None = None,
     local_prefill_tokens: int = -1,
     server_cfg: object = None,
+    engine_kwargs: dict[str, object] | None = None,
     **cluster_kwargs: object,
 ) -> tuple[LiveCluster, object]:
     """``model``: a model dir (default SmolLM2); ``server_cfg``: the HTTP server's
-    ServerConfig (keys, limits); ``cluster_kwargs`` go to ClusterConfig. Conditional
+    ServerConfig (keys, limits); ``engine_kwargs`` go to EngineConfig, ``cluster_kwargs`` to
+    ClusterConfig. Conditional
     disaggregation is off unless ``local_prefill_tokens`` says otherwise: these tests are about
     the transfer path (its own tests turn it on). Returns once GET /ready answers 200."""
     import uvicorn
@@ -84,7 +86,11 @@ def start_live_cluster(
     from pd.engine.config import EngineConfig
 
     engine_cfg = EngineConfig(
-        model=model, max_total_tokens=8192, max_running_requests=48, page_size=page_size
+        model=model,
+        max_total_tokens=8192,
+        max_running_requests=48,
+        page_size=page_size,
+        **(engine_kwargs or {}),  # type: ignore[arg-type]
     )
     cluster = Cluster(
         engine_cfg,
