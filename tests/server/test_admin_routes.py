@@ -219,7 +219,7 @@ def test_pd_scale_and_pd_status_talk_to_the_server(tokenizer, capsys, monkeypatc
         assert pd_main(["status", "--url", url]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert lines[2].split() == [
-            "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100",
+            "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100", "400",
         ]  # fmt: skip
         monkeypatch.delenv("PD_ADMIN_API_KEY")
         assert pd_main(["status", "--url", url]) == 1  # PD_API_KEY's tenant key: refused
