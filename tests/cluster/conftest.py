@@ -85,13 +85,9 @@ def start_live_cluster(
     from pd.cluster.launcher import Cluster, ClusterConfig
     from pd.engine.config import EngineConfig
 
-    engine_cfg = EngineConfig(
-        model=model,
-        max_total_tokens=8192,
-        max_running_requests=48,
-        page_size=page_size,
-        **(engine_kwargs or {}),  # type: ignore[arg-type]
-    )
+    engine_kw: dict[str, object] = {"max_total_tokens": 8192, "max_running_requests": 48}
+    engine_kw.update(engine_kwargs or {})
+    engine_cfg = EngineConfig(model=model, page_size=page_size, **engine_kw)  # type: ignore[arg-type]
     cluster = Cluster(
         engine_cfg,
         ClusterConfig(

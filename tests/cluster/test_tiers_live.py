@@ -40,7 +40,7 @@ def live(
 
 
 def _generate(live: LiveCluster, ids: list[int]) -> dict[str, Any]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6}}
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
     r = httpx.post(f"{live.url}/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
