@@ -244,6 +244,7 @@ def bench_ttft_tiers(args: argparse.Namespace) -> list[str]:
         time_to_first_token(disk_engine, prompt[1])  # reused: written through to disk
         for _ in range(3):  # out of the pool and the host tier
             time_to_first_token(disk_engine, _ids(rng, n))
+        disk_engine.cache.lower.disk.flush()  # the writer thread's chunks are on disk
         timed("disk", disk_engine, prompt[3])
         restarted = Engine(dataclasses.replace(disk_cfg, host_cache_tokens=8 * pool))
         timed("restart", restarted, prompt[4])

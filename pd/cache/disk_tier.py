@@ -9,8 +9,10 @@ of ``chunk_tokens`` from the path's root; it is keyed by everything its KV depen
     key = sha256(model key | namespace | the path's tokens up to the chunk's end)
 
 The model key (``model_key``) covers the checkpoint, the weight format, the KV dtype and the
-page size, so a file of another model, format or tenant never matches. A file is written to a
-temporary name and renamed (atomic on one file system); its header repeats the key's parts and
+page size, so a file of another model, format or tenant never matches. Chunks are written by
+one writer thread per node (the engine's step only copies the KV out and queues it; a chunk still
+queued counts as held, and a full queue skips the chunk), each to a temporary name and then
+renamed (atomic on one file system); its header repeats the key's parts and
 a sha256 of the payload, checked on every read: a truncated, corrupt or foreign file is counted,
 removed and never loaded. Files are evicted oldest first (by modification time, which a read
 refreshes) when the directory passes its byte budget; a file another node removed meanwhile is a
@@ -28,15 +30,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import queue
 import struct
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 MAGIC = b"PDKV1\n"
 _SUFFIX = ".kv"
+MAX_PENDING_WRITES = 64  # chunks queued for the writer thread; more are skipped
+logger = logging.getLogger(__name__)
 
 
 class DiskStats(NamedTuple):
@@ -47,6 +54,8 @@ class DiskStats(NamedTuple):
     num_load_bytes: int
     load_seconds: float
     num_written: int  # chunks written
+    num_write_skipped: int  # chunks not written: the writer was MAX_PENDING_WRITES behind
+    num_write_failed: int  # chunks the disk refused (full, failing)
     num_rejected: int  # files found truncated, corrupt or foreign, and removed
     num_evicted: int  # files removed for room
 
@@ -89,7 +98,13 @@ class DiskTier:
         self._num_bytes = sum(_size(p) for p in self.dir.glob("*" + _SUFFIX))
         self._num_hit = self._num_loads = self._num_load_bytes = 0
         self._num_written = self._num_rejected = self._num_evicted = 0
+        self._num_write_skipped = self._num_write_failed = 0
         self._load_seconds = 0.0
+        # chunks queued for the writer thread: file -> (namespace, path, payload)
+        self._lock = threading.Lock()
+        self._pending: dict[Path, tuple[str, list[int], bytes]] = {}
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -101,20 +116,75 @@ class DiskTier:
         return range(first, path_len - path_len % c + 1, c)
 
     def has(self, namespace: str, tokens: Sequence[int]) -> bool:
-        return self._file(namespace, tokens).exists()
+        """The chunk ending at ``len(tokens)`` is here, or queued to be written."""
+        file = self._file(namespace, tokens)
+        with self._lock:
+            if file in self._pending:
+                return True
+        return file.exists()
 
     def write(self, namespace: str, path: Sequence[int], payload: bytes) -> None:
-        """Store the chunk that ends at ``len(path)`` (atomically; evicting for room)."""
+        """Queue the chunk that ends at ``len(path)`` for the writer thread (started on first
+        use), which writes it atomically, evicting for room; the caller's step does not wait
+        for the disk. With ``MAX_PENDING_WRITES`` queued already, the chunk is skipped
+        (counted): a cache may lose what it cannot keep up with."""
         assert len(path) % self.chunk_tokens == 0, (len(path), self.chunk_tokens)
         target = self._file(namespace, path)
         if target.exists():
             os.utime(target)
             return
+        with self._lock:
+            if target in self._pending:
+                return
+            if len(self._pending) >= MAX_PENDING_WRITES:
+                self._num_write_skipped += 1
+                return
+            self._pending[target] = (namespace, list(path), payload)
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="pd-disk-tier", daemon=True
+            )
+            self._writer.start()
+        self._queue.put(target)
+
+    def flush(self) -> None:
+        """Wait until every queued chunk is written (or failed)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
+    def _write_loop(self) -> None:
+        while True:
+            target = self._queue.get()
+            try:
+                if target is None:
+                    return
+                with self._lock:
+                    namespace, path, payload = self._pending[target]
+                try:
+                    self._write_now(target, namespace, path, payload)
+                except OSError as e:  # a full or failing disk: the chunk is not kept
+                    logger.warning("disk tier: writing %s failed: %s", target.name, e)
+                    with self._lock:
+                        self._num_write_failed += 1
+                finally:
+                    with self._lock:
+                        del self._pending[target]
+            finally:
+                self._queue.task_done()
+
+    def _write_now(self, target: Path, namespace: str, path: list[int], payload: bytes) -> None:
         header = json.dumps(
             {
                 "key": self.key,
                 "namespace": namespace,
-                "tokens": list(path),
+                "tokens": path,
                 "start": len(path) - self.chunk_tokens,
                 "payload_bytes": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest(),
@@ -130,20 +200,24 @@ class DiskTier:
         except BaseException:
             _unlink(Path(tmp))
             raise
-        self._num_bytes += len(data)
-        self._num_written += 1
+        with self._lock:
+            self._num_bytes += len(data)
+            self._num_written += 1
 
     def _make_room(self, num_bytes: int) -> None:
         if self._num_bytes + num_bytes <= self.max_bytes:
             return
         files = sorted(self.dir.glob("*" + _SUFFIX), key=_mtime)
-        self._num_bytes = sum(_size(p) for p in files)  # other nodes write here too
+        held = sum(_size(p) for p in files)  # other nodes write here too
         for p in files:
-            if self._num_bytes + num_bytes <= self.max_bytes:
+            if held + num_bytes <= self.max_bytes:
                 break
-            self._num_bytes -= _size(p)
-            _unlink(p)
-            self._num_evicted += 1
+            held -= _size(p)
+            if _unlink(p):
+                with self._lock:
+                    self._num_evicted += 1
+        with self._lock:
+            self._num_bytes = held
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -195,9 +269,10 @@ class DiskTier:
         return payload if ok else None
 
     def _reject(self, file: Path, num_bytes: int) -> None:
-        self._num_rejected += 1
-        if _unlink(file):
-            self._num_bytes -= num_bytes
+        removed = _unlink(file)
+        with self._lock:
+            self._num_rejected += 1
+            self._num_bytes -= num_bytes if removed else 0
 
     def note_load(self, num_chunks: int, num_tokens: int, num_bytes: int, seconds: float) -> None:
         self._num_hit += num_tokens
@@ -253,6 +328,8 @@ class DiskTier:
             num_load_bytes=self._num_load_bytes,
             load_seconds=self._load_seconds,
             num_written=self._num_written,
+            num_write_skipped=self._num_write_skipped,
+            num_write_failed=self._num_write_failed,
             num_rejected=self._num_rejected,
             num_evicted=self._num_evicted,
         )

@@ -222,6 +222,11 @@ class RadixCache(BasePrefixCache):
         return CacheStats(self._num_hit, self._num_miss, self._num_evicted)
 
     @property
+    def lower(self) -> HostTier | None:
+        """The host tier below the pool, if any."""
+        return self._lower
+
+    @property
     def tier_stats(self) -> TierStats | None:
         """The host tier's counters, or None without one."""
         return None if self._lower is None else self._lower.stats

@@ -38,9 +38,11 @@ def _make(
 
 
 def _push_down(cache: RadixCache, mover: PathMover, rng: random.Random, n: int = 3) -> None:
-    """Unrelated traffic that pushes everything older out of the device and the host."""
+    """Unrelated traffic that pushes everything older out of the device and the host; then
+    waits for the disk writer."""
     for _ in range(n):
         _run(cache, mover, _prompt(rng, 25))
+    cache.lower.disk.flush()
 
 
 def test_what_the_host_drops_comes_back_from_disk_with_its_kv(tmp_path: Path) -> None:
@@ -127,6 +129,7 @@ def test_the_directory_stays_within_its_bytes_oldest_first(tmp_path: Path) -> No
     rng = random.Random(3)
     for _ in range(30):
         _run(cache, mover, _prompt(rng, 16))
+        tier.disk.flush()
     files = list((tmp_path / "model-a").glob("*.kv"))
     assert 0 < sum(f.stat().st_size for f in files) <= 6000
     assert tier.disk.stats.num_evicted > 0 and tier.disk.stats.num_written > len(files)
@@ -142,9 +145,11 @@ def test_no_slot_host_page_or_file_handle_leaks_over_fifty_cycles(tmp_path: Path
     for _ in range(50):
         _run(cache, mover, rng.choice(prompts) + _prompt(rng, 2), ns=rng.choice(["", "t"]))
         cache.check_integrity()
+        tier.disk.flush()
     assert tier.disk.stats.num_hit_tokens > 0
     cache.evict(cache.num_evictable_tokens)
     assert cache.num_cached_tokens == 0 and cache.allocator.num_free_slots == 48
     assert tier.num_cached_tokens + tier.allocator.num_free_slots == 32
+    tier.disk.close()  # the writer thread ends; nothing of it stays open
     assert len(os.listdir("/proc/self/fd")) == fds
     assert not list((tmp_path / "model-a").glob(".tmp-*"))

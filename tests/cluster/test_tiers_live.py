@@ -23,10 +23,12 @@ PREFIX = [(7 * i) % 500 + 3 for i in range(300)]  # 4 whole 64-token chunks and 
 
 
 @pytest.fixture(scope="module")
-def live(
-    ray_session: None, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveCluster]:
-    disk = tmp_path_factory.mktemp("kv-disk")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def live(ray_session: None, tiny_llama_dir: Path, disk: Path) -> Iterator[LiveCluster]:
     live, stop = start_live_cluster(
         1,
         1,
@@ -47,7 +49,7 @@ def _generate(live: LiveCluster, ids: list[int]) -> dict[str, Any]:
 
 
 def test_a_replaced_prefill_node_finds_the_prefix_its_predecessor_reused(
-    live: LiveCluster,
+    live: LiveCluster, disk: Path
 ) -> None:
     cluster: Any = live.cluster
     first = _generate(live, PREFIX + [11])
@@ -56,6 +58,10 @@ def test_a_replaced_prefill_node_finds_the_prefix_its_predecessor_reused(
     expected = _generate(live, PREFIX + [13])["output_ids"]
     assert first["output_ids"] and expected
     wait_idle_and_check(live)
+    deadline = time.monotonic() + 30  # the node's disk writer: its 4 chunks of the prefix
+    while len(list(disk.glob("*/*.kv"))) < 4:
+        assert time.monotonic() < deadline, "the prefix's chunks were not written in 30 s"
+        time.sleep(0.2)
     os.kill(cluster.client.nodes["prefill-0"].pid, signal.SIGKILL)
     deadline = time.monotonic() + 180
     while "prefill-1" not in cluster.client.nodes:

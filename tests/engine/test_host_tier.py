@@ -97,6 +97,7 @@ def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
     systems = [_prompt(192, seed, vocab) for seed in range(4)]  # 768 > 256 + 256
     for s in systems:
         _one(tiered, s + [1])
+    tiered.cache.lower.disk.flush()  # the writer thread's chunks are on disk
     for i, s in enumerate(systems[:2]):  # the oldest: on disk only by now
         prompt = s + _prompt(5, 200 + i, vocab)
         tokens, cached = _one(tiered, prompt)
@@ -106,6 +107,7 @@ def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
     assert disk.num_hit_tokens >= 128 and disk.num_written > 0 and disk.num_rejected == 0
     _assert_no_leak(tiered)
     _one(tiered, systems[3] + [2])  # reused: the hot prefix is written through to disk
+    tiered.cache.lower.disk.flush()
     restarted = _engine(tiny_llama_dir, 1024, **kw)
     prompt = systems[3] + _prompt(5, 300, vocab)
     tokens, cached = _one(restarted, prompt)
