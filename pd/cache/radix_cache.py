@@ -7,6 +7,11 @@ end by pages when less than the whole leaf is needed. Every insertion and evicti
 CacheEventMsg that the coordinator's PrefixIndex replays. The request-side protocol is in
 ``pd.cache.base``.
 
+With a host tier below (``lower``, ``pd.cache.host_tier``), an evicted leaf's path is saved
+down before its slots are freed, and a match that ends on the device continues there (and on
+disk) and loads back what pays; the events then describe what the node holds in either tier:
+an eviction the host keeps emits nothing, and the host's drops emit what neither holds.
+
 Counts (tokens): num_cached = num_evictable + num_protected; protected = on a locked path.
 """
 
