@@ -13,8 +13,8 @@ page size, so a file of another model, format or tenant never matches. Chunks ar
 one writer thread per node (the engine's step only copies the KV out and queues it; a chunk still
 queued counts as held, and a full queue skips the chunk), each to a temporary name and then
 renamed (atomic on one file system); its header repeats the key's parts and
-a sha256 of the payload, checked on every read: a truncated, corrupt or foreign file is counted,
-removed and never loaded. Files are evicted oldest first (by modification time, which a read
+a sha256 of the payload, checked on every read (a node's start-up scan reads headers only): a
+truncated, corrupt or foreign file is counted, removed and never loaded. Files are evicted oldest first (by modification time, which a read
 refreshes) when the directory passes its byte budget; a file another node removed meanwhile is a
 miss.
 
@@ -36,7 +36,7 @@ import queue
 import struct
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,7 +63,7 @@ class DiskStats(NamedTuple):
 class Chunk(NamedTuple):
     path: list[int]  # the path's tokens from its root to the chunk's end
     start: int  # where the chunk begins in the path
-    payload: bytes
+    payload: memoryview  # a writable view of the file's bytes
 
     @property
     def end(self) -> int:
@@ -237,36 +237,29 @@ class DiskTier:
         """The chunk ending at ``len(path)``, checked; None if absent or rejected (removed)."""
         file = self._file(namespace, path)
         try:
-            data = file.read_bytes()
+            with open(file, "rb") as f:  # into one writable buffer: the payload is a view of it
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except FileNotFoundError:
             return None
-        payload = self._check(data, namespace, path)
-        if payload is None:
+        split = _split(data)
+        if split is None or not self._is_of(split[0], namespace, path):
+            self._reject(file, len(data))
+            return None
+        header, payload = split
+        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
             self._reject(file, len(data))
             return None
         os.utime(file)  # recently used: evicted last
         return Chunk(list(path), len(path) - self.chunk_tokens, payload)
 
-    def _check(self, data: bytes, namespace: str, path: Sequence[int]) -> bytes | None:
-        """The payload, if ``data`` is an intact chunk of exactly this key, else None."""
-        n = len(MAGIC)
-        if len(data) < n + 4 or not data.startswith(MAGIC):
-            return None
-        (header_len,) = struct.unpack_from("<I", data, n)
-        try:
-            header = json.loads(data[n + 4 : n + 4 + header_len])
-        except ValueError:
-            return None
-        payload = data[n + 4 + header_len :]
-        ok = (
-            isinstance(header, dict)
-            and header.get("key") == self.key
+    def _is_of(self, header: dict[str, object], namespace: str, path: Sequence[int]) -> bool:
+        """``header`` names exactly this key, namespace and token path."""
+        return (
+            header.get("key") == self.key
             and header.get("namespace") == namespace
             and header.get("tokens") == list(path)
-            and header.get("payload_bytes") == len(payload)
-            and header.get("sha256") == hashlib.sha256(payload).hexdigest()
         )
-        return payload if ok else None
 
     def _reject(self, file: Path, num_bytes: int) -> None:
         removed = _unlink(file)
@@ -288,23 +281,23 @@ class DiskTier:
         are removed on the way."""
         found: dict[tuple[str, tuple[int, ...]], float] = {}
         for file in self.dir.glob("*" + _SUFFIX):
-            try:
-                data = file.read_bytes()
-                n = len(MAGIC)
-                (header_len,) = struct.unpack_from("<I", data, n)
-                header = json.loads(data[n + 4 : n + 4 + header_len])
-                namespace, tokens = header["namespace"], header["tokens"]
-                used = file.stat().st_mtime
+            try:  # the header only: a payload is checked when it is read
+                with open(file, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    size, used = st.st_size, st.st_mtime
+                    head = f.read(len(MAGIC) + 4)
+                    split = _split_header(head, f.read, size)
             except FileNotFoundError:
                 continue
-            except (ValueError, KeyError, TypeError, struct.error):
-                self._reject(file, _size(file))
-                continue
+            namespace = split.get("namespace") if split else None
+            tokens = split.get("tokens") if split else None
             if (
-                self._file(namespace, tokens) != file
-                or self._check(data, namespace, tokens) is None
+                not isinstance(namespace, str)
+                or not isinstance(tokens, list)
+                or self._file(namespace, tokens) != file
+                or not self._is_of(split, namespace, tokens)  # type: ignore[arg-type]
             ):
-                self._reject(file, len(data))
+                self._reject(file, size)
                 continue
             found[(namespace, tuple(tokens))] = used
         c = self.chunk_tokens
@@ -358,3 +351,32 @@ def _unlink(p: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _split(data: bytearray) -> tuple[dict[str, object], memoryview] | None:
+    """A chunk file's header and a view of its payload, if it is shaped like one (magic,
+    header, payload of the size the header says), else None. The checksum is the caller's."""
+    n = len(MAGIC) + 4
+    header = _split_header(data[:n], lambda k: data[n : n + k], len(data))
+    if header is None:
+        return None
+    (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
+    return header, memoryview(data)[n + header_len :]
+
+
+def _split_header(
+    head: bytes | bytearray, read: Callable[[int], bytes | bytearray], size: int
+) -> dict[str, object] | None:
+    """The header of a chunk file of ``size`` bytes whose first bytes are ``head`` (the magic
+    and the header's length); ``read(n)`` gives the next n bytes. None if the shape is wrong."""
+    n = len(MAGIC)
+    if len(head) < n + 4 or not head.startswith(MAGIC):
+        return None
+    (header_len,) = struct.unpack_from("<I", head, n)
+    try:
+        header = json.loads(read(header_len))
+    except ValueError:
+        return None
+    if not isinstance(header, dict) or header.get("payload_bytes") != size - n - 4 - header_len:
+        return None
+    return header

@@ -61,12 +61,13 @@ class BaseKVMover(ABC):
         """The same for device slots (a hot prefix written through to disk)."""
 
     @abstractmethod
-    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
-        """Copy the KV of tokens ``skip ..`` of a ``host_bytes`` payload into
+    def load_bytes(self, payload: memoryview, skip: int, device_slots: Sequence[int]) -> None:
+        """Copy the KV of tokens ``skip ..`` of a ``host_bytes`` payload (a writable view, as a
+        disk chunk's read gives it) into
         ``device_slots`` (one per token)."""
 
     @abstractmethod
-    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
+    def store_bytes(self, payload: memoryview, skip: int, host_slots: Sequence[int]) -> None:
         """Copy the KV of tokens ``skip ..`` of a ``host_bytes`` payload into ``host_slots``
         (a disk chunk read up)."""
 

@@ -95,12 +95,12 @@ class HostKVPool(BaseKVMover):
     def device_bytes(self, device_slots: Sequence[int]) -> bytes:
         return _as_bytes(self.device.k, self.device.v, device_slots)
 
-    def _from_bytes(self, payload: bytes) -> torch.Tensor:
+    def _from_bytes(self, payload: memoryview) -> torch.Tensor:
         d = self.device
-        kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(d.dtype)
+        kv = torch.frombuffer(payload, dtype=torch.uint8).view(d.dtype)  # no copy
         return kv.view(d.num_layers, 2, -1, d.num_kv_heads, d.head_dim)
 
-    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
+    def load_bytes(self, payload: memoryview, skip: int, device_slots: Sequence[int]) -> None:
         kv = self._from_bytes(payload)[:, :, skip:]
         assert kv.shape[2] == len(device_slots), (kv.shape, len(device_slots))
         dev = self.device.device
@@ -109,7 +109,7 @@ class HostKVPool(BaseKVMover):
             self.device.k[layer].index_copy_(0, dst, kv[layer, 0].to(dev))
             self.device.v[layer].index_copy_(0, dst, kv[layer, 1].to(dev))
 
-    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
+    def store_bytes(self, payload: memoryview, skip: int, host_slots: Sequence[int]) -> None:
         kv = self._from_bytes(payload)[:, :, skip:]
         assert kv.shape[2] == len(host_slots), (kv.shape, len(host_slots))
         dst = torch.tensor(host_slots, dtype=torch.int64)

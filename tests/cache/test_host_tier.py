@@ -54,13 +54,13 @@ class PathMover(BaseKVMover):
     def device_bytes(self, device_slots: Sequence[int]) -> bytes:
         return json.dumps([self.device[d] for d in device_slots]).encode()
 
-    def load_bytes(self, payload: bytes, skip: int, device_slots: Sequence[int]) -> None:
-        kv = [(ns, tuple(path)) for ns, path in json.loads(payload)]
+    def load_bytes(self, payload: memoryview, skip: int, device_slots: Sequence[int]) -> None:
+        kv = [(ns, tuple(path)) for ns, path in json.loads(bytes(payload))]
         for value, d in zip(kv[skip:], device_slots, strict=True):
             self.device[d] = value
 
-    def store_bytes(self, payload: bytes, skip: int, host_slots: Sequence[int]) -> None:
-        kv = [(ns, tuple(path)) for ns, path in json.loads(payload)]
+    def store_bytes(self, payload: memoryview, skip: int, host_slots: Sequence[int]) -> None:
+        kv = [(ns, tuple(path)) for ns, path in json.loads(bytes(payload))]
         for value, h in zip(kv[skip:], host_slots, strict=True):
             self.host[h] = value
 
