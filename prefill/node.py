@@ -3,7 +3,9 @@
 The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
 
 1. ``PrefillReqMsg`` arrives -> the scheduler's ``waiting`` queue (a request that can never
-   run is answered with an error at once).
+   run is answered with an error at once). One with ``pull`` set is first held by the
+   ``PullSink`` until the prefix it names came from its holder into the cache, or will not
+   come (then the prefix is computed): ``pd.node.pulls``.
 2. Admission matches the prompt in the RadixCache and locks the match; the unmatched suffix
    is prefilled in chunks under the token budget.
 3. When the batch with a request's last chunk is about to run, its transfer starts: a
@@ -25,13 +27,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from pd.core.messages import AbortMsg, NodeMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.messages import (
+    AbortMsg,
+    NodeMsg,
+    PeerGoneMsg,
+    PrefilledMsg,
+    PrefillReqMsg,
+    PullRefusedMsg,
+)
 from pd.core.request import Req
-from pd.engine.core import TransferCounters
+from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.scheduler import ScheduledBatch, StepResult
 from pd.node import BaseRole, NodeParts
+from pd.node.links import ServerLink
+from pd.node.pulls import PullSink
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender
 
@@ -45,18 +56,26 @@ class _Transfer(NamedTuple):
     req: Req
     sender: KVSender
     started: float
+    computed: float = 0.0  # when its last layer's KV was in the pool (0: not yet)
 
 
 class PrefillRole(BaseRole):
     name = "prefill"
     scheduler_cls = PrefillScheduler
 
+    @classmethod
+    def make_slot_owner(cls, core: EngineCore, server: ServerLink) -> PullSink:
+        return PullSink(core, server)  # what a pull's KV lands in
+
     def __init__(self, parts: NodeParts) -> None:
         self.parts = parts
         self.core = parts.core
         assert isinstance(self.core.scheduler, PrefillScheduler)
+        assert isinstance(parts.slot_owner, PullSink)
         self.scheduler: PrefillScheduler = self.core.scheduler
         self.server = parts.server
+        self.pulls: PullSink = parts.slot_owner
+        self.pulls.bind(parts.node_id, parts.addr, parts.transfer, parts.peers)
         self._routes: dict[str, _Route] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._counters = TransferCounters()  # finished transfers
@@ -66,13 +85,18 @@ class PrefillRole(BaseRole):
             self._on_request(msg)
         elif isinstance(msg, AbortMsg):
             self.abort(msg.request_id)
+        elif isinstance(msg, PullRefusedMsg):
+            self.pulls.on_refused(msg)
 
     def _on_request(self, msg: PrefillReqMsg) -> None:
         try:
             req = self.core.make_request(
                 msg.prompt_ids, msg.sampling, msg.request_id, msg.namespace
             )
-            self.scheduler.add(req)
+            if msg.pull is None:
+                self.scheduler.add(req)
+            else:  # scheduled once its prefix came, or will not (pd.node.pulls)
+                self.pulls.start(req, msg.pull)
         except ValueError as e:
             self.server.report_error(msg.request_id, str(e))
             return
@@ -81,10 +105,12 @@ class PrefillRole(BaseRole):
     def abort(self, request_id: str) -> None:
         if (t := self._transfers.pop(request_id, None)) is not None:
             t.sender.abort("aborted by the server")
-        self.scheduler.abort(request_id)
+        if not self.pulls.abort(request_id):
+            self.scheduler.abort(request_id)
         self._routes.pop(request_id, None)
 
     def forget_peer(self, msg: PeerGoneMsg) -> None:
+        self.pulls.forget_holder(msg.node_id)  # its requests compute their prefix instead
         for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
             self.abort(rid)
             self.server.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
@@ -124,6 +150,7 @@ class PrefillRole(BaseRole):
             t = self._transfers.get(req.request_id)
             if t is not None:
                 t.sender.set_ready_layers(num_layers)
+                self._transfers[req.request_id] = t._replace(computed=time.monotonic())
         # what a finished request left in the cache goes out before its answer
         self.server.send_all(self.core.cache.take_events())
         # the others' first token goes with their KV: the decode node streams it
@@ -132,6 +159,9 @@ class PrefillRole(BaseRole):
         for req in finished + result.failed:  # done at its first token: D can forget it
             self._forget(req.request_id, "finished at prefill")
         self._progress()
+        for req in self.pulls.progress():  # its prefix came, or it computes it
+            with self.parts.guard(req.request_id):
+                self.scheduler.add(req)
 
     def _forget(self, request_id: str, why: str) -> None:
         t = self._transfers.pop(request_id, None)
@@ -168,6 +198,7 @@ class PrefillRole(BaseRole):
         self._counters = c._replace(
             num_bytes=c.num_bytes + num_sent * pool.num_bytes_per_token,
             num_seconds=c.num_seconds + time.monotonic() - t.started,
+            num_wire_seconds=c.num_wire_seconds + time.monotonic() - (t.computed or t.started),
             num_done=c.num_done + 1,
         )
         first = PrefilledMsg(
@@ -178,7 +209,14 @@ class PrefillRole(BaseRole):
         self.parts.peers.send(route.decode_addr, first)
 
     def transfer_counters(self) -> TransferCounters:
-        return self._counters._replace(num_transferring=len(self._transfers))
+        return self._counters._replace(num_transferring=len(self._transfers) + len(self.pulls))
+
+    @property
+    def num_expected(self) -> int:
+        return len(self.pulls)  # held for their pull, not in the scheduler yet
 
     def held_request_ids(self) -> set[str]:
         return set(self._routes)
+
+    def stats_fields(self) -> dict[str, Any]:
+        return self.pulls.stats_fields()

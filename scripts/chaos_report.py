@@ -122,13 +122,11 @@ def leak_checks(
 ) -> list[Check]:
     """What must be back at its idle level once the load has stopped."""
     nodes = pools.nodes
-    peers = {r: sum(n["role"] == o for n in nodes) for r, o in zip(ROLES, reversed(ROLES))}
-    over_pairs = [
-        f"{n['id']}: {n['pair_groups']}" for n in nodes if n["pair_groups"] > peers[n["role"]]
-    ]
-    over_sockets = [
-        f"{n['id']}: {n['sockets']}" for n in nodes if n["sockets"] > 3 + 2 * peers[n["role"]]
-    ]
+    # a pair group per direction per live peer at most: KV goes prefill -> decode, and a pull
+    # between any two nodes; a push socket and a transfer dealer per peer sent to
+    peers = len(nodes) - 1
+    over_pairs = [f"{n['id']}: {n['pair_groups']}" for n in nodes if n["pair_groups"] > 2 * peers]
+    over_sockets = [f"{n['id']}: {n['sockets']}" for n in nodes if n["sockets"] > 3 + 2 * peers]
     over_threads = [
         f"{n['id']}: {n['threads']} with {n['pair_groups']} pairs"
         for n in nodes
@@ -148,7 +146,7 @@ def leak_checks(
         Check("pools whole (ready nodes / size, none starting or draining)", sizes_now, "all", pools.is_whole(sizes)),
         Check("KV slots held by requests (all nodes)", str(sum(n["slots_in_use"] for n in nodes)), "0", all(n["slots_in_use"] == 0 for n in nodes)),
         Check("requests and queued tokens on nodes", str(sum(n["load"] + n["queued_tokens"] for n in nodes)), "0", all(n["load"] == n["queued_tokens"] == 0 for n in nodes)),
-        Check("pair groups per node", ", ".join(over_pairs) or f"max {max((n['pair_groups'] for n in nodes), default=0)}", "<= peers", not over_pairs),
+        Check("pair groups per node", ", ".join(over_pairs) or f"max {max((n['pair_groups'] for n in nodes), default=0)}", "<= 2 per peer (each way)", not over_pairs),
         Check("zmq sockets per node", ", ".join(over_sockets) or f"max {max((n['sockets'] for n in nodes), default=0)}", "<= 3 + 2 per peer", not over_sockets),
         Check("threads per node beyond 2 per pair group", ", ".join(over_threads) or "at idle level", f"<= idle ({idle_threads})", not over_threads),
         Check("pending KV transfers", f"{metrics.total('pd_node_pending_transfers'):.0f}", "0", metrics.total("pd_node_pending_transfers") == 0),

@@ -64,6 +64,11 @@ class BasePrefixCache(ABC):
         match ``prompt[:-1]`` (see ``match_prompt``) so at least one token is computed.
         """
 
+    def match_for_peer(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
+        """``match_prefix`` for another node's pull (or a pull into this cache): the same
+        match, not counted as this node's hit or miss. Without a cache, nothing matches."""
+        return MatchResult([], None, 0)
+
     @abstractmethod
     def inc_lock_ref(self, node: NodeHandle) -> None:
         """Lock the path root..node: locked nodes are never evicted."""

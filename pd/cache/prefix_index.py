@@ -120,6 +120,14 @@ class PrefixMatch(NamedTuple):
                 return num_tokens
         return 0
 
+    def longest_held(self, among: int) -> tuple[int, int]:
+        """The bits of ``among`` whose caches hold the most of the prompt, and how many
+        tokens; (0, 0) when none holds any."""
+        for held, _, num_tokens in reversed(self.steps):
+            if mask := held & among:
+                return mask, num_tokens
+        return 0, 0
+
     def longest_expected(self, among: int) -> tuple[int, int]:
         """The bits of ``among`` expected to hold the most of the prompt, and how many tokens;
         (0, 0) when none holds any."""

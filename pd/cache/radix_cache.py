@@ -65,14 +65,18 @@ class RadixCache(BasePrefixCache):
     # -- matching and locking ---------------------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
+        match = self.match_for_peer(tokens, namespace)
+        self._num_hit += match.num_tokens
+        self._num_miss += len(tokens) - match.num_tokens
+        return match
+
+    def match_for_peer(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
         m = self._tree.match(tokens, namespace)
         match = MatchResult(m.values, m.node, m.num_tokens)
         if self._lower is not None and len(tokens) - m.num_tokens >= self.page_size:
             match = self._load_back(tokens, namespace, match)
         if self._lower is not None and match.num_tokens:  # a reused prefix: written through
             self._lower.write_through(tokens[: match.num_tokens], match.slots, namespace)
-        self._num_hit += match.num_tokens
-        self._num_miss += len(tokens) - match.num_tokens
         return match
 
     def _load_back(self, tokens: Sequence[int], namespace: str, m: MatchResult) -> MatchResult:

@@ -231,6 +231,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "prefill node (their queued prefill tokens counted): bursts of cold prompts use both",
     )
     parser.add_argument(
+        "--pull-min-tokens",
+        type=int,
+        default=CoordinatorConfig.pull_min_tokens,
+        help="a prefill node that lacks a prefix another node holds pulls its KV from there "
+        "when that saves at least this many tokens and is estimated faster than computing "
+        "them (measured rates); -1: never pull",
+    )
+    parser.add_argument(
         "--colocated",
         action="store_true",
         help="serve one in-process engine (prefill and decode together, no Ray) instead",

@@ -22,6 +22,8 @@ _COLUMNS = (
     "kv_usage",
     "cached_tokens",
     "host_cached_tokens",
+    "pulled_tokens",
+    "pulls_served",
 )
 
 
@@ -68,7 +70,29 @@ def format_pools(pools: dict[str, Any]) -> str:
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
-    return f"target: {target}\n" + "\n".join(lines)
+    out = f"target: {target}\n" + "\n".join(lines)
+    if (pulls := pools.get("pulls")) and pulls["decisions"]:
+        out += "\n" + format_pulls(pulls)
+    return out
+
+
+def format_pulls(pulls: dict[str, Any]) -> str:
+    """The coordinator's last pull-or-compute choices, with both estimates and the pull's
+    measured time."""
+    head = (
+        f"pulls: {pulls['num_pulls']} chosen, {pulls['num_fallbacks']} computed after all, "
+        f"{pulls['num_computed']} estimated slower than computing; last choices:"
+    )
+    lines = [head]
+    for d in pulls["decisions"][-8:]:
+        took = "-" if d["pull_s"] is None else f"{d['pull_s'] * 1000:.0f} ms"
+        why = f" ({d['error']})" if d["error"] else ""
+        lines.append(
+            f"  {d['request_id']}: {d['num_tokens']} tokens {d['holder']} -> {d['node']}: "
+            f"pull ~{d['est_pull_s'] * 1000:.0f} ms vs compute ~{d['est_compute_s'] * 1000:.0f} ms"
+            f" -> {d['choice']}, took {took}{why}"
+        )
+    return "\n".join(lines)
 
 
 def scale(args: argparse.Namespace) -> int:

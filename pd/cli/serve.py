@@ -173,6 +173,7 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
             local_prefill_tokens=args.local_prefill_tokens,
             local_prefill_min_held=args.local_prefill_min_held,
             local_prefill_balance=args.local_prefill_balance,
+            pull_min_tokens=args.pull_min_tokens,
         ),
     )
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)

@@ -10,9 +10,10 @@ routes them to (``warmup``). Sizes set here are the operator's: the autoscaler i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
 from pd.cluster.launcher import Cluster
@@ -36,6 +37,8 @@ class NodeView(NamedTuple):
     kv_usage: float  # KV slots held by requests / all slots (cached prefixes not counted)
     cached_tokens: int
     host_cached_tokens: int  # held in its host tier, below the pool
+    pulled_tokens: int  # prompt tokens whose KV it pulled from another node
+    pulls_served: int  # prefixes it sent to nodes that pulled them
     slots_in_use: int  # held by requests (0 when idle: a leak check)
     pair_groups: int
     threads: int
@@ -70,6 +73,18 @@ class ClusterAdmin:
 
     def target(self) -> PoolSizes:
         return PoolSizes(**self.cluster.target)
+
+    def pulls(self, last: int = 32) -> dict[str, Any]:
+        """The coordinator's pull counts and its ``last`` pull-or-compute decisions."""
+        log = self.client.coordinator.pulls
+        return {
+            "num_pulls": log.num_pulls,
+            "num_computed": log.num_computed,
+            "num_fallbacks": log.num_fallbacks,
+            "num_pulled_tokens": log.num_pulled_tokens,
+            "pull_seconds": log.pull_seconds,
+            "decisions": [dataclasses.asdict(d) for d in list(log.decisions)[-last:]],
+        }
 
     def nodes(self) -> list[NodeView]:
         cluster, stats = self.cluster, self.client.node_stats
@@ -146,8 +161,9 @@ def _view(
     )
     if s is None:
         return NodeView(
-            node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, pid, addr, transfer_addr
-        )
+            node_id, role, ray_node, state, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, pid, addr,
+            transfer_addr,
+        )  # fmt: skip
     in_use = s.num_slots - s.num_free_slots - s.num_cached_tokens
     return NodeView(
         id=node_id,
@@ -159,6 +175,8 @@ def _view(
         kv_usage=in_use / s.num_slots if s.num_slots else 0.0,
         cached_tokens=s.num_cached_tokens,
         host_cached_tokens=s.num_host_cached_tokens,
+        pulled_tokens=s.num_pulled_tokens,
+        pulls_served=s.num_pulls_served,
         slots_in_use=in_use,
         pair_groups=s.num_pairs,
         threads=s.num_threads,

@@ -58,7 +58,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pd.cluster.coordinator import Coordinator
+from pd.cluster.coordinator import Coordinator, Pull
 from pd.cluster.flight import EventKind, Flight, FlightEvent, FlightStatus
 from pd.cluster.liveness import Liveness
 from pd.cluster.mirror import MirrorSync
@@ -73,6 +73,8 @@ from pd.core.messages import (
     NodeStatsMsg,
     PeerGoneMsg,
     PrefillReqMsg,
+    PullDoneMsg,
+    PullFrom,
     ServerMsg,
     TokenMsg,
 )
@@ -383,6 +385,9 @@ class ClusterClient:
             num_rerouted=self.num_rerouted,
             num_failed_nodes=len(self.dead_nodes),
             num_local_prefills=self.coordinator.num_local_routes,
+            num_pulls_chosen=self.coordinator.pulls.num_pulls,
+            num_pulls_computed=self.coordinator.pulls.num_computed,
+            num_pull_fallbacks=self.coordinator.pulls.num_fallbacks,
         )
 
     # -- a request's attempts ---------------------------------------------------------------
@@ -436,10 +441,23 @@ class ClusterClient:
                 decode_node=route.decode,
                 decode_addr=d.addr,
                 decode_transfer_addr=d.transfer_addr,
+                pull=self._pull_from(route.pull),
             )
             self._send(route.prefill, msg)
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
+
+    def _pull_from(self, pull: Pull | None) -> PullFrom | None:
+        holder = None if pull is None else self.nodes.get(pull.holder)
+        if pull is None or holder is None:
+            return None
+        return PullFrom(
+            node_id=pull.holder,
+            addr=holder.addr,
+            transfer_addr=holder.transfer_addr,
+            num_tokens=pull.num_tokens,
+            timeout_s=pull.timeout_s,
+        )
 
     @staticmethod
     async def _timed(work: Awaitable[None]) -> float:
@@ -586,6 +604,10 @@ class ClusterClient:
         elif isinstance(msg, NodeStatsMsg):
             self.node_stats[msg.node_id] = msg
             self.liveness.heard(msg.node_id)
+            per_token = max((n.kv_bytes_per_token for n in self.nodes.values()), default=0)
+            self.coordinator.costs.update(self.node_stats.values(), per_token)
+        elif isinstance(msg, PullDoneMsg):
+            self.coordinator.pulls.done(msg)
 
     def _on_tokens(self, msg: TokenMsg) -> None:
         """Tokens, a finish or an error of an attempt, into its flight's mailbox."""

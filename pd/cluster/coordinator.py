@@ -35,6 +35,15 @@ decode node decodes nothing: a long prefill there would stretch every running st
 hop is paid; decode nodes prefill in chunks between their decode steps.
 What a decode node holds counts only once its cache events say so (a prompt it is still working
 on is not there yet).
+Pulls (off with ``pull_min_tokens=-1``): when the chosen prefill node is expected to hold less
+of the prompt than another node (prefill or decode, in any tier its events announce) holds, by at
+least ``pull_min_tokens``, the route names that holder (``Route.pull``) if moving the missing
+tokens' KV is estimated faster than computing them: ``PullCosts`` from what the nodes measured
+(prefill tokens per second in pure prefill batches; bytes per second of finished pulls, else of
+prefill-to-decode transfers), none before both are measured. Each such choice, either way, goes
+into ``decisions`` with both estimates (the node reports the pull's real time, ``PullLog``). So
+a prefix is never stranded where it was computed (a conversation prefilled on its decode node,
+a node that load sent elsewhere), and load balancing costs a pull instead of a recompute.
 A node whose cache events were lost (a seq gap) is listed in ``nodes_to_resync``, answered from
 its last consistent view, until its ``take_snapshot()`` arrives (``apply_snapshot``, or the reset
 event in its stream). All of this is plain Python: the cluster client feeds it events and request
@@ -46,13 +55,14 @@ from __future__ import annotations
 import itertools
 import random
 from array import array
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
-from pd.core.messages import CacheEventMsg
+from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 
@@ -69,6 +79,9 @@ class CoordinatorConfig:
     local_prefill_min_held: float = 0.5
     # ... or when the decode node would get through its prefill sooner than the prefill side
     local_prefill_balance: bool = True
+    # pull a prefix another node holds when it saves at least this many tokens (-1: never)
+    pull_min_tokens: int = 64
+    pull_timeout_min_s: float = 1.0  # a pull waits at most max(this, 2x its compute estimate)
     page_size: int = 1
     seed: int = 0
 
@@ -86,16 +99,112 @@ class CoordinatorConfig:
             raise ValueError(
                 f"local_prefill_tokens must be >= 0, or -1 for never; got {self.local_prefill_tokens}"
             )
+        if self.pull_min_tokens < -1 or not self.pull_timeout_min_s > 0:
+            raise ValueError(
+                f"pull_min_tokens must be >= 0, or -1 for never (got {self.pull_min_tokens}); "
+                f"pull_timeout_min_s > 0 (got {self.pull_timeout_min_s})"
+            )
         if not 0.0 < self.local_prefill_min_held <= 1.0:
             raise ValueError(
                 f"local_prefill_min_held must be in (0, 1], got {self.local_prefill_min_held}"
             )
 
 
+class Pull(NamedTuple):
+    holder: str  # the node to pull from
+    num_tokens: int  # the prompt's first tokens, all held there
+    timeout_s: float  # past this the prefill node computes them instead
+
+
 class Route(NamedTuple):
     prefill: str | None  # None: the decode node prefills the request itself
     decode: str
-    num_matched: int  # prompt tokens the node that prefills is expected to hold
+    num_matched: int  # prompt tokens the node that prefills is expected to hold (pulls too)
+    pull: Pull | None = None  # the prefill node first pulls this prefix
+
+
+@dataclass
+class PullCosts:
+    """What a pull is weighed against, from the nodes' latest stats (``update``)."""
+
+    kv_bytes_per_token: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    bytes_per_s: float = 0.0
+
+    def update(self, stats: Iterable[NodeStatsMsg], kv_bytes_per_token: int) -> None:
+        """Cluster-wide rates: prompt tokens computed per second in pure prefill batches, and
+        bytes moved per second by pulls, or, before any pull came, by prefill-to-decode
+        transfers over the part of their time not hidden behind the forward (so the first
+        pull is tried optimistically; the pulls measured from then on decide)."""
+        tokens = seconds = pulled = pull_s = sent = send_s = 0.0
+        for s in stats:
+            tokens, seconds = tokens + s.num_prefill_tokens, seconds + s.prefill_seconds
+            pulled, pull_s = pulled + s.pull_bytes, pull_s + s.pull_seconds
+            sent, send_s = sent + s.transfer_bytes, send_s + s.transfer_wire_seconds
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        self.bytes_per_s = pulled / pull_s if pull_s > 0 else sent / send_s if send_s > 0 else 0.0
+
+    def estimate(self, num_tokens: int) -> tuple[float, float] | None:
+        """(seconds to pull, seconds to compute) ``num_tokens``; None before both rates are
+        measured."""
+        if not (self.prefill_tokens_per_s > 0 and self.bytes_per_s > 0 and self.kv_bytes_per_token):
+            return None
+        pull_s = num_tokens * self.kv_bytes_per_token / self.bytes_per_s
+        return pull_s, num_tokens / self.prefill_tokens_per_s
+
+
+@dataclass
+class PullDecision:
+    """One choice between pulling a prefix and computing it, and (once the node reported it)
+    how the pull went."""
+
+    request_id: str  # the wire id
+    node: str  # the prefill node
+    holder: str
+    num_tokens: int  # tokens the pull would save
+    est_pull_s: float
+    est_compute_s: float
+    choice: str  # "pull" | "compute"
+    pull_s: float | None = None  # measured: arrival to the prefix in the cache, or to fallback
+    num_pulled: int | None = None
+    error: str | None = None  # why a pull fell back to computing
+
+
+class PullLog:
+    """The last ``maxlen`` decisions, and counts since start."""
+
+    def __init__(self, maxlen: int = 256) -> None:
+        self.decisions: deque[PullDecision] = deque(maxlen=maxlen)
+        self._open: dict[str, PullDecision] = {}  # pulls not reported yet, by wire id
+        self.num_pulls = 0  # chosen
+        self.num_computed = 0  # a holder had more, but computing was estimated faster
+        self.num_fallbacks = 0  # chosen, but computed after all (refused, gone, timed out)
+        self.num_pulled_tokens = 0
+        self.pull_seconds = 0.0  # of the pulls that came
+
+    def add(self, d: PullDecision) -> None:
+        self.decisions.append(d)
+        if d.choice == "pull":
+            self.num_pulls += 1
+            self._open[d.request_id] = d
+            if len(self._open) > 4 * (self.decisions.maxlen or 1):  # unreported: lost nodes
+                self._open.pop(next(iter(self._open)))
+        else:
+            self.num_computed += 1
+
+    def done(self, msg: PullDoneMsg) -> None:
+        d = self._open.pop(msg.request_id, None)
+        if msg.error is None:
+            self.num_pulled_tokens += msg.num_pulled
+            self.pull_seconds += msg.seconds
+        else:
+            self.num_fallbacks += 1
+        if d is not None:
+            d.pull_s, d.num_pulled, d.error = msg.seconds, msg.num_pulled, msg.error
+
+    def forget(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
 
 
 class NoCapacityError(RuntimeError):
@@ -163,6 +272,8 @@ class Coordinator:
         self._rng = random.Random(cfg.seed)
         self._members: _Members | None = None  # rebuilt after membership changes
         self.num_local_routes = 0  # requests sent to a decode node alone
+        self.costs = PullCosts()
+        self.pulls = PullLog()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -244,9 +355,12 @@ class Coordinator:
         decode_node = self._decode[decode]
         held = match.held_len(decode_node.index.bit)
         local = allow_local and self._is_local(members, decode_node, len(prompt_ids), held, match)
+        pull = None
         if not local:
             prefill, matched = self._pick_prefill(members, len(prompt_ids), match)
             node = self._prefill[prefill]
+            pull = self._plan_pull(request_id, node, matched, match)
+            matched = pull.num_tokens if pull is not None else matched
             load = len(prompt_ids) - matched
             local = allow_local and self._is_sooner_local(
                 decode_node, len(prompt_ids) - held, node, load
@@ -263,7 +377,7 @@ class Coordinator:
         self._mirror.add_pending(prefill, key, namespace, after=match)
         decode_node.reserved += need
         self._requests[request_id] = _Booking(node, decode_node, need)
-        return Route(prefill, decode, matched)
+        return Route(prefill, decode, matched, pull)
 
     def on_prefilled(self, request_id: str) -> None:
         """The request's first token came: its prefill load is gone, and its decode node is
@@ -329,6 +443,33 @@ class Coordinator:
         if decode.started or held < self.cfg.local_prefill_min_held * prompt_len:
             return False
         return held >= match.longest_expected(members.prefill_bits)[1]
+
+    def _plan_pull(
+        self, request_id: str, node: _Prefill, matched: int, match: PrefixMatch
+    ) -> Pull | None:
+        """A pull for ``node``, expected to hold ``matched`` tokens of the prompt, from the
+        node holding the most of it, if that saves at least ``pull_min_tokens`` and is
+        estimated faster than computing them (logged either way)."""
+        if self.cfg.pull_min_tokens < 0:
+            return None
+        holders = {p.index.bit: n for n, p in self._prefill.items() if p is not node}
+        holders.update((d.index.bit, n) for n, d in self._decode.items())
+        mask, num_held = match.longest_held(sum(holders))
+        gain = num_held - matched
+        if not mask or gain < max(1, self.cfg.pull_min_tokens):
+            return None
+        est = self.costs.estimate(gain)
+        if est is None:
+            return None
+        pull_s, compute_s = est
+        holder = holders[mask & -mask]
+        choice = "pull" if pull_s < compute_s else "compute"
+        self.pulls.add(
+            PullDecision(request_id, node.node_id, holder, gain, pull_s, compute_s, choice)
+        )
+        if choice == "compute":
+            return None
+        return Pull(holder, num_held, max(self.cfg.pull_timeout_min_s, 2 * compute_s))
 
     def _is_sooner_local(
         self, decode: _Decode, num_local: int, prefill: _Prefill, num_remote: int

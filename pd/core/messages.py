@@ -34,6 +34,24 @@ class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True, kw_only=True
     num_evicted: int = 0
 
 
+class PullFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a prefill node pulls the KV of a prompt's first ``num_tokens`` tokens from: another
+    node (prefill or decode) that holds them, chosen by the coordinator because pulling them
+    was estimated faster than computing them. Past ``timeout_s`` the node computes them."""
+
+    node_id: str
+    addr: str  # the holder's request socket (for PullReqMsg)
+    transfer_addr: str  # the holder's transfer control endpoint
+    num_tokens: int
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        parse_endpoint(self.addr)
+        parse_endpoint(self.transfer_addr)
+        if self.num_tokens < 1 or not self.timeout_s > 0:
+            raise ValueError(f"pull of {self.num_tokens} tokens within {self.timeout_s} s")
+
+
 class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True, kw_only=True):
     """Server -> prefill node: prefill this prompt, then hand its KV to ``decode_node``."""
 
@@ -44,10 +62,39 @@ class PrefillReqMsg(msgspec.Struct, tag="prefill_req", frozen=True, kw_only=True
     decode_node: str  # node id
     decode_addr: str  # the decode node's request socket (for PrefilledMsg)
     decode_transfer_addr: str  # the decode node's transfer control endpoint
+    pull: PullFrom | None = None  # first pull this much of the prompt from another node
 
     def __post_init__(self) -> None:
         parse_endpoint(self.decode_addr)
         parse_endpoint(self.decode_transfer_addr)
+        if self.pull is not None and self.pull.num_tokens >= len(self.prompt_ids):
+            raise ValueError(
+                f"pull of {self.pull.num_tokens} tokens of a {len(self.prompt_ids)}-token prompt"
+            )
+
+
+class PullReqMsg(msgspec.Struct, tag="pull_req", frozen=True, kw_only=True):
+    """Prefill node -> the node holding a prefix: send me the KV of ``token_ids`` (in
+    ``namespace``) over the transfer engine, as transfer ``pull_id``. The holder sends the
+    longest prefix of it that it still holds, or answers ``PullRefusedMsg``."""
+
+    pull_id: str
+    namespace: str
+    token_ids: list[int]
+    requester: str  # node id
+    requester_addr: str  # its request socket (for PullRefusedMsg)
+    requester_transfer_addr: str  # its transfer control endpoint
+
+    def __post_init__(self) -> None:
+        parse_endpoint(self.requester_addr)
+        parse_endpoint(self.requester_transfer_addr)
+
+
+class PullRefusedMsg(msgspec.Struct, tag="pull_refused", frozen=True, kw_only=True):
+    """Holder -> requester: nothing of the prefix is held here (any more); compute it."""
+
+    pull_id: str
+    reason: str
 
 
 class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True, kw_only=True):
@@ -124,7 +171,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     num_hit_tokens: int
     num_miss_tokens: int
     transfer_bytes: int
-    transfer_seconds: float
+    transfer_seconds: float  # from each transfer's start to its end (its last forward too)
     num_transfers: int  # KV transfers completed (prefill nodes)
     num_queued_tokens: int  # prompt tokens waiting or being prefilled
     num_dropped_msgs: int = 0  # malformed messages dropped (request and transfer sockets)
@@ -152,6 +199,18 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     disk_load_seconds: float = 0.0
     num_disk_written: int = 0  # chunks written
     num_disk_rejected: int = 0  # truncated, corrupt or foreign files removed
+    # the speed pulls are weighed against: prompt tokens computed in pure prefill batches
+    num_prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    # of transfer_seconds, the part after the KV was all computed (overlap does not count)
+    transfer_wire_seconds: float = 0.0
+    # pulls of a prefix from another node (pd.node.pulls): as the requester, and as the holder
+    num_pulls: int = 0  # pulls asked for
+    num_pulls_failed: int = 0  # of them, computed instead (refused, holder gone, timed out)
+    num_pulled_tokens: int = 0
+    pull_bytes: int = 0
+    pull_seconds: float = 0.0  # of the pulls that came
+    num_pulls_served: int = 0  # prefixes this node sent to a requester
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,11 +224,33 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     pid: int = 0  # the node's process
     ray_node_id: str = ""  # the Ray node it was placed on
+    kv_bytes_per_token: int = 0  # what moving one token's KV costs (all layers, K and V)
 
     def __post_init__(self) -> None:
         parse_endpoint(self.addr)
         parse_endpoint(self.transfer_addr)
 
 
-NodeMsg = PrefillReqMsg | DecodeReqMsg | LocalReqMsg | PrefilledMsg | AbortMsg | PeerGoneMsg
-ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg
+class PullDoneMsg(msgspec.Struct, tag="pull_done", frozen=True, kw_only=True):
+    """Prefill node -> server: how a pull the coordinator chose went (its decision log)."""
+
+    node_id: str
+    request_id: str  # the wire id of the request it was for
+    holder: str
+    num_tokens: int  # asked for
+    num_pulled: int  # KV tokens that came (0: it fell back to computing them)
+    seconds: float  # from the request's arrival to its prefix in the cache, or the fallback
+    error: str | None = None  # why it fell back
+
+
+NodeMsg = (
+    PrefillReqMsg
+    | DecodeReqMsg
+    | LocalReqMsg
+    | PrefilledMsg
+    | AbortMsg
+    | PeerGoneMsg
+    | PullReqMsg
+    | PullRefusedMsg
+)
+ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg | PullDoneMsg

@@ -39,6 +39,9 @@ class ClusterStats(NamedTuple):
     num_rerouted: int = 0  # requests moved off a dead node before they streamed anything
     num_failed_nodes: int = 0  # nodes found dead
     num_local_prefills: int = 0  # requests prefilled on their decode node (no KV transfer)
+    num_pulls_chosen: int = 0  # routes with a pull (the coordinator's PullLog)
+    num_pulls_computed: int = 0  # a holder had more, but computing was estimated faster
+    num_pull_fallbacks: int = 0  # pulls that did not come: computed instead
 
 
 class EngineClient(Protocol):

@@ -35,7 +35,8 @@ class TransferCounters(NamedTuple):
 
     num_transferring: int = 0  # transfers (or expected requests) open now
     num_bytes: int = 0
-    num_seconds: float = 0.0
+    num_seconds: float = 0.0  # from each transfer's start (before its last forward) to done
+    num_wire_seconds: float = 0.0  # ... from its KV all computed to done: what is not hidden
     num_done: int = 0
     num_dropped_msgs: int = 0  # malformed messages the node dropped
 
@@ -88,6 +89,8 @@ class EngineCore:
         )
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
+        self.num_prefill_tokens = 0  # computed in pure prefill batches, and the time they took
+        self.prefill_seconds = 0.0
 
     @property
     def max_model_len(self) -> int:
@@ -129,9 +132,12 @@ class EngineCore:
             banned = [self._banned(r) for r in batch.reqs]
             t0 = time.perf_counter()
             rows = self.runner.run(batch.reqs, batch.seqs, on_layer, banned)
-            if batch.num_decode == 0:  # a pure prefill: the speed a host-tier load must beat
+            if batch.num_decode == 0:  # a pure prefill: the speed a load or pull must beat
                 num_tokens = sum(len(s.new_token_ids) for s in batch.seqs)
-                self.cache.note_prefill(num_tokens, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                self.cache.note_prefill(num_tokens, seconds)
+                self.num_prefill_tokens += num_tokens
+                self.prefill_seconds += seconds
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
@@ -163,9 +169,12 @@ class EngineCore:
             num_queued_tokens=s.num_queued_tokens,
             transfer_bytes=transfer.num_bytes,
             transfer_seconds=transfer.num_seconds,
+            transfer_wire_seconds=transfer.num_wire_seconds,
             num_transfers=transfer.num_done,
             num_dropped_msgs=transfer.num_dropped_msgs,
             num_retracted=s.num_retracted,
+            num_prefill_tokens=self.num_prefill_tokens,
+            prefill_seconds=self.prefill_seconds,
             **_tier_fields(self.cache.tier_stats),
         )
 

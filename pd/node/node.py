@@ -14,7 +14,9 @@ request fails that request alone (``guard``).
 
 The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
 for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers (the engine's
-layer callback), so a busy loop is told from a stuck one. When a peer dies or leaves
+layer callback), so a busy loop is told from a stuck one. Any node's ``PullSource`` answers
+another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``).
+When a peer dies or leaves
 (``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
 what it kept for the peer's requests.
 
@@ -43,13 +45,14 @@ import msgspec
 import zmq
 
 from pd.core.addresses import node_addrs
-from pd.core.messages import NodeInfo, PeerGoneMsg
+from pd.core.messages import NodeInfo, PeerGoneMsg, PullReqMsg
 from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
 from pd.engine.torch_thread import TorchThread
 from pd.node.config import NodeConfig, NodeSettings
 from pd.node.links import Inbox, PeerLinks, ServerLink
+from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
 from transfer import TransferAgent
 from transfer.inbound import max_frame_bytes, merge_top
@@ -126,8 +129,10 @@ class Node:
                 self.peers,
                 slot_owner,
                 self.guard,
+                self.inbox.addr,
             )
         )
+        self.pull_source = PullSource(self.core, self.transfer, self.peers)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = (
             queue.SimpleQueue()
         )
@@ -166,6 +171,7 @@ class Node:
             max_model_len=self.core.max_model_len,
             pid=os.getpid(),
             ray_node_id=self.node_cfg.ray_node_id,
+            kv_bytes_per_token=self.core.runner.pool.num_bytes_per_token,
         )
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -245,6 +251,7 @@ class Node:
         self._run_commands()
         result = self.core.step(before_run=self.role.before_run, on_layer_done=self._beat)
         self.role.after_step(result)
+        self.pull_source.progress()
         self._publish()
         busy = result.num_scheduled > 0
         if not busy and block:
@@ -252,6 +259,7 @@ class Node:
                 self.integrity()
             # transfers progress on the agent's own socket: look again soon while any is open
             num_transferring = self.role.transfer_counters().num_transferring
+            num_transferring += len(self.pull_source)
             self.inbox.wait(1 if num_transferring else self.node_cfg.idle_poll_ms)
         return busy
 
@@ -260,6 +268,8 @@ class Node:
             with self.guard(getattr(msg, "request_id", "")):
                 if isinstance(msg, PeerGoneMsg):
                     self._on_peer_gone(msg)
+                elif isinstance(msg, PullReqMsg):
+                    self.pull_source.serve(msg)
                 else:
                     self.role.handle(msg)
 
@@ -318,6 +328,8 @@ class Node:
                 num_sockets=res.num_sockets,
                 num_threads=res.num_threads,
                 rss_bytes=_resident_bytes(),
+                num_pulls_served=self.pull_source.num_served,
+                **self.role.stats_fields(),
             )
         )
 
@@ -350,6 +362,7 @@ class Node:
             "threads": res.num_threads,
             "pair_threads": sum(t.name.startswith(_PAIR_THREADS) for t in threading.enumerate()),
             "transfers": res.num_transfers,
+            "pulls_serving": len(self.pull_source),
         }
 
     def _resources(self) -> NodeResources:

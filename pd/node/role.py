@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from pd.core.messages import NodeMsg, PeerGoneMsg
 from pd.engine.core import EngineCore, TransferCounters
@@ -30,6 +30,7 @@ class NodeParts(NamedTuple):
     slot_owner: BaseSlotOwner | None  # what ``make_slot_owner`` made, if anything
     # ``with guard(request_id):`` -- if the block raises, that request fails alone
     guard: Callable[[str], AbstractContextManager[None]]
+    addr: str  # the node's inbox, where peers reach it
 
 
 class BaseRole(ABC):
@@ -74,6 +75,10 @@ class BaseRole(ABC):
     def num_expected(self) -> int:
         """Requests the role holds that its scheduler does not hold yet."""
         return 0
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The role's own ``NodeStatsMsg`` fields (a prefill node's pulls), if any."""
+        return {}
 
     @abstractmethod
     def transfer_counters(self) -> TransferCounters:

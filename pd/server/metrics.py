@@ -57,6 +57,17 @@ _NODE_COUNTERS = {
         "disk_tier_rejected",
         "disk chunks found truncated, corrupt or foreign, and removed",
     ),
+    "num_prefill_tokens": ("prefill_tokens", "prompt tokens computed in pure prefill batches"),
+    "prefill_seconds": ("prefill_seconds", "time those pure prefill batches took"),
+    "num_pulls": ("pulls", "prefixes it asked another node for (pulls)"),
+    "num_pulls_failed": (
+        "pulls_failed",
+        "pulls that did not come (refused, holder gone or stalled): computed instead",
+    ),
+    "num_pulled_tokens": ("pulled_tokens", "prompt tokens whose KV came by a pull"),
+    "pull_bytes": ("pull_bytes", "KV bytes that came by pulls"),
+    "pull_seconds": ("pull_seconds", "time from ask to cached, of the pulls that came"),
+    "num_pulls_served": ("pulls_served", "prefixes it sent to another node that pulled them"),
 }
 # ClusterStats field -> (metric name, help) of the server side
 _SERVER_COUNTERS = {
@@ -80,6 +91,18 @@ _SERVER_COUNTERS = {
     "num_local_prefills": (
         "pd_local_prefills",
         "Requests prefilled on their decode node (conditional disaggregation: no KV transfer)",
+    ),
+    "num_pulls_chosen": (
+        "pd_pull_decisions_pull",
+        "Routes where pulling a prefix from another node was estimated faster than computing it",
+    ),
+    "num_pulls_computed": (
+        "pd_pull_decisions_compute",
+        "Routes where another node held more of the prompt but computing it was estimated faster",
+    ),
+    "num_pull_fallbacks": (
+        "pd_pull_fallbacks",
+        "Pulls chosen that did not come (refused, holder gone or stalled): computed instead",
     ),
 }
 

@@ -275,3 +275,52 @@ def test_generate_endpoint_token_ids_in_and_out(live, smollm2_dir, tokenizer):
     r = httpx.post(f"{live.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == hf_greedy(smollm2_dir, ids, 16)
+
+
+def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
+    live, smollm2_dir, tokenizer, monkeypatch
+):
+    """Load sends a warm prompt to the prefill node that lacks its prefix (forced here): that
+    node pulls the prefix's KV from the holder instead of computing it, the choice and both
+    estimates are in the decision log with the pull's measured time, and the answer is HF's."""
+    coordinator = live.cluster.client.coordinator
+    if len(coordinator.prefill_nodes) < 2:
+        pytest.skip("a pull between prefill nodes needs two")
+    context = "Reference notes: " + " ".join(f"note{i} is {i * 7 % 13}" for i in range(80))
+    first = encode_prompt(tokenizer, f"{context}\nQuestion one:")
+    routes = []
+    route = coordinator.route
+    monkeypatch.setattr(
+        coordinator, "route", lambda *a, **kw: routes.append(route(*a, **kw)) or routes[-1]
+    )
+    out = httpx.post(
+        f"{live.url}/generate",
+        json={"input_ids": first, "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+        timeout=120,
+    )
+    assert out.status_code == 200, out.text
+    wait_idle_and_check(live)
+    holder = routes[-1].prefill
+    deadline = time.monotonic() + 10  # both rates measured (the stats of that request)
+    while coordinator.costs.estimate(1) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pick = coordinator._pick_prefill
+
+    def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
+        node_id, _ = pick(members, prompt_len, match)
+        other = next(n for n in coordinator.prefill_nodes if n != holder)
+        return other, match.expected_len(coordinator.index(other).bit)
+
+    monkeypatch.setattr(coordinator, "_pick_prefill", elsewhere)
+    second = encode_prompt(tokenizer, f"{context}\nQuestion two: what is note7?")
+    body = {"input_ids": second, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    got = httpx.post(f"{live.url}/generate", json=body, timeout=120).json()
+    assert got["output_ids"] == hf_greedy(smollm2_dir, second, 12)
+    d = coordinator.pulls.decisions[-1]
+    assert d.choice == "pull" and d.node != holder and routes[-1].pull is not None, d
+    assert d.num_tokens > 300 and d.est_pull_s < d.est_compute_s
+    deadline = time.monotonic() + 10  # the node's report of the pull reaches the server
+    while d.pull_s is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.error is None and d.num_pulled == d.num_tokens, d
+    assert got["cached_tokens"] >= d.num_tokens  # the pulled part, a hit where it was computed

@@ -164,7 +164,7 @@ def test_leak_checks_pass_at_idle_and_name_what_is_held() -> None:
     assert all(c.ok for c in leak_checks(Pools(sizes, nodes), metrics, sizes, idle))
     leaky = [
         _node("prefill-0", slots_in_use=12, threads=10),
-        _node("prefill-3", pair_groups=3),
+        _node("prefill-3", pair_groups=7),  # 4 nodes: at most 2 x 3 (each way, each peer)
         _node("decode-1"),
         _node("decode-2", state="draining"),
     ]
@@ -180,7 +180,7 @@ def test_leak_checks_pass_at_idle_and_name_what_is_held() -> None:
         "admission places held, queued; server and coordinator in flight",
     }, failed  # fmt: skip
     assert (
-        failed["pair groups per node"] == "prefill-3: 3"
+        failed["pair groups per node"] == "prefill-3: 7"
         and failed["KV slots held by requests (all nodes)"] == "12"
     )
 

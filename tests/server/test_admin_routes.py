@@ -58,10 +58,14 @@ class FakeAdmin:
     def target(self) -> PoolSizes:
         return PoolSizes(**self.sizes)
 
+    def pulls(self) -> dict:
+        return {"num_pulls": 0, "num_computed": 0, "num_fallbacks": 0, "decisions": []}
+
     def nodes(self) -> list[NodeView]:
         return [
             NodeView(
-                *(f"{role}-{i}", role, "ray-1", "ready", 2, 30, 0.25, 100, 400, 10, 1, 12, 5),
+                *(f"{role}-{i}", role, "ray-1", "ready", 2, 30, 0.25, 100, 400, 64, 3, 10, 1, 12),
+                sockets=5,
                 pid=4000 + i,
                 addr=f"tcp://127.0.0.1:{5000 + i}",
                 transfer_addr=f"tcp://127.0.0.1:{6000 + i}",
@@ -156,7 +160,8 @@ def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokeniz
         assert body["nodes"][0] == {
             "id": "prefill-0", "role": "prefill", "ray_node": "ray-1", "state": "ready",
             "load": 2, "queued_tokens": 30, "kv_usage": 0.25, "cached_tokens": 100,
-            "host_cached_tokens": 400, "slots_in_use": 10, "pair_groups": 1, "threads": 12, "sockets": 5,
+            "host_cached_tokens": 400, "pulled_tokens": 64, "pulls_served": 3, "slots_in_use": 10,
+            "pair_groups": 1, "threads": 12, "sockets": 5,
             "pid": 4000, "addr": "tcp://127.0.0.1:5000", "transfer_addr": "tcp://127.0.0.1:6000",
         }  # fmt: skip
         r = c.post("/admin/scale", json={"prefill": 1024}, headers=AUTH)
@@ -219,7 +224,7 @@ def test_pd_scale_and_pd_status_talk_to_the_server(tokenizer, capsys, monkeypatc
         assert pd_main(["status", "--url", url]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert lines[2].split() == [
-            "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100", "400",
+            "prefill-0", "prefill", "ready", "ray-1", "2", "30", "0.25", "100", "400", "64", "3",
         ]  # fmt: skip
         monkeypatch.delenv("PD_ADMIN_API_KEY")
         assert pd_main(["status", "--url", url]) == 1  # PD_API_KEY's tenant key: refused

@@ -1,8 +1,8 @@
 """Operating a cluster over HTTP (``pd scale`` and ``pd status`` use these):
 
 - ``GET /admin/nodes``: every node (id, role, Ray node, state ``starting|ready|draining``, load,
-  KV usage, cached tokens, what it holds open), the pools' targets and the autoscaler's last
-  decisions;
+  KV usage, cached tokens, pulls, what it holds open), the pools' targets, the autoscaler's last
+  decisions and the coordinator's last pull-or-compute choices (``pulls``);
 - ``POST /admin/scale {"prefill": N, "decode": M}`` (either may be left out): set the pools'
   target sizes; nodes start, or drain and leave, in the background (202); a pool grown past
   what the Ray cluster can hold is refused (409, with the numbers: ``pd.cluster.placement``);
@@ -62,6 +62,7 @@ def _pools(admin: ClusterAdmin) -> dict[str, Any]:
         "autoscaler": None
         if auto is None
         else {pool: d._asdict() for pool, d in auto.last.items()} | {"config": vars(auto.cfg)},
+        "pulls": admin.pulls(),
     }
 
 
