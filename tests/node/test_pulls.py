@@ -197,3 +197,30 @@ def test_kv_offered_for_tokens_other_than_the_prefix_asked_for_is_refused(
     assert server.tokens["forged"] == server.tokens["ref-forged"]
     assert _stats(server, b)["failed"] == 1
     _idle(server, b, d)
+
+
+def test_fifty_cycles_of_warm_pull_and_evict_leave_nothing_behind(server, make_trio) -> None:
+    """Prefixes warmed on one node and pulled by another, 50 times over pools of 512 slots (so
+    older prefixes are evicted on both sides as the cycles go), the holder alternating between
+    the other prefill node and the decode node: every answer as computed, and afterwards no
+    slot, lock, transfer, held request or extra pair group on any node."""
+    a, b, d = make_trio()
+    for i in range(50):
+        prefix = [(31 * i + 7 * k) % 900 + 20 for k in range(48)]
+        prompt = prefix + [950 + i % 40, 7, 8]
+        _run(server, a, d, f"warm-{i}", prefix + [3])
+        _run(server, b, d, f"ref-{i}", prompt, "ref")  # the cold answer, in another namespace
+        holder = a if i % 2 == 0 else d  # d holds warm-{i}'s prompt and output: the prefix too
+        _pull_request(server, b, d, f"cycle-{i}", prompt, holder, len(prefix))
+        run_until(server, (a, b, d), lambda i=i: f"cycle-{i}" in server.finished)
+        assert server.tokens[f"cycle-{i}"] == server.tokens[f"ref-{i}"], i
+    _idle(server, a, b, d)
+    stats = _stats(server, b)
+    assert stats["pulls"] == 50 and stats["failed"] == 0, stats
+    assert stats["tokens"] > 0
+    for node in (a, b, d):
+        report = node.integrity()
+        assert report["transfers"] == 0 and report["pulls_serving"] == 0, (node.node_id, report)
+        assert report["pairs"] <= 4, (node.node_id, report)  # each way with each of 2 peers
+        assert report["free"] + report["cached"] == report["total"], (node.node_id, report)
+    assert len(b.role.pulls) == 0 and not b.role.pulls._landing
