@@ -100,8 +100,6 @@ class PullSink(BaseSlotOwner):
         assert self._transfer is not None and self._peers is not None
         pid = pull_id(req.request_id)
         now = time.monotonic()
-        self._pulls[pid] = _Pull(req, src, now, now + src.timeout_s)
-        self.num_pulls += 1
         ask = PullReqMsg(
             pull_id=pid,
             namespace=req.namespace,
@@ -110,7 +108,9 @@ class PullSink(BaseSlotOwner):
             requester_addr=self._addr,
             requester_transfer_addr=self._transfer.endpoint,
         )
-        self._peers.send(src.addr, ask)
+        self._peers.send(src.addr, ask)  # if this raises, nothing is held for the request
+        self._pulls[pid] = _Pull(req, src, now, now + src.timeout_s)
+        self.num_pulls += 1
 
     def on_refused(self, msg: PullRefusedMsg) -> None:
         if (p := self._pulls.get(msg.pull_id)) is not None and p.why_not is None:
