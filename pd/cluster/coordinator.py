@@ -39,8 +39,8 @@ Pulls (off with ``pull_min_tokens=-1``): when the chosen prefill node is expecte
 of the prompt than another node (prefill or decode, in any tier its events announce) holds, by at
 least ``pull_min_tokens``, the route names that holder (``Route.pull``) if moving the missing
 tokens' KV is estimated faster than computing them: ``PullCosts`` from what the nodes measured
-(prefill tokens per second in pure prefill batches; bytes per second of finished pulls, else of
-prefill-to-decode transfers), none before both are measured. Each such choice, either way, goes
+(prefill tokens per second in pure prefill batches; bytes per second of finished pulls), none
+before the prefill rate is measured; until a pull has been measured, one is tried. Each such choice, either way, goes
 into ``decisions`` with both estimates (the node reports the pull's real time, ``PullLog``). So
 a prefix is never stranded where it was computed (a conversation prefilled on its decode node,
 a node that load sent elsewhere), and load balancing costs a pull instead of a recompute.
@@ -130,12 +130,13 @@ class PullCosts:
     kv_bytes_per_token: int = 0
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     bytes_per_s: float = 0.0
+    pulls_measured: bool = False  # bytes_per_s comes from pulls (else from transfers)
 
     def update(self, stats: Iterable[NodeStatsMsg], kv_bytes_per_token: int) -> None:
         """Cluster-wide rates: prompt tokens computed per second in pure prefill batches, and
         bytes moved per second by pulls, or, before any pull came, by prefill-to-decode
-        transfers over the part of their time not hidden behind the forward (so the first
-        pull is tried optimistically; the pulls measured from then on decide)."""
+        transfers over the part of their time not hidden behind the forward (a first guess:
+        until a pull is measured, the coordinator tries one whatever it says)."""
         tokens = seconds = pulled = pull_s = sent = send_s = 0.0
         for s in stats:
             tokens, seconds = tokens + s.num_prefill_tokens, seconds + s.prefill_seconds
@@ -144,6 +145,7 @@ class PullCosts:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         self.bytes_per_s = pulled / pull_s if pull_s > 0 else sent / send_s if send_s > 0 else 0.0
+        self.pulls_measured = pull_s > 0
 
     def estimate(self, num_tokens: int) -> tuple[float, float] | None:
         """(seconds to pull, seconds to compute) ``num_tokens``; None before both rates are
@@ -463,7 +465,10 @@ class Coordinator:
             return None
         pull_s, compute_s = est
         holder = holders[mask & -mask]
-        choice = "pull" if pull_s < compute_s else "compute"
+        # Until a pull has been measured, one is tried whatever the transfers' rate says: a
+        # transfer's time counts its wait for room on a busy decode node, a pull's does not.
+        pays = pull_s < compute_s or not self.costs.pulls_measured
+        choice = "pull" if pays else "compute"
         self.pulls.add(
             PullDecision(request_id, node.node_id, holder, gain, pull_s, compute_s, choice)
         )

@@ -318,7 +318,7 @@ def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
     assert got["output_ids"] == hf_greedy(smollm2_dir, second, 12)
     d = coordinator.pulls.decisions[-1]
     assert d.choice == "pull" and d.node != holder and routes[-1].pull is not None, d
-    assert d.num_tokens > 300 and d.est_pull_s < d.est_compute_s
+    assert d.num_tokens > 300  # the first pull is tried whatever the estimates (then measured)
     deadline = time.monotonic() + 10  # the node's report of the pull reaches the server
     while d.pull_s is None and time.monotonic() < deadline:
         time.sleep(0.05)

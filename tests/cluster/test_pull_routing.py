@@ -92,9 +92,15 @@ def test_load_sends_a_warm_prompt_elsewhere_and_the_node_pulls_it() -> None:
     assert route.pull.num_tokens == len(PREFIX)
 
 
-def test_computing_is_chosen_when_it_is_estimated_faster() -> None:
+def test_computing_is_chosen_when_measured_pulls_are_slower() -> None:
     coord = _coordinator()
-    _measured(coord, tokens_per_s=1e6, bytes_per_s=1e6)  # a fast model on a slow link
+    coord.costs.update(  # a fast model on a slow link, as pulls measured it
+        [
+            _stats("p0", num_prefill_tokens=10_000_000, prefill_seconds=10.0),
+            _stats("p1", pull_bytes=2_000_000, pull_seconds=2.0),
+        ],
+        PER_TOKEN,
+    )
     _insert(coord, "d0", PREFIX)
     route = coord.route("r", PREFIX + [7], 4)
     assert route.pull is None and route.num_matched == 0
@@ -128,3 +134,13 @@ def test_the_bytes_rate_of_pulls_wins_over_that_of_transfers() -> None:
     )  # fmt: skip
     assert costs.bytes_per_s == 2000 and costs.prefill_tokens_per_s == 5
     assert costs.estimate(100) == pytest.approx((0.5, 20.0))
+
+
+def test_before_any_pull_is_measured_one_is_tried_whatever_the_transfers_say() -> None:
+    coord = _coordinator()
+    _measured(coord, tokens_per_s=1e6, bytes_per_s=1e6)  # transfers slow (e.g. waiting for room)
+    _insert(coord, "d0", PREFIX)
+    route = coord.route("r", PREFIX + [7], 4)
+    assert route.pull is not None and route.pull.holder == "d0"
+    (d,) = coord.pulls.decisions
+    assert d.choice == "pull" and d.est_pull_s > d.est_compute_s
