@@ -296,8 +296,10 @@ def test_a_host_cut_off_longer_than_the_heartbeat_timeout_is_replaced_when_back(
     # request makes sure that group is there, on both sides (a pair is built on first use, and
     # one that broke while the old node was cut off is rebuilt only by the next transfer).
     _check([_generate(c.url, 0)], reference)
-    pairs = lambda: {n: v["pair_groups"] for n, v in _idle_and_whole(c.url).items()}  # noqa: E731
-    _until(lambda: set(pairs().values()) == {1}, f"one pair group each ({pairs()})", 10)
+    # the nodes' stats (a heartbeat behind) show it finished, and one pair group each
+    pairs = lambda: {n: (v["load"], v["pair_groups"]) for n, v in _nodes(c.url).items()}  # noqa: E731
+    _until(lambda: set(pairs().values()) == {(0, 1)}, "idle, one pair group each", 10)
+    _idle_and_whole(c.url)
     (gone,) = old
     REPORT.append(
         f"decode host cut for {cut_for:.1f} s (> {HEARTBEAT_S:.0f} s): {gone} gone ({_why_gone(gone)}), /ready 503 after {dead:.1f} s "
