@@ -11,6 +11,12 @@ from bench_client import Result
 
 _PD_PROMPT = "pd_prompt_tokens_total"
 _PD_CACHED = "pd_cached_prompt_tokens_total"
+_PD_ROUTING = (
+    "pd_local_prefills",
+    "pd_pull_decisions_pull",
+    "pd_pull_decisions_compute",
+    "pd_pull_fallbacks",
+)
 _NO_CONFIG = ("json", "label", "launch", "plot_dir")  # not part of what was measured
 
 
@@ -76,6 +82,11 @@ def summarize(
         if prompt_tokens
         else None,
         "cache_hit_rate_metrics": server_hit,
+        "routing_counters": {  # where pd's coordinator sent the work, when it says
+            name.removeprefix("pd_"): after[name] - before.get(name, 0.0)
+            for name in _PD_ROUTING
+            if name in after
+        },
         "ttft_s": _pcts([r.ttft for r in ok]),
         "tpot_s": _pcts([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": _pcts([x for r in ok for x in r.itls]),
@@ -118,6 +129,7 @@ def markdown(s: dict[str, Any]) -> str:
         f"| cache hit rate (usage) | {_rate(s['cache_hit_rate_usage'])} |",
         f"| cache hit rate (/metrics) | {_rate(s['cache_hit_rate_metrics'])} |",
     ]
+    lines += [f"| {name} | {value:.0f} |" for name, value in s["routing_counters"].items()]
     if s["errors"]:
         lines += ["", "errors: " + "; ".join(s["errors"])]
     return "\n".join(lines)

@@ -15,6 +15,10 @@ Workloads:
                  prefix + --suffix-len new random ids: TTFT with a fully cached prefix.
   chat           /v1/chat/completions: --num-groups system prompts of --prefix-len tokens (plus
                  a one-line preamble), --prompts-per-group different questions each.
+  multiturn      /v1/chat/completions: --num-groups conversations of --prompts-per-group turns
+                 over their own --prefix-len system prompt, each turn's history holding the
+                 earlier questions with fixed --max-tokens answers; sent round by round, so a
+                 conversation's next turn comes after every other conversation's.
   trace          replays a Mooncake-format JSONL (--trace; scripts/make_trace.py writes one) at
                  its timestamps × --time-scale, open loop: equal hash ids are equal 512-token
                  blocks of text, each request asks for its output_length tokens.
@@ -54,13 +58,14 @@ from bench_workloads import (
     Request,
     make_cached_prefix,
     make_chat,
+    make_multiturn,
     make_prompts,
     make_trace_requests,
 )
 from make_trace import read_trace
 
 __all__ = ["compare_markdown", "main"]
-WORKLOADS = ("shared-prefix", "fixed", "cached-prefix", "chat", "trace")
+WORKLOADS = ("shared-prefix", "fixed", "cached-prefix", "chat", "multiturn", "trace")
 
 
 def make_requests(args: argparse.Namespace) -> tuple[list[Request], list[Request]]:
@@ -71,6 +76,8 @@ def make_requests(args: argparse.Namespace) -> tuple[list[Request], list[Request
         return [Request(prompt=first)], [Request(prompt=p) for p in prompts]
     if args.workload == "chat":
         return [], make_chat(args)
+    if args.workload == "multiturn":
+        return [], make_multiturn(args)
     if args.workload == "trace":
         return [], make_trace_requests(args, read_trace(args.trace))
     return [], [Request(prompt=p) for p in make_prompts(args)]

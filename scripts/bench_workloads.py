@@ -141,6 +141,35 @@ def make_chat(args: argparse.Namespace) -> list[Request]:
     return requests
 
 
+def make_multiturn(args: argparse.Namespace) -> list[Request]:
+    """--num-groups conversations, each with its own system prompt of --prefix-len tokens and
+    --prompts-per-group turns; turn t sends the system prompt, the t - 1 earlier questions with
+    a fixed answer of --max-tokens tokens each (so the request's prompt is the last turn's
+    prompt + its answer + a new question, whatever the server answered), and question t.
+    Sent round by round (turn 1 of every conversation, shuffled, then turn 2, ...): between two
+    turns of one conversation every other conversation takes a turn, so a pool smaller than
+    all the conversations evicts what the next round reuses."""
+    words = TokenText(load_tokenizer(args.tokenizer))
+    answer_len = args.max_tokens
+    rounds: list[list[Request]] = [[] for _ in range(args.prompts_per_group)]
+    for g in range(args.num_groups):
+        system = "You answer questions about this text:" + words.text(
+            f"system {g}", args.prefix_len
+        )
+        messages = [{"role": "system", "content": system}]
+        for t in range(args.prompts_per_group):
+            topic = _TOPICS[t % len(_TOPICS)]
+            question = f"Question {t + 1}: what does the text say about {topic}? Be brief."
+            messages = [*messages, {"role": "user", "content": question}]
+            rounds[t].append(Request(messages=messages))
+            answer = words.text(f"answer {g} {t}", answer_len).strip()
+            messages = [*messages, {"role": "assistant", "content": answer}]
+    rng = random.Random(args.seed)
+    for turn in rounds:
+        rng.shuffle(turn)
+    return [r for turn in rounds for r in turn]
+
+
 def make_trace_requests(args: argparse.Namespace, trace: list[TraceRequest]) -> list[Request]:
     """The trace's requests at timestamp × --time-scale, each prompt checked to tokenize to
     exactly its input_length."""

@@ -21,20 +21,23 @@ conversation's next turn returns to the node that has its history and less KV mo
 and under the other policies, the one with the most unreserved slots.
 
 Conditional disaggregation (any policy, off with ``local_prefill_tokens=-1``): the request goes
-to the chosen decode node alone (``Route.prefill`` is None), which prefills it itself, when what
-that node would have to compute is short (prompt tokens beyond the prefix it holds <=
+to the chosen decode node alone (``Route.prefill`` is None), which prefills it itself, provided
+it holds at least as much of the prompt as any prefill node is expected to (it never computes
+again what a prefill node holds: that would lower the hit rate and strand a second copy), when
+what that node would have to compute is short (prompt tokens beyond the prefix it holds <=
 ``local_prefill_tokens``), or when it holds at least ``local_prefill_min_held`` of the prompt
-and no prefill node is expected to hold more (the next turn of a conversation), or, with
-``local_prefill_balance``, when the prefill side is busy enough that the decode node would get
-through the prompt sooner: the tokens it would compute plus those of the local prefills it has
-queued are fewer, by more than ``local_prefill_tokens``, than the chosen prefill node's (its
-queue plus its part of this prompt), so a burst of cold prompts is prefilled on both sides at
+(the next turn of a conversation), or, with ``local_prefill_balance``, when the prefill side is
+busy enough that the decode node would get through the prompt sooner: the tokens it would
+compute plus those of the local prefills it has queued are fewer, by more than
+``local_prefill_tokens``, than the chosen prefill node's (its queue plus its part of this
+prompt, after any pull), so a burst of cold prompts is prefilled on both sides at
 once. The last two apply only while the
 decode node decodes nothing: a long prefill there would stretch every running stream's TPOT
 (measured: 1.9 s instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV moves and no second
 hop is paid; decode nodes prefill in chunks between their decode steps.
-What a decode node holds counts only once its cache events say so (a prompt it is still working
-on is not there yet).
+What a decode node holds is, as for a prefill node, what its cache events say plus the prompts it
+is prefilling itself (a follower admitted there waits for them, as on a prefill node); a prompt
+whose KV it is receiving counts only once its events say so.
 Pulls (off with ``pull_min_tokens=-1``): when the chosen prefill node is expected to hold less
 of the prompt than another node (prefill or decode, in any tier its events announce) holds, by at
 least ``pull_min_tokens``, the route names that holder (``Route.pull``) if moving the missing
@@ -214,7 +217,8 @@ class NoCapacityError(RuntimeError):
 
 
 class _InFlight(NamedTuple):
-    """A prompt routed to a prefill node whose prefill has not finished."""
+    """A prompt routed to a node that prefills it (a prefill node, or a decode node alone),
+    whose prefill has not finished."""
 
     key: bytes  # the encoded prompt, counted as pending on the node in the shared index
     namespace: str
@@ -234,11 +238,12 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _Decode:
+    node_id: str
     num_slots: int
     index: PrefixIndex
     reserved: int = 0
-    local: dict[str, int] = field(default_factory=dict)  # request -> tokens it prefills here
-    local_load: int = 0  # their sum, until each one's first token
+    local: dict[str, _InFlight] = field(default_factory=dict)  # request -> prefilled here
+    local_load: int = 0  # the tokens they compute here, until each one's first token
     started: set[str] = field(default_factory=set)  # requests decoding here (a token came)
     draining: bool = False
 
@@ -285,7 +290,7 @@ class Coordinator:
 
     def add_decode(self, node_id: str, num_slots: int) -> None:
         self.remove(node_id)
-        self._decode[node_id] = _Decode(num_slots, self._mirror.add(node_id))
+        self._decode[node_id] = _Decode(node_id, num_slots, self._mirror.add(node_id))
 
     def drain(self, node_id: str) -> None:
         """Send no new requests to this node."""
@@ -355,7 +360,7 @@ class Coordinator:
         match = self._mirror.match(key[:-TOKEN_BYTES], namespace)
         decode = self._pick_decode(members, need, len(prompt_ids), match)
         decode_node = self._decode[decode]
-        held = match.held_len(decode_node.index.bit)
+        held = match.expected_len(decode_node.index.bit)
         local = allow_local and self._is_local(members, decode_node, len(prompt_ids), held, match)
         pull = None
         if not local:
@@ -370,8 +375,9 @@ class Coordinator:
         if local:
             self.num_local_routes += 1
             decode_node.reserved += need
-            decode_node.local[request_id] = len(prompt_ids) - held
+            decode_node.local[request_id] = _InFlight(key, namespace, len(prompt_ids) - held)
             decode_node.local_load += len(prompt_ids) - held
+            self._mirror.add_pending(decode, key, namespace, after=match)
             self._requests[request_id] = _Booking(None, decode_node, need)
             return Route(None, decode, held)
         self._add_load(node, load)
@@ -390,7 +396,12 @@ class Coordinator:
         booking.decode.started.add(request_id)
         node = booking.prefill
         if node is None:
-            booking.decode.local_load -= booking.decode.local.pop(request_id, 0)
+            decode = booking.decode
+            local = decode.local.pop(request_id, None)
+            if local is not None:
+                decode.local_load -= local.load
+                if self._decode.get(decode.node_id) is decode:
+                    self._mirror.remove_pending(decode.node_id, local.key, local.namespace)
             return
         inflight = node.inflight.pop(request_id, None)
         if inflight is not None:
@@ -422,13 +433,16 @@ class Coordinator:
             assert decode.reserved == booked, (
                 f"{node_id} reserved {decode.reserved}, booked {booked}"
             )
-            assert decode.local_load == sum(decode.local.values()), (node_id, decode.local)
+            assert decode.local_load == sum(f.load for f in decode.local.values()), node_id
             assert all(self._requests[r].decode is decode for r in decode.local)
             assert all(self._requests[r].decode is decode for r in decode.started)
         self._mirror.check_integrity(
             (node_id, f.key, f.namespace)
-            for node_id, node in self._prefill.items()
-            for f in node.inflight.values()
+            for node_id, flights in itertools.chain(
+                ((n, p.inflight) for n, p in self._prefill.items()),
+                ((n, d.local) for n, d in self._decode.items()),
+            )
+            for f in flights.values()
         )
 
     # -- choices ----------------------------------------------------------------------------
@@ -440,11 +454,11 @@ class Coordinator:
         ``held`` tokens of the prompt."""
         if self.cfg.local_prefill_tokens < 0:
             return False
+        if held < match.longest_expected(members.prefill_bits)[1]:
+            return False  # it would compute again what a prefill node holds
         if prompt_len - held <= self.cfg.local_prefill_tokens:
             return True
-        if decode.started or held < self.cfg.local_prefill_min_held * prompt_len:
-            return False
-        return held >= match.longest_expected(members.prefill_bits)[1]
+        return not decode.started and held >= self.cfg.local_prefill_min_held * prompt_len
 
     def _plan_pull(
         self, request_id: str, node: _Prefill, matched: int, match: PrefixMatch
@@ -483,8 +497,8 @@ class Coordinator:
         prompt's part there, against the prefill node's queue and this prompt's part there."""
         if not self.cfg.local_prefill_balance or self.cfg.local_prefill_tokens < 0:
             return False
-        if decode.started:
-            return False
+        if decode.started or num_local > num_remote:
+            return False  # never compute again what the prefill node holds (or pulls)
         # sooner by more than a short prefill: a near-tie stays disaggregated
         margin = self.cfg.local_prefill_tokens
         return decode.local_load + num_local + margin < prefill.load + num_remote
@@ -508,7 +522,7 @@ class Coordinator:
                 )
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
-            matched, _, node = max((match.held_len(bit), free, n) for free, n, bit in fits)
+            matched, _, node = max((match.expected_len(bit), free, n) for free, n, bit in fits)
             if matched and matched >= self.cfg.cache_threshold * prompt_len:
                 return node
         return max(fits)[1]

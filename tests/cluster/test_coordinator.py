@@ -477,7 +477,7 @@ def test_short_prompt_goes_to_the_decode_node_alone() -> None:
     coord = _local_coordinator(decode_slots=[1000])
     # nothing cached: the decode node would compute the whole prompt
     assert coord.route("short", _tokens(0, LOCAL_TOKENS), 10) == Route(None, "d0", 0)
-    assert coord.route("long", _tokens(0, LOCAL_TOKENS + 1), 10).prefill is not None
+    assert coord.route("long", _tokens(5000, LOCAL_TOKENS + 1), 10).prefill is not None
     assert coord.num_local_routes == 1
     # the local request books the decode node's slots and no prefill load
     assert [coord.load(p) for p in coord.prefill_nodes] in ([LOCAL_TOKENS + 1, 0], [0, 65])
@@ -497,6 +497,11 @@ def test_decode_node_holding_the_rest_prefills_it() -> None:
     _insert(coord, "d0", history)
     # only the decode node holds it, and 500/600 >= MIN_HELD
     assert coord.route("turn2", turn, 16) == Route(None, "d0", 500)
+    # while d0 prefills it, the same prompt again waits for it there
+    assert coord.route("turn2-twin", turn, 16) == Route(None, "d0", 599)
+    for rid in ("turn2", "turn2-twin"):
+        coord.on_finished(rid)
+    coord.check_integrity()
     # a prefill node holding more of it wins: the decode node would compute more
     _insert(coord, "p1", turn[:550])
     route = coord.route("turn2-again", turn, 16)
@@ -506,6 +511,27 @@ def test_decode_node_holding_the_rest_prefills_it() -> None:
     _insert(coord2, "d0", history)
     _insert(coord2, "p0", history)
     assert coord2.route("r", turn, 16).prefill is None
+
+
+def test_decode_node_never_computes_again_what_a_prefill_node_holds() -> None:
+    """Neither the short rule nor balance sends a prompt to a decode node holding less of it
+    than a prefill node: the hit rate would drop and the prefix would be stranded there."""
+    coord = _local_coordinator(balance=True, num_prefill=1)
+    system = _tokens(0, 512)
+    _insert(coord, "p0", system)
+    # short: LOCAL_TOKENS tokens in all, but the first 32 are held by p0 and not by d0
+    route = coord.route("short", system[:32] + _tokens(7000, LOCAL_TOKENS - 32), 16)
+    assert (route.prefill, route.num_matched) == ("p0", 32)
+    # balance: p0 is busy with a cold 2,000-token prompt; d0 would be sooner, but it would
+    # compute the system prompt p0 holds
+    assert coord.route("busy", _tokens(50_000, 2000), 16).prefill == "p0"
+    route = coord.route("turn", system + _tokens(9000, 200), 16)
+    assert (route.prefill, route.num_matched) == ("p0", 512)
+    # a cold prompt under the same load still goes to the decode node
+    assert coord.route("cold", _tokens(60_000, 700), 16).prefill is None
+    for rid in ("short", "busy", "turn", "cold"):
+        coord.on_finished(rid)
+    coord.check_integrity()
 
 
 def test_decode_node_holding_less_than_min_held_does_not_prefill() -> None:
@@ -593,7 +619,8 @@ def test_only_short_local_prefills_while_the_decode_node_decodes() -> None:
     coord.check_integrity()
     coord.on_finished("running")
     coord.on_finished("short")
-    assert coord.route("turn-again", turn, 16).prefill is None  # idle again: held-most
+    # idle again: held-most (p0 is expected to hold "turn" whole, so another next turn)
+    assert coord.route("turn-again", history + _tokens(2000, 100), 16).prefill is None
     for rid in ("turn", "cold", "turn-again"):
         coord.on_finished(rid)
     coord.check_integrity()

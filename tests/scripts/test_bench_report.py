@@ -66,3 +66,12 @@ def test_plots_are_written(tmp_path: Path) -> None:
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, (p, len(data))
+
+
+def test_summary_counts_pd_routing_from_the_metrics_delta() -> None:
+    args = argparse.Namespace(label="x", workload="trace", slo_ttft=1.0, slo_tpot=0.1, json=None)
+    before = {"pd_local_prefills": 3.0, "pd_pull_decisions_pull": 1.0}
+    after = {"pd_local_prefills": 10.0, "pd_pull_decisions_pull": 1.0}
+    s = summarize(args, _results(), 2.0, before, after)
+    assert s["routing_counters"] == {"local_prefills": 7.0, "pull_decisions_pull": 0.0}
+    assert summarize(args, _results(), 2.0, {}, {})["routing_counters"] == {}  # not pd

@@ -62,3 +62,35 @@ def test_token_text_needs_one_token_words() -> None:
 
     with pytest.raises(ValueError, match="0 one-token words, need 100"):
         TokenText(_Chars())
+
+
+def test_multiturn_sends_each_conversation_round_by_round(words: TokenText, smollm2_dir) -> None:
+    """Every turn's history is the last turn's messages plus a fixed answer; a conversation's
+    next turn comes only after every conversation's turn before it."""
+    import argparse
+
+    from bench_workloads import make_multiturn
+
+    args = argparse.Namespace(
+        tokenizer=str(smollm2_dir),
+        num_groups=5,
+        prompts_per_group=3,
+        prefix_len=40,
+        max_tokens=8,
+        seed=0,
+    )
+    requests = make_multiturn(args)
+    assert len(requests) == 15
+    by_system: dict[str, list[list[dict[str, str]]]] = {}
+    for i, r in enumerate(requests):
+        assert r.path == "/v1/chat/completions" and r.prompt is None
+        turn = (len(r.messages) - 1) // 2  # system, then (question, answer) pairs, question
+        assert turn == i // 5  # round by round
+        by_system.setdefault(r.messages[0]["content"], []).append(r.messages)
+    assert len(by_system) == 5  # each conversation its own system prompt
+    for turns in by_system.values():
+        for before, after in zip(turns, turns[1:]):
+            assert after[: len(before)] == before
+            assert after[len(before)]["role"] == "assistant"
+            assert len(words.encode(" " + after[len(before)]["content"])) == 8
+    assert make_multiturn(args) == requests  # seeded
