@@ -4,7 +4,11 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
 
 1. Loads are unbalanced when ``max - min > balance_abs_tokens`` and
    ``max > balance_rel * min`` (load = prompt tokens routed to the node and not yet
-   prefilled): go to the least-loaded node.
+   prefilled): go to the node expected to get through the prompt soonest, weighing its load
+   against the prompt tokens it would compute: those it is expected to hold are free, those a
+   pull would bring from any node cost the pull's estimated time in prefill tokens (so the
+   holder keeps a request while its queue is shorter than the prefix it would save); ties go
+   to the least loaded. A cold prompt goes to the least-loaded node.
 2. Else go to the node holding the longest prefix of the prompt, if it covers at least
    ``cache_threshold`` of the prompt. What a node holds is replayed from its cache events
    (``PrefixIndex``), plus the prompts routed to it whose prefill has not finished yet (they
@@ -538,14 +542,46 @@ class Coordinator:
             node = nodes[next(self._rr) % len(nodes)]
         elif policy == "random":
             node = self._rng.choice(nodes)
-        elif policy == "least_load" or self._is_unbalanced(members.loads):
+        elif policy == "least_load":
             node = self._least_loaded(nodes, members.loads)
+        elif self._is_unbalanced(members.loads):
+            node = self._soonest(members, prompt_len, match)
         else:
             best, matched = self._longest_match(members, match)
             if best is not None and matched >= self.cfg.cache_threshold * prompt_len:
                 return best.node_id, matched
             node = self._least_loaded(nodes, members.loads)
         return node.node_id, match.expected_len(node.index.bit)
+
+    def _soonest(self, members: _Members, prompt_len: int, match: PrefixMatch) -> _Prefill:
+        """Loads are unbalanced: the node expected to get through the prompt first, weighing
+        its queue against the part of the prompt it would compute: the tokens it is expected
+        to hold are free, those a pull would bring cost the pull's time in prefill tokens
+        (when a pull is estimated to pay). Ties as in ``_least_loaded``."""
+        held_mask, num_held = 0, 0
+        rate = self.costs.prefill_tokens_per_s
+        if self.cfg.pull_min_tokens >= 0 and rate > 0:
+            held_mask, num_held = match.longest_held(self._mirror_bits())
+        best: tuple[float, int, int, int] | None = None
+        node = members.accepting[0]
+        for p, load in zip(members.accepting, members.loads):
+            reach = match.expected_len(p.index.bit)
+            cost = float(load + prompt_len - reach)
+            gain = num_held - reach
+            if held_mask & ~p.index.bit and gain >= max(1, self.cfg.pull_min_tokens):
+                est = self.costs.estimate(gain)
+                if est is not None and est[0] < est[1]:
+                    cost -= gain - est[0] * rate
+            key = (cost, load, len(p.inflight), p.index.num_cached_tokens)
+            if best is None or key < best:
+                best, node = key, p
+        return node
+
+    def _mirror_bits(self) -> int:
+        """The bits of every node in the shared index (prefill and decode)."""
+        return sum(p.index.bit for p in self._prefill.values()) + sum(
+            d.index.bit for d in self._decode.values()
+        )
 
     @staticmethod
     def _longest_match(members: _Members, match: PrefixMatch) -> tuple[_Prefill | None, int]:

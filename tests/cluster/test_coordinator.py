@@ -186,8 +186,27 @@ def _suffix(tag: int, n: int) -> list[int]:
     return _tokens(100_000 * tag, n)
 
 
+def test_unbalanced_loads_go_where_the_prompt_is_soonest_through_not_the_least_loaded() -> None:
+    """Three nodes: p0 overloaded, p1 and p2 as busy, only p2 (and p0) holding the prefix.
+    Past the thresholds the request goes to p2 (50 queued + 10 to compute), not p1 (50 + 210),
+    which the least-loaded rule picked (it holds fewer tokens)."""
+    coord = _make_coordinator(3, balance_abs_tokens=100)
+    _insert(coord, "p0", A)
+    coord.route("heavy", A + _suffix(1, 400), 8)  # p0, the holder
+    coord.route("x1", _suffix(2, 50), 8)  # unbalanced: p1 (a tie with p2, registered first)
+    coord.route("x2", _suffix(3, 50), 8)  # p2, now the soonest
+    assert (coord.load("p0"), coord.load("p1"), coord.load("p2")) == (400, 50, 50)
+    _insert(coord, "p2", A)
+    assert coord.route("r", A + _suffix(4, 10), 8) == Route("p2", "d0", 200)
+    # with nothing of the prompt held anywhere: the least loaded (p1, 50 vs p2's 60)
+    assert coord.route("cold", _suffix(5, 300), 8).prefill == "p1"
+    for rid in ("heavy", "x1", "x2", "r", "cold"):
+        coord.on_finished(rid)
+    coord.check_integrity()
+
+
 @pytest.mark.timeout(10)
-def test_unbalanced_loads_go_to_least_loaded_only_past_both_thresholds() -> None:
+def test_unbalanced_loads_leave_the_holder_only_past_both_thresholds_and_when_sooner() -> None:
     # Only the relative threshold exceeded: p0 60 vs p1 0 tokens (60 <= 100 apart).
     coord = _make_cached_pair()
     assert coord.route("a", A + _suffix(1, 60), 8) == Route("p0", "d0", 200)
@@ -202,14 +221,21 @@ def test_unbalanced_loads_go_to_least_loaded_only_past_both_thresholds() -> None
     assert (coord.load("p0"), coord.load("p1")) == (300, 180)
     assert coord.route("a2", A + _suffix(4, 10), 8).prefill == "p0"
 
-    # Both: p0 150 vs p1 0. A's follower goes to p1, which holds none of it.
+    # Both, and p0's queue is longer than what p1 would compute: p0 400 vs p1 0. A's follower
+    # (210 tokens, A's 200 held by p0 only) would get through 400 + 10 there, 0 + 210 on p1.
     coord = _make_cached_pair()
-    coord.route("a0", A + _suffix(1, 150), 8)
+    coord.route("a0", A + _suffix(1, 400), 8)
     assert coord.route("a1", A + _suffix(2, 10), 8) == Route("p1", "d0", 0)
     assert coord.load("p1") == 210
     # Once p0's prefill is done, A sticks to p0 again (its cache events arrived long ago).
     coord.on_prefilled("a0")
     assert coord.route("a2", A + _suffix(3, 10), 8) == Route("p0", "d0", 200)
+
+    # Both, but the holder is still sooner: p0 150 vs p1 0; the follower computes 10 tokens
+    # behind 150 on p0, 210 on p1. Loads are weighed against the missing prefix: p0.
+    coord = _make_cached_pair()
+    coord.route("a0", A + _suffix(1, 150), 8)
+    assert coord.route("a1", A + _suffix(2, 10), 8) == Route("p0", "d0", 200)
 
 
 @pytest.mark.timeout(10)
