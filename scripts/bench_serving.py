@@ -29,11 +29,13 @@ Workloads:
 With --launch "label=ARGS" (repeatable) it starts `pd serve ARGS` itself for each (a free
 loopback port), runs the workload against it, stops it, and prints one table comparing them;
 --launch-llamacpp "label[=ARGS]" does the same for llama-cpp-python's server (the CPU peer,
-built by scripts/setup_llamacpp.sh), in command-line order:
+built by scripts/setup_llamacpp.sh) and --launch-vllm "label[=ARGS]" for `vllm serve ARGS`
+(vLLM's CPU build at its defaults, built by scripts/setup_vllm.sh; it compiles its model on
+every start, 2-3 minutes), one server at a time, in command-line order:
 
     python scripts/bench_serving.py --workload chat --num-groups 4 --prompts-per-group 3 \\
         --prefix-len 620 --max-tokens 32 --max-concurrency 4 --launch-llamacpp llamacpp \\
-        --launch "1p1d=--prefill 1 --decode 1" --launch "colocated=--colocated"
+        --launch-vllm vllm --launch "1p1d=--prefill 1 --decode 1" --launch "colocated=--colocated"
     python scripts/bench_serving.py --workload trace --trace trace.jsonl --time-scale 1 \\
         --plot-dir plots/ --launch "1p1d=--prefill 1 --decode 1" ...
 """
@@ -52,7 +54,7 @@ import httpx
 
 # scripts/ is on sys.path when run as a script
 from bench_client import Result, one_request, scrape
-from bench_launch import check_launchable, launched, parse_launch
+from bench_launch import SERVERS, check_launchable, launched, parse_launch
 from bench_report import compare_markdown, goodput_markdown, markdown, summarize, write_plots
 from bench_workloads import (
     Request,
@@ -151,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="", help="name of this run in the table and JSON")
     p.add_argument("--json", default=None, help="also write the summary to this file ('-': stdout)")
-    for kind, server in (("pd", "`pd serve ARGS`"), ("llamacpp", "llama.cpp's server")):
+    for kind, server in SERVERS.items():
         p.add_argument(
             "--launch" + ("" if kind == "pd" else f"-{kind}"),
             dest="launch",
