@@ -472,8 +472,8 @@ class Coordinator:
         estimated faster than computing them (logged either way)."""
         if self.cfg.pull_min_tokens < 0:
             return None
-        holders = {p.index.bit: n for n, p in self._prefill.items() if p is not node}
-        holders.update((d.index.bit, n) for n, d in self._decode.items())
+        holders = self._holders()
+        del holders[node.index.bit]
         mask, num_held = match.longest_held(sum(holders))
         gain = num_held - matched
         if not mask or gain < max(1, self.cfg.pull_min_tokens):
@@ -561,7 +561,7 @@ class Coordinator:
         held_mask, num_held = 0, 0
         rate = self.costs.prefill_tokens_per_s
         if self.cfg.pull_min_tokens >= 0 and rate > 0:
-            held_mask, num_held = match.longest_held(self._mirror_bits())
+            held_mask, num_held = match.longest_held(sum(self._holders()))
         best: tuple[float, int, int, int] | None = None
         node = members.accepting[0]
         for p, load in zip(members.accepting, members.loads):
@@ -577,11 +577,11 @@ class Coordinator:
                 best, node = key, p
         return node
 
-    def _mirror_bits(self) -> int:
-        """The bits of every node in the shared index (prefill and decode)."""
-        return sum(p.index.bit for p in self._prefill.values()) + sum(
-            d.index.bit for d in self._decode.values()
-        )
+    def _holders(self) -> dict[int, str]:
+        """Every node's bit in the shared index (prefill and decode) -> its id."""
+        holders = {p.index.bit: n for n, p in self._prefill.items()}
+        holders.update((d.index.bit, n) for n, d in self._decode.items())
+        return holders
 
     @staticmethod
     def _longest_match(members: _Members, match: PrefixMatch) -> tuple[_Prefill | None, int]:
