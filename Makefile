@@ -14,7 +14,7 @@ test: setup
 
 # A few minutes, for iterating: no Ray cluster, no pd serve process, no network namespaces.
 test-fast: setup
-	$(PY) -m pytest -q -m "not cluster and not multihost and not soak" $(ARGS)
+	$(PY) -m pytest -q -m "not cluster and not multihost and not soak and not compile" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pd prefill decode transfer scripts tests

@@ -83,3 +83,49 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+class DecodeBatch(NamedTuple):
+    """One new token per row, padded to ``num_rows`` rows: the fixed-shape input of a compiled
+    decode step (``pd.engine.graphs``). Row r < len(seqs) is request r; a padding row writes
+    and reads only ``scratch_slot``, a pool slot no request is ever given. The key length L
+    (the longest request's) is the one dimension that changes from step to step."""
+
+    input_ids: torch.Tensor  # [num_rows] int64
+    positions: torch.Tensor  # [num_rows] int64
+    out_slots: torch.Tensor  # [num_rows] int64: where each row's new K/V is written
+    kv_idx: torch.Tensor  # [num_rows, L] int64: the slot of each key, padded with scratch_slot
+    kv_mask: torch.Tensor  # [num_rows, L] bool: True where the key is the row's own
+    # what ``LlamaForCausalLM.forward`` reads of a ForwardBatch: no per-layer hook, all logits
+    on_layer_done: None = None
+    logits_indices: None = None
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[SeqInput],
+        num_rows: int,
+        scratch_slot: int,
+        device: torch.device | str = "cpu",
+    ) -> DecodeBatch:
+        if not 0 < len(seqs) <= num_rows:
+            raise ValueError(f"{len(seqs)} decode rows for a batch of {num_rows}")
+        max_len = max(len(s.slots) for s in seqs)
+        idx = torch.full((num_rows, max_len), scratch_slot, dtype=torch.int64)
+        mask = torch.zeros(num_rows, max_len, dtype=torch.bool)
+        mask[len(seqs) :, 0] = True  # a padding row attends to its scratch key alone
+        ids = [0] * num_rows
+        positions = [0] * num_rows
+        out_slots = [scratch_slot] * num_rows
+        for r, (new_ids, slots, num_prefix) in enumerate(seqs):
+            assert len(new_ids) == 1 and len(slots) == num_prefix + 1, "one new token per row"
+            idx[r, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
+            mask[r, : len(slots)] = True
+            ids[r], positions[r], out_slots[r] = new_ids[0], num_prefix, slots[-1]
+        return cls(
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            torch.tensor(out_slots, dtype=torch.int64, device=device),
+            idx.to(device),
+            mask.to(device),
+        )

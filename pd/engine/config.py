@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pd.core.options import option
+from pd.engine.graphs import parse_buckets
 from pd.model.quant import check_quantization, resolve_linear_backend
 
 
@@ -30,6 +31,12 @@ class EngineConfig:
         "default GEMM); auto: onednn where it runs (see pd/model/quant.py)",
     )
     attention_backend: str = option("auto", "attention kernels: torch (auto)")
+    compile_buckets: str = option(
+        "off",
+        "decode batch sizes that get a compiled decode step (torch.compile, one graph per size, "
+        "built at start-up: tens of seconds each on a CPU; a batch runs in the smallest size "
+        ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py)",
+    )
     page_size: int = option(1, "tokens per KV page (1: token-level prefix reuse)")
     max_total_tokens: int = option(32768, "KV slots in each pool")
     max_running_requests: int = option(64, "requests in one running batch")
@@ -98,6 +105,7 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        parse_buckets(self.compile_buckets)
         check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
 

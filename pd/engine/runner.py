@@ -1,5 +1,9 @@
 """``ModelRunner``: the model, its KV pool and attention backend — the only part that touches
-tensors. Schedulers hand it plain-Python ``SeqInput`` lists and get token ids back."""
+tensors. Schedulers hand it plain-Python ``SeqInput`` lists and get token ids back.
+
+A decode-only batch that a compiled bucket covers runs in that bucket's graph
+(``pd.engine.graphs``); everything else runs eagerly. The pool has one slot more than the
+allocator hands out: the compiled steps' scratch slot for padding rows."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pd.core.kv_pool import KVPool
 from pd.core.request import Req
 from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
+from pd.engine.graphs import DecodeGraphs, parse_buckets
 from pd.engine.sampler import SampledRow, sample
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
@@ -37,13 +42,17 @@ class ModelRunner:
         self.model = self._load_model()
         self.pool = KVPool(
             mc.num_layers,
-            cfg.max_total_tokens,
+            cfg.max_total_tokens + 1,  # + the scratch slot
             mc.num_kv_heads,
             mc.head_dim,
             self.dtype,
             self.device,
         )
         self.attn = make_attention_backend(cfg.attention_backend, self.device)
+        self.graphs = DecodeGraphs(
+            self.model, self.pool, parse_buckets(cfg.compile_buckets), cfg.max_total_tokens
+        )
+        self.graphs.compile()
 
     def _load_model(self) -> LlamaForCausalLM:
         mc = self.model_config
@@ -65,6 +74,13 @@ class ModelRunner:
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one batch; logits [R, vocab] (or [T, vocab] with return_all_logits)."""
+        bucket = None if return_all_logits else self.graphs.bucket_for(seqs)
+        if bucket is not None:
+            logits = self.graphs.run(seqs, bucket)
+            if on_layer_done is not None:  # the graph has written every layer's K/V
+                for layer in range(self.model_config.num_layers):
+                    on_layer_done(layer)
+            return logits
         batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
         batch.on_layer_done = on_layer_done
         return self.model(batch, self.pool, self.attn)

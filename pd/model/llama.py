@@ -145,6 +145,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[R, vocab]`` for each request's last token (``[T, vocab]`` if the batch
         asks for all logits)."""
+        return self.compute(batch, pool, attn)
+
+    def compute(
+        self, batch: ForwardBatch, pool: KVPool, attn: BaseAttentionBackend
+    ) -> torch.Tensor:
+        """``forward`` without its inference-mode switch: what ``torch.compile`` traces (the
+        caller is in inference mode already; a switch inside the graph breaks freezing)."""
         body = self.model
         h = body.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.positions, h.dtype)

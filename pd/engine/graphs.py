@@ -1,0 +1,130 @@
+"""Compiled decode steps: one ``torch.compile`` graph per batch-size bucket (what CUDA graphs
+are to a GPU server, for the CPU).
+
+An eager decode step runs ~45 small torch ops per layer, each paying its dispatch (2-50 us)
+every step, however few tokens it computes. Here the whole decode forward (embedding, every
+layer with its KV write and its attention over the paged pool, the final norm and the LM head)
+is traced once per bucket with static shapes and compiled by inductor (C++ loops on the CPU;
+the weights frozen into the graph, so matmuls use packed weights). A batch of B decode rows
+runs in the smallest bucket >= B, padded with rows that write and read only the pool's scratch
+slot. The key length is the one dynamic dimension: the attention takes the keys by an index
+tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
+
+Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
+fails to compile (say, no C++ compiler) is logged and left eager.
+
+Each bucket compiles at start-up (``DecodeGraphs.compile``; tens of seconds a bucket for
+SmolLM2 on 2 cores, fewer when inductor's on-disk cache holds it) and the seconds are kept per
+bucket (``compile_seconds``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pd.core.batch import DecodeBatch, SeqInput
+from pd.core.kv_pool import KVPool
+from pd.engine.attention import PagedDecodeAttention
+from pd.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_MAX_ENTRIES = 1024  # compiled graphs of ``DecodeGraphs._forward`` in one process
+
+
+def parse_buckets(spec: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); ``""`` or ``"off"`` -> () (no compiled steps)."""
+    if spec.strip().lower() in ("", "off", "none"):
+        return ()
+    try:
+        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(
+            f"compile buckets must be batch sizes like 1,2,4,8 or off, got {spec!r}"
+        ) from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"compile buckets must be batch sizes >= 1, got {spec!r}")
+    return tuple(sizes)
+
+
+class DecodeGraphs:
+    """The compiled decode steps of one model and pool, one per bucket."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        buckets: Sequence[int],
+        scratch_slot: int,
+    ) -> None:
+        if not 0 <= scratch_slot < pool.num_slots:
+            raise ValueError(f"scratch slot {scratch_slot} outside the pool ({pool.num_slots})")
+        self.model = model
+        self.pool = pool
+        self.buckets = tuple(sorted(buckets))
+        self.scratch_slot = scratch_slot
+        self.attn = PagedDecodeAttention()
+        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds, for each compiled one
+        self.num_runs: dict[int, int] = {}  # bucket -> decode steps it has run
+        self._steps: dict[int, Callable[[DecodeBatch], torch.Tensor]] = {}
+
+    def compile(self) -> dict[int, float]:
+        """Compile every bucket (each traced and run once on padding rows alone); -> the
+        seconds each took. A bucket that fails stays eager."""
+        for bucket in self.buckets:
+            t0 = time.perf_counter()
+            step = torch.compile(self._forward, fullgraph=True, dynamic=None)
+            try:
+                # freezing: the weights become constants of the graph (packed for its matmuls).
+                # Every bucket of every engine in the process is one more entry of this code
+                # object; the entries are made here and only looked up afterwards.
+                with (
+                    torch._inductor.config.patch(freezing=True),
+                    torch._dynamo.config.patch(recompile_limit=_MAX_ENTRIES),
+                    torch.inference_mode(),
+                ):
+                    step(self._batch([], bucket, num_keys=2))
+            except Exception:
+                logger.exception("compiling the decode step of bucket %d failed: eager", bucket)
+                continue
+            self._steps[bucket] = step
+            self.compile_seconds[bucket] = time.perf_counter() - t0
+            logger.info(
+                "decode step for batches up to %d compiled in %.1f s",
+                bucket,
+                self.compile_seconds[bucket],
+            )
+        return dict(self.compile_seconds)
+
+    def bucket_for(self, seqs: Sequence[SeqInput]) -> int | None:
+        """The compiled bucket that runs ``seqs``, or None if they must run eagerly (not all
+        one-token decodes, or more rows than any compiled bucket)."""
+        if not all(len(s.new_token_ids) == 1 and s.num_prefix >= 1 for s in seqs):
+            return None  # the first token of a prompt attends to itself alone: a prefill
+        return next((b for b in self._steps if b >= len(seqs)), None)
+
+    def run(self, seqs: Sequence[SeqInput], bucket: int) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` of one decode step in ``bucket``'s graph."""
+        self.num_runs[bucket] = self.num_runs.get(bucket, 0) + 1
+        with torch.inference_mode():  # the batch's tensors too: the graph was traced so
+            return self._steps[bucket](self._batch(seqs, bucket))[: len(seqs)]
+
+    def _batch(self, seqs: Sequence[SeqInput], bucket: int, num_keys: int = 0) -> DecodeBatch:
+        if seqs:
+            batch = DecodeBatch.build(seqs, bucket, self.scratch_slot, self.pool.device)
+        else:  # warm-up: padding rows alone, num_keys keys each
+            pad = [SeqInput([0], [self.scratch_slot] * num_keys, num_keys - 1)]
+            batch = DecodeBatch.build(pad * bucket, bucket, self.scratch_slot, self.pool.device)
+        # the key length varies (not a recompile); the bucket's rows never do
+        for t in batch[:5]:
+            torch._dynamo.mark_static(t, 0)
+        torch._dynamo.mark_dynamic(batch.kv_idx, 1)
+        torch._dynamo.mark_dynamic(batch.kv_mask, 1)
+        return batch
+
+    def _forward(self, batch: DecodeBatch) -> torch.Tensor:
+        return self.model.compute(batch, self.pool, self.attn)  # type: ignore[arg-type]
