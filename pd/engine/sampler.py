@@ -59,6 +59,42 @@ def sample(
     return out
 
 
+def add_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., vocab] with ``params.logit_bias`` added to every row: a copy, or the same
+    tensor when there is no bias. Raises ValueError for a biased token outside the vocabulary."""
+    bias = params.logit_bias
+    if not bias:
+        return logits
+    vocab = logits.shape[-1]
+    if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
+        raise ValueError(f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})")
+    # ids, values: [num_biased]; ids are unique (SamplingParams checks)
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    logits = logits.clone()
+    logits[..., ids] += values
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., vocab] -> the distribution to sample from, [..., vocab] float32 on the CPU,
+    each row summing to 1: divided by the temperature, cut to the top_k logits, then to the
+    top_p mass. Not for greedy params (a zero temperature cannot divide)."""
+    logits = logits.float().cpu() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token once the mass before it already reaches top_p (the top-1 always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # verify reads p(token) as it stands
+    return probs
+
+
 def _apply_logit_bias(
     logits: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[torch.Tensor, dict[int, str]]:
@@ -69,30 +105,14 @@ def _apply_logit_bias(
     if not rows:
         return logits, errors
     logits = logits.clone()
-    vocab = logits.shape[-1]
     for r in rows:
-        bias = params[r].logit_bias
-        if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
-            errors[r] = f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})"
-            continue
-        # ids, values: [num_biased]
-        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
-        logits[r].index_add_(0, ids, values)
+        try:
+            logits[r] = add_logit_bias(logits[r], params[r])
+        except ValueError as e:
+            errors[r] = str(e)
     return logits, errors
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     # logits: [vocab]
-    logits = logits.float().cpu() / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # drop a token once the mass before it already reaches top_p (the top-1 always stays)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return int(torch.multinomial(probs_from_logits(logits, p), 1, generator=gen).item())

@@ -1,0 +1,104 @@
+"""N-gram speculative decoding (prompt lookup, vLLM's "ngram", SGLang's NGRAM): guess the next
+tokens from the request's own text, then check the guesses against one forward pass.
+
+``propose`` finds the longest recent n-gram that also ends the sequence and drafts the tokens
+that followed it; ``verify`` takes the target model's logits at the draft's positions and
+returns the tokens to append. Greedy verification appends exactly what greedy decoding would;
+sampled verification is speculative sampling's rejection rule for a deterministic draft, so
+every appended token follows the same distribution ``sample`` would draw it from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pd.core.sampling_params import SamplingParams
+from pd.engine.sampler import add_logit_bias, probs_from_logits
+
+
+def propose(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Up to ``k`` draft tokens to follow ``tokens``, or [] when nothing matches.
+
+    The rule: for n from ``max_ngram`` down to ``min_ngram``, the key is the last n tokens; its
+    most recent earlier occurrence (one that ends before the last token, so never the suffix
+    itself; it may overlap the suffix) supplies the draft: the up to k tokens that followed it,
+    fewer where the sequence ends. The first n with an occurrence wins.
+
+    One reversed scan does every n at once: each earlier position holding the last token is a
+    candidate, the length of its match with the suffix is counted backwards (capped at
+    ``max_ngram``), and the most recent candidate with the longest match wins; a match of
+    ``max_ngram`` ends the scan.
+    """
+    if min_ngram < 1 or max_ngram < min_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+    num_tokens = len(tokens)
+    max_n = min(max_ngram, num_tokens - 1)  # an earlier occurrence must end before the last
+    if k <= 0 or max_n < min_ngram:
+        return []
+    rev = list(reversed(tokens))  # rev[j] is tokens[num_tokens - 1 - j]
+    best_n, best_j = 0, 0
+    j = 0
+    while best_n < max_n:
+        try:
+            j = rev.index(rev[0], j + 1)  # the next earlier position holding the last token
+        except ValueError:
+            break
+        n = 1
+        while n < max_n and j + n < num_tokens and rev[j + n] == rev[n]:
+            n += 1
+        if n > best_n:
+            best_n, best_j = n, j
+    if best_n < min_ngram:
+        return []
+    start = num_tokens - best_j  # just after the occurrence
+    return list(tokens[start : start + k])
+
+
+def verify(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens to append (1 to len(draft) + 1): the accepted prefix of ``draft``, then one
+    token of the target's own (the correction at the first rejection, or the bonus token after
+    a fully accepted draft).
+
+    logits: [len(draft) + 1, vocab] float32; row i is the target's logits where draft[i] would
+    go, row len(draft) the position after the whole draft. ``params.logit_bias`` applies as in
+    ``sample``; ``sample``'s ``banned`` (min_tokens) does not, so a caller holds back
+    speculation until min_tokens is reached, and cuts the result at a stop token or max_tokens.
+
+    Greedy: draft[i] is accepted while it is row i's argmax. Sampled: the draft is a point mass
+    q = one-hot(draft[i]), so speculative sampling's rule min(1, p/q) accepts draft[i] with
+    probability p_i(draft[i]), and a rejection samples from max(p_i - q, 0) normalised: p_i with
+    draft[i] zeroed. Either way the appended token is distributed as p_i. Every random draw
+    uses ``generator``. Raises RuntimeError or ValueError where ``sample`` would fail the row
+    (e.g. no finite probability).
+    """
+    num_draft = len(draft)
+    assert logits.shape[0] == num_draft + 1, f"{logits.shape[0]} rows for {num_draft} drafts"
+    assert all(0 <= t < logits.shape[-1] for t in draft), f"draft {draft} outside the vocabulary"
+    logits = add_logit_bias(logits, params)
+    if params.is_greedy:
+        best = logits.argmax(dim=-1).tolist()
+        for i, t in enumerate(draft):
+            if t != best[i]:
+                return [*draft[:i], best[i]]
+        return [*draft, best[-1]]  # every draft accepted: the bonus token
+    probs = probs_from_logits(logits, params)  # [num_draft + 1, vocab]
+    # p_draft, coins: [num_draft]
+    p_draft = probs[torch.arange(num_draft), torch.tensor(draft, dtype=torch.long)]
+    coins = torch.rand(num_draft, generator=generator)
+    is_accepted = (coins < p_draft).tolist()
+    for i, t in enumerate(draft):
+        if not is_accepted[i]:
+            residual = probs[i].clone()
+            residual[t] = 0.0
+            if residual.any():  # else p_i(t) is 1 up to rounding: the draft stands
+                token = torch.multinomial(residual, 1, generator=generator)
+                return [*draft[:i], int(token.item())]
+    bonus = torch.multinomial(probs[-1], 1, generator=generator)
+    return [*draft, int(bonus.item())]
