@@ -22,6 +22,11 @@ Workloads:
   trace          replays a Mooncake-format JSONL (--trace; scripts/make_trace.py writes one) at
                  its timestamps × --time-scale, open loop: equal hash ids are equal 512-token
                  blocks of text, each request asks for its output_length tokens.
+  copy           /v1/chat/completions: --num-prompts requests to repeat a 100-200 word text
+                 (paragraphs of /usr/share/common-licenses/GPL-3, chosen by --seed) exactly, or
+                 with one word upper-cased: answers copy the prompt, for benchmarking n-gram
+                 (prompt-lookup) speculative decoding. Give room for the whole copy and let it
+                 stop: --max-tokens 400 --no-ignore-eos.
 
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-groups 4 --prompts-per-group 8 --max-concurrency 8 --json out.json
@@ -38,6 +43,8 @@ every start, 2-3 minutes), one server at a time, in command-line order:
         --launch-vllm vllm --launch "1p1d=--prefill 1 --decode 1" --launch "colocated=--colocated"
     python scripts/bench_serving.py --workload trace --trace trace.jsonl --time-scale 1 \\
         --plot-dir plots/ --launch "1p1d=--prefill 1 --decode 1" ...
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 --workload copy \\
+        --num-prompts 32 --max-tokens 400 --no-ignore-eos --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from bench_workloads import (
     Request,
     make_cached_prefix,
     make_chat,
+    make_copy,
     make_multiturn,
     make_prompts,
     make_trace_requests,
@@ -67,7 +75,7 @@ from bench_workloads import (
 from make_trace import read_trace
 
 __all__ = ["compare_markdown", "main"]
-WORKLOADS = ("shared-prefix", "fixed", "cached-prefix", "chat", "multiturn", "trace")
+WORKLOADS = ("shared-prefix", "fixed", "cached-prefix", "chat", "multiturn", "trace", "copy")
 
 
 def make_requests(args: argparse.Namespace) -> tuple[list[Request], list[Request]]:
@@ -82,6 +90,8 @@ def make_requests(args: argparse.Namespace) -> tuple[list[Request], list[Request
         return [], make_multiturn(args)
     if args.workload == "trace":
         return [], make_trace_requests(args, read_trace(args.trace))
+    if args.workload == "copy":
+        return [], make_copy(args)
     return [], [Request(prompt=p) for p in make_prompts(args)]
 
 
@@ -126,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix and chat")
     p.add_argument("--prompts-per-group", type=int, default=8, help="questions, for chat")
-    p.add_argument("--num-prompts", type=int, default=32, help="fixed and cached-prefix")
+    p.add_argument("--num-prompts", type=int, default=32, help="fixed, cached-prefix, copy")
     p.add_argument(
         "--prefix-len",
         type=int,

@@ -1,4 +1,5 @@
-"""The requests each bench_serving.py workload sends (prompts, chat turns, a replayed trace).
+"""The requests each bench_serving.py workload sends (prompts, chat turns, a replayed trace,
+texts to copy).
 
 Exact token counts come from ``TokenText``: text made of words that are each one token of the
 model's tokenizer (with their leading space), so n words are n tokens and texts concatenate
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
+from collections import Counter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from make_trace import BLOCK_SIZE, TraceRequest
@@ -20,6 +24,13 @@ _WORDS = (
     "method large small fast slow question answer example number table figure section"
 ).split()
 _TOPICS = ("the cache", "latency", "the first section", "memory", "the main result", "routing")
+COPY_SOURCE = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it
+COPY_MIN_WORDS, COPY_MAX_WORDS = 100, 200
+_COPY_INSTRUCTIONS = (
+    "Repeat the following text exactly.",
+    "Copy the following text word for word.",
+    "Repeat the following text exactly, but write every '{word}' as '{upper}'.",
+)
 
 Prompt = str | list[int]  # text, or token ids (/v1/completions takes both)
 
@@ -168,6 +179,57 @@ def make_multiturn(args: argparse.Namespace) -> list[Request]:
     for turn in rounds:
         rng.shuffle(turn)
     return [r for turn in rounds for r in turn]
+
+
+def copy_texts(source: Path = COPY_SOURCE) -> list[str]:
+    """Every run of consecutive paragraphs of ``source`` that first reaches COPY_MIN_WORDS
+    words, if it stays within COPY_MAX_WORDS (a run per start paragraph; GPL-3 gives 116)."""
+    if not source.is_file():
+        raise FileNotFoundError(f"{source} not found (Debian's base-files ships it)")
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", source.read_text())]
+    paragraphs = [p for p in paragraphs if p]
+    texts = []
+    for start in range(len(paragraphs)):
+        end, num_words = start, 0
+        while end < len(paragraphs) and num_words < COPY_MIN_WORDS:
+            num_words += len(paragraphs[end].split())
+            end += 1
+        if COPY_MIN_WORDS <= num_words <= COPY_MAX_WORDS:
+            texts.append("\n\n".join(paragraphs[start:end]))
+    return texts
+
+
+def _copy_instruction(index: int, text: str) -> str:
+    """Instruction ``index``; the edit one upper-cases the text's most frequent 4+ letter word."""
+    words = Counter(w for w in re.findall(r"[A-Za-z]+", text) if len(w) >= 4)
+    word = words.most_common(1)[0][0]
+    return _COPY_INSTRUCTIONS[index].format(word=word, upper=word.upper())
+
+
+def make_copy(args: argparse.Namespace) -> list[Request]:
+    """--num-prompts chat requests to repeat (or repeat with one word upper-cased) a text of
+    100-200 words: an answer that copies its prompt, for n-gram (prompt-lookup) speculative
+    decoding. Texts are shuffled by --seed and all used before any is reused, which it is with
+    another instruction, so all prompts differ. A text is 111-374 tokens for SmolLM2: a full
+    copy needs --max-tokens 400 (and --no-ignore-eos to stop at its end)."""
+    texts = copy_texts()
+    num_instructions = len(_COPY_INSTRUCTIONS)
+    if args.num_prompts > len(texts) * num_instructions:
+        raise ValueError(
+            f"copy has {len(texts)} texts × {num_instructions} instructions = "
+            f"{len(texts) * num_instructions} distinct prompts, asked for {args.num_prompts}"
+        )
+    rng = random.Random(args.seed)
+    rng.shuffle(texts)
+    first = [rng.randrange(num_instructions) for _ in texts]  # each text's first instruction
+    requests = []
+    for i in range(args.num_prompts):
+        round_, t = divmod(i, len(texts))
+        text = texts[t]
+        instruction = _copy_instruction((first[t] + round_) % num_instructions, text)
+        messages = [{"role": "user", "content": f"{instruction}\n\n{text}"}]
+        requests.append(Request(messages=messages))
+    return requests
 
 
 def make_trace_requests(args: argparse.Namespace, trace: list[TraceRequest]) -> list[Request]:

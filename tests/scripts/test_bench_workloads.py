@@ -1,12 +1,21 @@
-"""scripts/bench_workloads.py: trace prompts whose 512-token blocks follow the hash ids."""
+"""scripts/bench_workloads.py: trace prompts whose 512-token blocks follow the hash ids;
+multiturn conversations; copy prompts."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_workloads import TokenText
+from bench_workloads import (
+    COPY_MAX_WORDS,
+    COPY_MIN_WORDS,
+    COPY_SOURCE,
+    TokenText,
+    copy_texts,
+    make_copy,
+)
 from make_trace import BLOCK_SIZE, TraceRequest
 
 
@@ -67,8 +76,6 @@ def test_token_text_needs_one_token_words() -> None:
 def test_multiturn_sends_each_conversation_round_by_round(words: TokenText, smollm2_dir) -> None:
     """Every turn's history is the last turn's messages plus a fixed answer; a conversation's
     next turn comes only after every conversation's turn before it."""
-    import argparse
-
     from bench_workloads import make_multiturn
 
     args = argparse.Namespace(
@@ -94,3 +101,60 @@ def test_multiturn_sends_each_conversation_round_by_round(words: TokenText, smol
             assert after[len(before)]["role"] == "assistant"
             assert len(words.encode(" " + after[len(before)]["content"])) == 8
     assert make_multiturn(args) == requests  # seeded
+
+
+needs_copy_source = pytest.mark.skipif(
+    not COPY_SOURCE.is_file(), reason=f"{COPY_SOURCE} not found (Debian's base-files ships it)"
+)
+
+
+def _copy_args(num_prompts: int, seed: int = 0) -> argparse.Namespace:
+    return argparse.Namespace(num_prompts=num_prompts, seed=seed)
+
+
+@needs_copy_source
+def test_copy_texts_are_whole_paragraphs_of_100_to_200_words() -> None:
+    texts = copy_texts()
+    assert len(texts) == len(set(texts)) > 100
+    source = " ".join(COPY_SOURCE.read_text().split())
+    for text in texts:
+        assert COPY_MIN_WORDS <= len(text.split()) <= COPY_MAX_WORDS
+        assert " ".join(text.split()) in source  # paragraphs in order, whitespace normalized
+
+
+@needs_copy_source
+def test_copy_prompts_are_seeded_distinct_and_hold_their_text() -> None:
+    texts = copy_texts()
+    requests = make_copy(_copy_args(40))
+    assert len(requests) == 40
+    assert make_copy(_copy_args(40)) == requests  # seeded
+    assert make_copy(_copy_args(40, seed=1)) != requests
+    prompts = []
+    for r in requests:
+        assert r.path == "/v1/chat/completions" and r.prompt is None and r.max_tokens is None
+        [message] = r.messages
+        assert message["role"] == "user"
+        instruction, text = message["content"].split("\n\n", 1)
+        assert instruction.startswith(("Repeat the following text", "Copy the following text"))
+        assert text in texts
+        prompts.append(message["content"])
+    assert len(set(prompts)) == 40
+    assert len({p.split("\n\n", 1)[1] for p in prompts}) == 40  # a text per prompt, while any last
+
+
+@needs_copy_source
+def test_copy_reuses_a_text_only_with_another_instruction() -> None:
+    num_texts = len(copy_texts())
+    most = 3 * num_texts  # three instructions
+    prompts = [r.messages[0]["content"] for r in make_copy(_copy_args(most))]
+    assert len(set(prompts)) == most
+    with pytest.raises(ValueError, match=f"= {most} distinct prompts, asked for {most + 1}"):
+        make_copy(_copy_args(most + 1))
+
+
+@needs_copy_source
+def test_bench_serving_selects_the_copy_workload() -> None:
+    from bench_serving import make_requests, parse_args
+
+    warmup, requests = make_requests(parse_args(["--workload", "copy", "--num-prompts", "5"]))
+    assert warmup == [] and requests == make_copy(_copy_args(5))
