@@ -98,6 +98,17 @@ class SlotAllocator:
             slots.extend(range(base, base + take))
         return slots
 
+    def truncate(self, slots: list[int], new_len: int) -> None:
+        """Shrink ``slots`` (in place) to ``new_len`` tokens, freeing the pages it no longer
+        touches (the rest of a partly kept page stays the list's free tail)."""
+        if new_len >= len(slots):
+            return
+        num_kept = self.num_pages_for(new_len) * self.page_size
+        dropped = slots[num_kept:]
+        del slots[new_len:]
+        if dropped:
+            self.free(dropped)
+
     def free(self, slots: Iterable[int]) -> None:
         """Return the pages that ``slots`` touch to the free list."""
         ps = self.page_size

@@ -179,6 +179,10 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     # of them, per sending address: the few addresses that sent the most (transfer.inbound)
     rejected_by_peer: dict[str, int] = {}
     num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
+    # speculative decoding: decode rows that verified a draft, its tokens, and those accepted
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     num_pairs: int = 0  # open pair groups (as sender and as receiver)
     num_sockets: int = 0  # open zmq sockets
     num_threads: int = 0  # Python threads of the node's process

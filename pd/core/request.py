@@ -80,6 +80,7 @@ class Req:
     num_new_outputs: int = 0  # outputs not yet reported to the caller
     fill_len: int = 0  # tokens to compute before sampling: the prompt, or all ids on a resume
     num_admissions: int = 0  # > 1: the request was retracted and resumed
+    num_draft: int = -1  # speculative tokens it may draft now (-1: the scheduler's maximum)
     status: ReqStatus = ReqStatus.NEW  # changed only by set_status
 
     def __post_init__(self) -> None:

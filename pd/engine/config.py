@@ -37,6 +37,15 @@ class EngineConfig:
         "built at start-up: tens of seconds each on a CPU; a batch runs in the smallest size "
         ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py)",
     )
+    speculative_tokens: int = option(
+        0,
+        "n-gram speculative decoding: up to this many tokens per decode step guessed from the "
+        "request's own prompt and output (prompt lookup) and checked in the same forward; "
+        "lossless (greedy output unchanged, sampling by rejection); 0: off",
+    )
+    speculative_max_batch: int = option(
+        4, "speculate only in decode steps of at most this many requests (past it, it costs)"
+    )
     page_size: int = option(1, "tokens per KV page (1: token-level prefix reuse)")
     max_total_tokens: int = option(32768, "KV slots in each pool")
     max_running_requests: int = option(64, "requests in one running batch")
@@ -106,6 +115,11 @@ class EngineConfig:
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
         parse_buckets(self.compile_buckets)
+        if self.speculative_tokens < 0 or self.speculative_max_batch < 1:
+            raise ValueError(
+                f"speculative_tokens must be >= 0 and speculative_max_batch >= 1, got "
+                f"{self.speculative_tokens} and {self.speculative_max_batch}"
+            )
         check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
 

@@ -86,6 +86,8 @@ class EngineCore:
             new_token_ratio=cfg.new_token_ratio,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
+            num_speculative_tokens=cfg.speculative_tokens,
+            max_speculative_batch=cfg.speculative_max_batch,
         )
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -131,7 +133,7 @@ class EngineCore:
             on_layer = _both(before_run(batch) if before_run is not None else None, on_layer_done)
             banned = [self._banned(r) for r in batch.reqs]
             t0 = time.perf_counter()
-            rows = self.runner.run(batch.reqs, batch.seqs, on_layer, banned)
+            rows = self.runner.run(batch.reqs, batch.seqs, on_layer, banned, batch.drafts)
             if batch.num_decode == 0:  # a pure prefill: the speed a load or pull must beat
                 num_tokens = sum(len(s.new_token_ids) for s in batch.seqs)
                 seconds = time.perf_counter() - t0
@@ -173,6 +175,9 @@ class EngineCore:
             num_transfers=transfer.num_done,
             num_dropped_msgs=transfer.num_dropped_msgs,
             num_retracted=s.num_retracted,
+            num_spec_steps=s.num_spec_steps,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_draft_tokens=s.num_accepted_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             prefill_seconds=self.prefill_seconds,
             **_tier_fields(self.cache.tier_stats),

@@ -11,7 +11,10 @@ slot. The key length is the one dynamic dimension: the attention takes the keys 
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
 
 Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
-fails to compile (say, no C++ compiler) is logged and left eager.
+fails to compile (say, no C++ compiler) is logged and left eager. The fp16 LM head of the
+quantized formats is packed in an object the tracer cannot enter: it runs eagerly after the
+graph. A speculative step's draft rows are one-token rows too (``Scheduler._draft``), so a
+verify runs in the graph of its row count.
 
 Each bucket compiles at start-up (``DecodeGraphs.compile``; tens of seconds a bucket for
 SmolLM2 on 2 cores, fewer when inductor's on-disk cache holds it) and the seconds are kept per
@@ -30,6 +33,7 @@ from pd.core.batch import DecodeBatch, SeqInput
 from pd.core.kv_pool import KVPool
 from pd.engine.attention import PagedDecodeAttention
 from pd.model.llama import LlamaForCausalLM
+from pd.model.quant import Fp16Linear
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(buckets))
         self.scratch_slot = scratch_slot
         self.attn = PagedDecodeAttention()
+        # fp16 weights are packed in an object the tracer cannot enter: such a head (every
+        # quantized format has one) runs eagerly after the graph
+        self.head_in_graph = not isinstance(model.lm_head, Fp16Linear)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds, for each compiled one
         self.num_runs: dict[int, int] = {}  # bucket -> decode steps it has run
         self._steps: dict[int, Callable[[DecodeBatch], torch.Tensor]] = {}
@@ -111,7 +118,8 @@ class DecodeGraphs:
         """Logits ``[len(seqs), vocab]`` of one decode step in ``bucket``'s graph."""
         self.num_runs[bucket] = self.num_runs.get(bucket, 0) + 1
         with torch.inference_mode():  # the batch's tensors too: the graph was traced so
-            return self._steps[bucket](self._batch(seqs, bucket))[: len(seqs)]
+            out = self._steps[bucket](self._batch(seqs, bucket))[: len(seqs)]
+            return out if self.head_in_graph else self.model.logits(out)
 
     def _batch(self, seqs: Sequence[SeqInput], bucket: int, num_keys: int = 0) -> DecodeBatch:
         if seqs:
@@ -127,4 +135,5 @@ class DecodeGraphs:
         return batch
 
     def _forward(self, batch: DecodeBatch) -> torch.Tensor:
-        return self.model.compute(batch, self.pool, self.attn)  # type: ignore[arg-type]
+        run = self.model.compute if self.head_in_graph else self.model.hidden
+        return run(batch, self.pool, self.attn)  # type: ignore[arg-type]

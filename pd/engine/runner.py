@@ -19,6 +19,7 @@ from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
 from pd.engine.graphs import DecodeGraphs, parse_buckets
 from pd.engine.sampler import SampledRow, sample
+from pd.engine.spec import verify
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
@@ -91,8 +92,42 @@ class ModelRunner:
         seqs: Sequence[SeqInput],
         on_layer_done: Callable[[int], None] | None = None,
         banned: Sequence[frozenset[int]] = (),
+        drafts: Sequence[Sequence[int]] = (),
     ) -> list[SampledRow]:
         """Forward one scheduled batch and sample each request's next token (``banned``: per
-        request, ids it must not sample)."""
+        request, ids it must not sample).
+
+        ``drafts[i]`` (for the first len(drafts) requests, decoding ones): tokens guessed to
+        follow request i, which then has 1 + len(drafts[i]) one-token rows in ``seqs`` (its
+        last token, then each draft token); its row is ``spec.verify``'s verdict on them."""
         logits = self.forward(seqs, on_layer_done=on_layer_done)
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        if not any(drafts):
+            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        verdicts: dict[int, SampledRow] = {}
+        last_rows: list[int] = []  # the logits row of each request sampled as usual
+        row = 0
+        for i, req in enumerate(reqs):
+            draft = drafts[i] if i < len(drafts) else ()
+            if draft:
+                verdicts[i] = _verify(logits[row : row + len(draft) + 1], draft, req)
+            else:
+                last_rows.append(row)
+            row += len(draft) + 1
+        plain = [i for i in range(len(reqs)) if i not in verdicts]
+        sampled = iter(
+            sample(
+                logits[last_rows],
+                [reqs[i].params for i in plain],
+                [reqs[i].generator for i in plain],
+                [banned[i] for i in plain] if banned else (),
+            )
+        )
+        return [verdicts[i] if i in verdicts else next(sampled) for i in range(len(reqs))]
+
+
+def _verify(logits: torch.Tensor, draft: Sequence[int], req: Req) -> SampledRow:
+    try:
+        tokens = verify(logits, draft, req.params, req.generator)
+    except (RuntimeError, ValueError) as e:  # as ``sample``: this request alone fails
+        return SampledRow(-1, f"sampling failed: {e}")
+    return SampledRow(tokens[-1], None, tuple(tokens[:-1]))

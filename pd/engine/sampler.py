@@ -18,6 +18,7 @@ from pd.core.sampling_params import SamplingParams
 class SampledRow(NamedTuple):
     token: int  # -1 when ``error`` is set
     error: str | None = None
+    accepted: tuple[int, ...] = ()  # draft tokens accepted before ``token`` (speculation)
 
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:

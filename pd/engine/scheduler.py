@@ -46,6 +46,7 @@ from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.request import Req, ReqStatus
 from pd.engine.sampler import SampledRow
+from pd.engine.spec import propose
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
@@ -64,8 +65,9 @@ MIN_DEFERRED_SHARED_TOKENS = 32
 
 class ScheduledBatch(NamedTuple):
     reqs: list[Req]  # decoding requests first, then prefill chunks
-    seqs: list[SeqInput]
-    num_decode: int  # the first num_decode entries decode one token each
+    seqs: list[SeqInput]  # one per request, but 1 + len(draft) one-token rows for a draft
+    num_decode: int  # the first num_decode requests decode (one token each, or a draft)
+    drafts: Sequence[list[int]] = ()  # per decoding request: its speculative tokens, or []
 
     @property
     def is_prefill(self) -> bool:
@@ -85,6 +87,9 @@ class SchedulerStats(NamedTuple):
     num_prompt_tokens: int  # prompt tokens of every admitted request so far ...
     num_cached_tokens: int  # ... and how many of them the prefix cache served
     num_retracted: int  # retractions so far
+    num_spec_steps: int = 0  # decode rows that verified a draft ...
+    num_draft_tokens: int = 0  # ... the draft tokens they verified ...
+    num_accepted_tokens: int = 0  # ... and how many of those were accepted
 
 
 class Scheduler:
@@ -99,6 +104,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         max_mixed_prefill_tokens: int | None = None,
         new_token_ratio: float = 1.0,
+        num_speculative_tokens: int = 0,
+        max_speculative_batch: int = 4,
     ) -> None:
         if not 0.0 < new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
@@ -122,6 +129,9 @@ class Scheduler:
         self._num_admitted_tokens = 0
         self._num_admitted_cached_tokens = 0
         self._num_retracted = 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_speculative_batch = max_speculative_batch
+        self._num_spec_steps = self._num_draft_tokens = self._num_accepted_tokens = 0
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -180,8 +190,13 @@ class Scheduler:
         reqs, seqs = [], []
         for req in decoding:
             self._grow(req, req.num_computed + 1)
+        speculate = 0 < len(decoding) <= self.max_speculative_batch
+        drafts = [self._draft(r) if speculate else [] for r in decoding]
+        for req, draft in zip(decoding, drafts):
             reqs.append(req)
-            seqs.append(SeqInput(req.all_ids[-1:], req.slots, req.num_computed - 1))
+            n = len(req.all_ids)  # its last token goes to position n - 1, draft i to n + i
+            for i, token in enumerate([req.all_ids[-1], *draft]):
+                seqs.append(SeqInput([token], req.slots[: n + i], n - 1 + i))
         budget = self.max_mixed_prefill_tokens if decoding else self.max_prefill_tokens
         for req in [r for r in self.running if r.is_prefilling]:
             if budget <= 0:
@@ -198,7 +213,39 @@ class Scheduler:
             return None
         if decoding:
             self.new_token_ratio = max(self._min_ratio, self.new_token_ratio - self._ratio_decay)
-        return ScheduledBatch(reqs, seqs, len(decoding))
+        return ScheduledBatch(reqs, seqs, len(decoding), drafts if any(drafts) else ())
+
+    def _draft(self, req: Req) -> list[int]:
+        """Speculative tokens for a decoding request (grown into its slots), or [].
+
+        ``spec.propose`` looks for the request's last few tokens earlier in its own prompt and
+        output. No draft before ``min_tokens`` (the tokens banned until then are not applied
+        to a draft), none past ``max_tokens`` or the context, and only into free slots: a
+        guess never evicts a cached prefix. ``req.num_draft`` adapts to the request's
+        acceptance (``_adapt_draft``)."""
+        p = req.params
+        k = self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
+        n = len(req.all_ids)
+        k = min(k, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - n - 1)
+        if k <= 0 or len(req.output_ids) < p.min_tokens:
+            return []
+        draft = propose(req.all_ids, k)
+        while draft and not self.allocator.can_extend(req.slots, n + len(draft)):
+            draft.pop()
+        self.allocator.extend(req.slots, n + len(draft))
+        return draft
+
+    def _adapt_draft(self, req: Req, num_draft: int, num_accepted: int) -> None:
+        """Count a verified draft, and size the request's next one: half as long after a
+        draft with nothing accepted, up to the maximum again after one accepted whole."""
+        self._num_spec_steps += 1
+        self._num_draft_tokens += num_draft
+        self._num_accepted_tokens += num_accepted
+        k = self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
+        if num_accepted == 0:
+            req.num_draft = max(1, k // 2)
+        elif num_accepted == num_draft:
+            req.num_draft = min(self.num_speculative_tokens, 2 * k)
 
     def num_available_tokens(self) -> int:
         """Slots a new request could still be promised: free + evictable, less what running
@@ -329,17 +376,25 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, rows: Sequence[SampledRow]) -> StepResult:
         """Record sampled tokens; a row whose sampling failed fails its request alone."""
         produced, failed = [], []
-        for req, row in zip(batch.reqs, rows):
+        for i, (req, row) in enumerate(zip(batch.reqs, rows)):
             if req.is_prefilling:  # a chunk that did not reach the end of what it fills
                 continue
+            draft = batch.drafts[i] if i < len(batch.drafts) else []
             if row.error is not None:
                 self.fail(req, row.error)
                 failed.append(req)
                 continue
-            req.output_ids.append(row.token)
-            req.num_new_outputs += 1
+            for token in (*row.accepted, row.token):
+                req.output_ids.append(token)
+                req.num_new_outputs += 1
+                if (reason := self._finish_reason(req, token)) is not None:
+                    break
+            if draft:
+                self._adapt_draft(req, len(draft), len(row.accepted))
+                # the KV of the draft tokens rejected (or past a stop) is dropped
+                self.allocator.truncate(req.slots, len(req.all_ids) - 1)
             produced.append(req)
-            if (reason := self._finish_reason(req, row.token)) is not None:
+            if reason is not None:
                 self.running.remove(req)
                 req.finish(reason)
                 self._release(req)
@@ -377,6 +432,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Hand a request's tokens and slots to the cache (it keeps what it can, frees the rest)."""
+        self.allocator.truncate(req.slots, len(req.all_ids))  # a draft's slots, if any
         tokens = req.all_ids[: req.num_computed]
         self.cache.cache_finished(tokens, req.slots, req.cache_node, req.namespace)
         req.slots = []
@@ -395,6 +451,9 @@ class Scheduler:
             self._num_admitted_tokens,
             self._num_admitted_cached_tokens,
             self._num_retracted,
+            self._num_spec_steps,
+            self._num_draft_tokens,
+            self._num_accepted_tokens,
         )
 
     def held_slots(self) -> list[HeldSlots]:

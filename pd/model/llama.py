@@ -152,6 +152,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """``forward`` without its inference-mode switch: what ``torch.compile`` traces (the
         caller is in inference mode already; a switch inside the graph breaks freezing)."""
+        return self.logits(self.hidden(batch, pool, attn))
+
+    def hidden(self, batch: ForwardBatch, pool: KVPool, attn: BaseAttentionBackend) -> torch.Tensor:
+        """The final norm's output ``[R, hidden]`` (``[T, hidden]``): what the head reads."""
         body = self.model
         h = body.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.positions, h.dtype)
@@ -162,7 +166,10 @@ class LlamaForCausalLM(nn.Module):
                 batch.on_layer_done(i)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        return self.lm_head(body.norm(h)).float()
+        return body.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load an HF-named state dict: q/k/v and gate/up are concatenated into the fused

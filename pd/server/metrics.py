@@ -31,6 +31,13 @@ _NODE_COUNTERS = {
         "frames its sockets refused (failed authentication)",
     ),
     "num_retracted": ("retractions", "running requests retracted for want of KV slots"),
+    "num_spec_steps": ("spec_verify_steps", "decode rows that verified a speculative draft"),
+    "num_draft_tokens": ("spec_draft_tokens", "speculative tokens drafted and verified"),
+    "num_accepted_draft_tokens": (
+        "spec_accepted_tokens",
+        "of those, accepted (acceptance rate: this / spec_draft_tokens; tokens per verify "
+        "step: 1 + this / spec_verify_steps)",
+    ),
     "num_host_slots": ("host_tier_slots", "KV slots of its host tier (0: none)"),
     "num_host_cached_tokens": ("host_tier_cached_tokens", "tokens its host tier holds"),
     "num_host_hit_tokens": (

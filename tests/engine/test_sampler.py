@@ -43,7 +43,7 @@ def test_logit_bias_applies_to_sampling_too() -> None:
         temperature=1.0, seed=3, logit_bias=tuple((t, -100.0) for t in range(VOCAB - 1))
     )
     row = sample(logits, [banned], [make_generator(banned, 0)])[0]
-    assert row == (VOCAB - 1, None)
+    assert (row.token, row.error) == (VOCAB - 1, None)
 
 
 def test_logit_bias_outside_the_vocabulary_fails_that_row_only() -> None:
@@ -58,7 +58,7 @@ def test_tiny_temperature_is_greedy(temperature: float) -> None:
     params = SamplingParams(temperature=temperature)
     assert params.is_greedy and make_generator(params, 0) is None
     logits = _logits(1) * 1e30  # dividing these by the temperature would overflow
-    assert sample(logits, [params], [None])[0] == (int(logits.argmax()), None)
+    assert sample(logits, [params], [None])[0].token == int(logits.argmax())
 
 
 def test_sampling_params_travel_inside_messages_and_revalidate() -> None:
