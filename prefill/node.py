@@ -62,6 +62,7 @@ class _Transfer(NamedTuple):
 class PrefillRole(BaseRole):
     name = "prefill"
     scheduler_cls = PrefillScheduler
+    decodes = False  # a request leaves after its first token
 
     @classmethod
     def make_slot_owner(cls, core: EngineCore, server: ServerLink) -> PullSink:

@@ -1,9 +1,12 @@
 """Engine speed beside HF transformers on the same machine, in the same run.
 
-Prefill tokens/s at 512 and 2048 prompt tokens; decode tokens/s at batch 1, 8 and 32.
+Prefill tokens/s at 512 and 2048 prompt tokens; decode tokens/s at batch 1, 8 and 32, with
+pd's compiled decode steps (``--compile-buckets``, one graph per batch size; their compile
+times are printed) and eagerly, in the same engine, one after the other.
 The HF baseline is a plain forward loop over its own KV cache (no `generate` overhead).
 
     python scripts/bench_engine.py [--model PATH] [--threads 2] [--decode-steps 32]
+        [--compile-buckets 1,8,32 | off] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--linear-backend", default="auto", help="pd's, for unquantized weights")
+    ap.add_argument("--compile-buckets", default="1,8,32", help="pd's compiled decode steps")
+    ap.add_argument("--dtype", default="float32", help="pd's and HF's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -98,9 +103,13 @@ def main() -> None:
             max_running_requests=64,
             enable_prefix_cache=False,
             linear_backend=args.linear_backend,
+            compile_buckets=args.compile_buckets,
+            dtype=args.dtype,
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=torch.float32).eval()
+    graphs = engine.runner.graphs
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=dtype).eval()
     vocab = engine.runner.model_config.vocab_size
     rows = []
     for n in (512, 2048):
@@ -108,6 +117,13 @@ def main() -> None:
         rows.append((f"prefill {n} tokens", ours, base))
     decode1 = None
     for b in (1, 8, 32):
+        eager = None
+        if graphs.compile_seconds:
+            graphs.enabled = False
+            eager = statistics.median(
+                pd_decode(engine, b, args.decode_prompt_len, args.decode_steps) for _ in range(2)
+            )
+            graphs.enabled = True
         ours = statistics.median(
             pd_decode(engine, b, args.decode_prompt_len, args.decode_steps) for _ in range(2)
         )
@@ -115,16 +131,22 @@ def main() -> None:
             hf_decode(hf, b, args.decode_prompt_len, args.decode_steps, vocab) for _ in range(2)
         )
         decode1 = decode1 or ours
-        rows.append((f"decode batch {b}", ours, base))
+        rows.append((f"decode batch {b}", ours, base, eager))
+    compiled = ", ".join(f"batch {b}: {s:.0f} s" for b, s in graphs.compile_seconds.items())
     print(
-        f"threads={args.threads} model={engine.runner.model_dir.name} "
+        f"threads={args.threads} model={engine.runner.model_dir.name} dtype={args.dtype} "
         f"linear_backend={args.linear_backend}\n"
+        f"compiled decode steps: {compiled or 'off'}\n"
     )
-    print("| measure | pd tokens/s | HF tokens/s | pd / HF | pd / pd batch 1 |")
-    print("|---|---|---|---|---|")
-    for name, ours, base in rows:
+    print(
+        "| measure | pd tokens/s | HF tokens/s | pd / HF | pd / pd batch 1 | pd eager tokens/s | eager / HF |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, ours, base, *eager in rows:
         rel = f"{ours / decode1:.1f}x" if name.startswith("decode") else ""
-        print(f"| {name} | {ours:,.0f} | {base:,.0f} | {ours / base:.2f}x | {rel} |")
+        e = eager[0] if eager else None
+        tail = f"{e:,.0f} | {e / base:.2f}x" if e else " | "
+        print(f"| {name} | {ours:,.0f} | {base:,.0f} | {ours / base:.2f}x | {rel} | {tail} |")
 
 
 if __name__ == "__main__":

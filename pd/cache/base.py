@@ -64,6 +64,11 @@ class BasePrefixCache(ABC):
         match ``prompt[:-1]`` (see ``match_prompt``) so at least one token is computed.
         """
 
+    def continuation(self, tokens: Sequence[int], namespace: str, k: int) -> list[int]:
+        """Up to ``k`` cached tokens that followed all of ``tokens`` before (a draft for
+        speculative decoding); [] without a cache or such a path."""
+        return []
+
     def match_for_peer(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
         """``match_prefix`` for another node's pull (or a pull into this cache): the same
         match, not counted as this node's hit or miss. Without a cache, nothing matches."""

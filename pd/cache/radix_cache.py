@@ -70,6 +70,9 @@ class RadixCache(BasePrefixCache):
         self._num_miss += len(tokens) - match.num_tokens
         return match
 
+    def continuation(self, tokens: Sequence[int], namespace: str, k: int) -> list[int]:
+        return self._tree.continuation(tokens, namespace, k)
+
     def match_for_peer(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
         m = self._tree.match(tokens, namespace)
         match = MatchResult(m.values, m.node, m.num_tokens)

@@ -103,6 +103,29 @@ class RadixTree:
         self.clock += 1
         return self._walk(tuple(tokens), namespace)
 
+    def continuation(self, tokens: Sequence[int], namespace: str, k: int) -> list[int]:
+        """Up to ``k`` tokens that follow the whole of ``tokens`` in the tree (along the most
+        recently used branch), or [] if the tree does not hold all of ``tokens``. Read-only:
+        nothing is split or touched (speculative decoding's guess from what was cached)."""
+        key, ps = tuple(tokens), self.page_size
+        node, pos, out = self.roots.get(namespace), 0, []
+        while node is not None and pos < len(key):
+            rest = key[pos:]
+            if len(rest) >= ps:
+                child = node.children.get(rest[:ps])
+            else:  # a partial last page: the child whose key starts with it
+                child = next((c for p, c in node.children.items() if p[: len(rest)] == rest), None)
+            n = min(len(rest), child.num_tokens) if child is not None else 0
+            if child is None or child.key[:n] != rest[:n]:
+                return []
+            out, pos, node = list(child.key[n : n + k]), pos + n, child
+        if node is None or not key:
+            return []
+        while len(out) < k and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out.extend(node.key[: k - len(out)])
+        return out
+
     def insert(
         self, tokens: Sequence[int], values: Sequence[int] | None, namespace: str = ""
     ) -> TreeInsert:

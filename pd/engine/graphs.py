@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.head_in_graph = not isinstance(model.lm_head, Fp16Linear)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds, for each compiled one
         self.num_runs: dict[int, int] = {}  # bucket -> decode steps it has run
+        self.enabled = True  # False: every step eager (benchmarks compare the two)
         self._steps: dict[int, Callable[[DecodeBatch], torch.Tensor]] = {}
 
     def compile(self) -> dict[int, float]:
@@ -110,7 +111,9 @@ class DecodeGraphs:
     def bucket_for(self, seqs: Sequence[SeqInput]) -> int | None:
         """The compiled bucket that runs ``seqs``, or None if they must run eagerly (not all
         one-token decodes, or more rows than any compiled bucket)."""
-        if not all(len(s.new_token_ids) == 1 and s.num_prefix >= 1 for s in seqs):
+        if not self.enabled or not all(
+            len(s.new_token_ids) == 1 and s.num_prefix >= 1 for s in seqs
+        ):
             return None  # the first token of a prompt attends to itself alone: a prefill
         return next((b for b in self._steps if b >= len(seqs)), None)
 

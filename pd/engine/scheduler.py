@@ -218,10 +218,12 @@ class Scheduler:
     def _draft(self, req: Req) -> list[int]:
         """Speculative tokens for a decoding request (grown into its slots), or [].
 
-        ``spec.propose`` looks for the request's last few tokens earlier in its own prompt and
-        output. No draft before ``min_tokens`` (the tokens banned until then are not applied
-        to a draft), none past ``max_tokens`` or the context, and only into free slots: a
-        guess never evicts a cached prefix. ``req.num_draft`` adapts to the request's
+        First what followed the request's whole text in the prefix cache (the same
+        conversation answered before, in its namespace), else ``spec.propose``: what followed
+        the request's last few tokens earlier in its own prompt and output. No draft before
+        ``min_tokens`` (the tokens banned until then are not applied to a draft), none past
+        ``max_tokens`` or the context, and only into free slots: a guess never evicts a cached
+        prefix. ``req.num_draft`` adapts to the request's
         acceptance (``_adapt_draft``)."""
         p = req.params
         k = self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
@@ -229,7 +231,8 @@ class Scheduler:
         k = min(k, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - n - 1)
         if k <= 0 or len(req.output_ids) < p.min_tokens:
             return []
-        draft = propose(req.all_ids, k)
+        tokens = req.all_ids
+        draft = self.cache.continuation(tokens, req.namespace, k) or propose(tokens, k)
         while draft and not self.allocator.can_extend(req.slots, n + len(draft)):
             draft.pop()
         self.allocator.extend(req.slots, n + len(draft))

@@ -84,6 +84,10 @@ class Node:
         self, engine_cfg: EngineConfig, node_cfg: NodeConfig, role_cls: type[BaseRole]
     ) -> None:
         addrs = node_addrs(node_cfg.host, node_cfg.node_ip)
+        if not role_cls.decodes:
+            engine_cfg = dataclasses.replace(
+                engine_cfg, compile_buckets="off", speculative_tokens=0
+            )
         self.engine_cfg = engine_cfg
         self.node_cfg = node_cfg
         self.node_id = node_cfg.node_id

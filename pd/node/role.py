@@ -36,6 +36,7 @@ class NodeParts(NamedTuple):
 class BaseRole(ABC):
     name: ClassVar[str]  # "prefill" | "decode"
     scheduler_cls: ClassVar[type[Scheduler]]
+    decodes: ClassVar[bool] = True  # False: no compiled decode steps nor speculation here
 
     @classmethod
     def make_slot_owner(cls, core: EngineCore, server: ServerLink) -> BaseSlotOwner | None:

@@ -418,3 +418,22 @@ def test_property_page_size_1(data: st.DataObject) -> None:
 @given(data=st.data())
 def test_property_page_size_16(data: st.DataObject) -> None:
     _drive(data, page_size=16, num_pages=12)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_continuation_reads_what_followed_the_whole_text_without_touching_the_tree(page_size):
+    cache, _ = _make_cache(page_size=page_size)
+    _run(cache, list(range(100, 116)))  # cached: 100..115
+    _run(cache, [100, 101, 102, 103, 7, 7, 7, 7])  # a branch after 4 tokens, used last
+    tree = cache._tree
+    nodes = {id(n): n.last_access for n in tree.iter_nodes()}
+    assert cache.continuation([100, 101, 102, 103, 104, 105], "", 3) == [106, 107, 108]
+    assert cache.continuation([100, 101, 102, 103, 104], "", 20) == list(range(105, 116))
+    # at the branch: the most recently used child
+    assert cache.continuation([100, 101, 102, 103], "", 2) == [7, 7]
+    assert cache.continuation([100, 101, 9], "", 3) == []  # not held
+    assert cache.continuation(list(range(100, 116)), "", 3) == []  # nothing follows
+    assert cache.continuation([100, 101], "other", 3) == []  # another namespace
+    assert cache.continuation([], "", 3) == []
+    assert {id(n): n.last_access for n in tree.iter_nodes()} == nodes  # read-only
+    assert NoPrefixCache(SlotAllocator(8)).continuation([1, 2], "", 3) == []

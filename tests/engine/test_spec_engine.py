@@ -153,6 +153,27 @@ def test_the_compiled_step_verifies_drafts_like_the_eager_one(tiny_llama_dir, mo
     _assert_no_leak(spec)
 
 
+def test_a_conversation_answered_before_is_drafted_from_the_prefix_cache(tiny_llama_dir):
+    spec = _engine(tiny_llama_dir, speculative_tokens=4)
+    prompt = _prompt(3, spec.runner.model_config.vocab_size)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (first,) = spec.generate([prompt], params)
+    before = spec.scheduler.stats()
+    (again,) = spec.generate([prompt], params)  # its answer is in the cache now
+    after = spec.scheduler.stats()
+    assert again.token_ids == first.token_ids
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert accepted == drafted >= 24 - 1 - (after.num_spec_steps - before.num_spec_steps)
+    assert after.num_spec_steps - before.num_spec_steps <= 24 // 5 + 1
+    # another namespace does not see it
+    spec.add_request(prompt, params, namespace="tenant-b")
+    while spec.has_unfinished:
+        spec.step()
+    assert spec.scheduler.stats().num_accepted_tokens == after.num_accepted_tokens
+    _assert_no_leak(spec)
+
+
 @pytest.mark.slow
 def test_smollm2_speculation_gives_identical_greedy_output_on_16_prompts(smollm2_dir):
     from pd.model.tokenizer import encode_chat
