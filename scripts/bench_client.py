@@ -22,6 +22,7 @@ class Result:
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    text: str = ""  # the whole answer (the tables compare answers between servers)
 
     @property
     def tpot(self) -> float | None:
@@ -79,6 +80,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, req: 
                 choice = event["choices"][0] if event.get("choices") else {}
                 # a first token may decode to no text yet (a partial UTF-8 byte): the finish
                 # chunk then marks the first output, else TTFT would be undefined
+                res.text += _output_text(choice) or ""
                 if _output_text(choice) or (num_chunks == 0 and choice.get("finish_reason")):
                     now = time.perf_counter()
                     if num_chunks == 0:

@@ -17,6 +17,11 @@ _PD_ROUTING = (
     "pd_pull_decisions_compute",
     "pd_pull_fallbacks",
 )
+_PD_SPEC = (  # speculative decoding, summed over the nodes
+    "pd_node_spec_verify_steps",
+    "pd_node_spec_draft_tokens",
+    "pd_node_spec_accepted_tokens",
+)
 _NO_CONFIG = ("json", "label", "launch", "plot_dir")  # not part of what was measured
 
 
@@ -87,6 +92,12 @@ def summarize(
             for name in _PD_ROUTING
             if name in after
         },
+        "spec_counters": {
+            name.removeprefix("pd_node_"): after[name] - before.get(name, 0.0)
+            for name in _PD_SPEC
+            if name in after
+        },
+        "answers": [r.text if r.ok else None for r in results],  # in request order
         "ttft_s": _pcts([r.ttft for r in ok]),
         "tpot_s": _pcts([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": _pcts([x for r in ok for x in r.itls]),
@@ -151,13 +162,13 @@ def compare_markdown(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
     lines = [
         "| run | ok / sent | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | ITL p50 | E2E p50 "
         "| E2E p99 | req/s | out tok/s | hit rate (usage) | hit rate (/metrics) "
-        "| TTFT p50 vs first | hit rate vs first |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p50 vs first | hit rate vs first | answers = first | drafts accepted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     first = rows[0][1] if rows else None
     for label, s in rows:
         if s is None:
-            lines.append(f"| {label} | did not start |" + " |" * 13)
+            lines.append(f"| {label} | did not start |" + " |" * 15)
             continue
         t, e = s["ttft_s"], s["e2e_s"]
         ok = s["num_requests"] - s["num_failed"]
@@ -169,9 +180,29 @@ def compare_markdown(rows: list[tuple[str, dict[str, Any] | None]]) -> str:
             _rate(s["cache_hit_rate_usage"]), _rate(s["cache_hit_rate_metrics"]),
             _ratio(t["p50"], first["ttft_s"]["p50"] if first else None),
             _ratio(_hit(s), _hit(first)),
+            _same_answers(s, first), _accepted(s),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(["latencies in ms", "", *lines])
+
+
+def _same_answers(s: dict[str, Any], first: dict[str, Any] | None) -> str:
+    """How many answers equal the first run's answer to the same request."""
+    mine, theirs = s.get("answers"), (first or {}).get("answers")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return "-"
+    same = sum(a is not None and a == b for a, b in zip(mine, theirs))
+    return f"{same} / {len(mine)}"
+
+
+def _accepted(s: dict[str, Any]) -> str:
+    """Drafted tokens accepted, and tokens per verify step, from pd's counters."""
+    c = s.get("spec_counters") or {}
+    drafted, steps = c.get("spec_draft_tokens"), c.get("spec_verify_steps")
+    if not drafted or not steps:
+        return "-"
+    accepted = c.get("spec_accepted_tokens", 0.0)
+    return f"{accepted / drafted:.0%}, {1 + accepted / steps:.2f}/step"
 
 
 def goodput_markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:

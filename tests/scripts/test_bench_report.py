@@ -75,3 +75,13 @@ def test_summary_counts_pd_routing_from_the_metrics_delta() -> None:
     s = summarize(args, _results(), 2.0, before, after)
     assert s["routing_counters"] == {"local_prefills": 7.0, "pull_decisions_pull": 0.0}
     assert summarize(args, _results(), 2.0, {}, {})["routing_counters"] == {}  # not pd
+
+
+def test_summary_keeps_the_answers_and_counts_speculation() -> None:
+    args = argparse.Namespace(label="x", workload="copy", slo_ttft=1.0, slo_tpot=0.1, json=None)
+    results = [Result(ok=True, ttft=0.1, e2e=0.2, output_tokens=2, text="hi"), Result(ok=False)]
+    before = {"pd_node_spec_draft_tokens": 4.0}
+    after = {"pd_node_spec_draft_tokens": 10.0, "pd_node_spec_accepted_tokens": 5.0}
+    s = summarize(args, results, 1.0, before, after)
+    assert s["answers"] == ["hi", None]
+    assert s["spec_counters"] == {"spec_draft_tokens": 6.0, "spec_accepted_tokens": 5.0}

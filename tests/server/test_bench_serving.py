@@ -104,20 +104,27 @@ def test_parse_launch_and_compare_table() -> None:
     with pytest.raises(ValueError, match="--port"):
         parse_launch("x=--port 9000")
 
-    def summary(ttft: float, hit: float) -> dict[str, Any]:
+    def summary(ttft: float, hit: float, answers: list, spec: dict) -> dict[str, Any]:
         p = {"mean": ttft, "p50": ttft, "p90": ttft, "p99": ttft}
         return {
             "num_requests": 4, "num_failed": 0, "ttft_s": p, "tpot_s": p, "itl_s": p,
             "e2e_s": p, "request_throughput": 1.0, "output_throughput": 2.0,
             "cache_hit_rate_usage": hit, "cache_hit_rate_metrics": hit,
+            "answers": answers, "spec_counters": spec,
         }  # fmt: skip
 
+    spec = {"spec_verify_steps": 10.0, "spec_draft_tokens": 40.0, "spec_accepted_tokens": 30.0}
     table = bench.compare_markdown(
-        [("a", summary(0.2, 0.4)), ("b", summary(0.3, 0.8)), ("c", None)]
+        [
+            ("a", summary(0.2, 0.4, ["x", "y", "z", "w"], {})),
+            ("b", summary(0.3, 0.8, ["x", "y", "q", None], spec)),
+            ("c", None),
+        ]
     )
     rows = [r for r in table.splitlines() if r.startswith("| ")]
     assert len(rows) == 4  # header + 3 runs
-    assert rows[2].endswith("| 1.50× | 2.00× |")
+    assert rows[1].endswith("| 4 / 4 | - |")
+    assert rows[2].endswith("| 1.50× | 2.00× | 2 / 4 | 75%, 4.00/step |")
     assert "did not start" in rows[3]
 
 
