@@ -100,3 +100,22 @@ def test_smollm2_compiled_steps_give_eager_greedy_tokens_in_buckets_1_3_8(smollm
         assert got == [r.token_ids for r in eager.generate(prompts[:n], GREEDY)], n
         assert graphs.num_runs[bucket] - runs >= GREEDY.max_tokens - 2 * n
     _assert_no_leak(compiled)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "fp16"])
+def test_quantized_formats_compile_or_stay_eager_with_the_same_tokens(tiny_llama_dir, quantization):
+    # int4: the layers in the graph, its fp16 head eagerly after it; fp16: every layer is an
+    # object the tracer cannot enter, so the bucket fails to compile and stays eager
+    def make(buckets: str) -> Engine:
+        cfg = EngineConfig(
+            model=str(tiny_llama_dir), quantization=quantization, compile_buckets=buckets
+        )
+        return Engine(cfg)
+
+    compiled, eager = make("2"), make("off")
+    assert compiled.runner.graphs.head_in_graph is False
+    assert set(compiled.runner.graphs.compile_seconds) == ({2} if quantization == "int4" else set())
+    prompts = _prompts(2, compiled.runner.model_config.vocab_size)
+    got = [r.token_ids for r in compiled.generate(prompts, GREEDY)]
+    assert got == [r.token_ids for r in eager.generate(prompts, GREEDY)]
+    _assert_no_leak(compiled)
