@@ -7,6 +7,7 @@ of the batch their tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -114,6 +115,21 @@ def _apply_logit_bias(
     return logits, errors
 
 
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One token from ``probs`` [vocab] by its inverse CDF at one uniform draw of ``gen``.
+
+    One draw per token, whatever the position: speculative verification (``spec.verify``)
+    draws each position the same way, so a seeded request samples the same tokens with or
+    without speculation, whatever its drafts. ValueError if no token has a probability."""
+    cdf = probs.double().cumsum(0)  # double: the last entries keep their mass apart
+    total = float(cdf[-1])
+    if not math.isfinite(total) or total <= 0.0:
+        raise ValueError(f"no token has a finite probability (total {total})")
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * total
+    # the first index whose cumulative mass passes u: a token of zero probability never is
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[0] - 1))
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     # logits: [vocab]
-    return int(torch.multinomial(probs_from_logits(logits, p), 1, generator=gen).item())
+    return draw(probs_from_logits(logits, p), gen)

@@ -4,8 +4,8 @@ tokens from the request's own text, then check the guesses against one forward p
 ``propose`` finds the longest recent n-gram that also ends the sequence and drafts the tokens
 that followed it; ``verify`` takes the target model's logits at the draft's positions and
 returns the tokens to append. Greedy verification appends exactly what greedy decoding would;
-sampled verification is speculative sampling's rejection rule for a deterministic draft, so
-every appended token follows the same distribution ``sample`` would draw it from.
+sampled verification draws each position as ``sample`` would, and keeps the draft while the
+draws agree with it, so a seeded request gets the very tokens it gets without speculation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.sampler import add_logit_bias, probs_from_logits
+from pd.engine.sampler import add_logit_bias, draw, probs_from_logits
 
 
 def propose(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -71,12 +71,15 @@ def verify(
     ``sample``; ``sample``'s ``banned`` (min_tokens) does not, so a caller holds back
     speculation until min_tokens is reached, and cuts the result at a stop token or max_tokens.
 
-    Greedy: draft[i] is accepted while it is row i's argmax. Sampled: the draft is a point mass
-    q = one-hot(draft[i]), so speculative sampling's rule min(1, p/q) accepts draft[i] with
-    probability p_i(draft[i]), and a rejection samples from max(p_i - q, 0) normalised: p_i with
-    draft[i] zeroed. Either way the appended token is distributed as p_i. Every random draw
-    uses ``generator``. Raises RuntimeError or ValueError where ``sample`` would fail the row
-    (e.g. no finite probability).
+    Greedy: draft[i] is accepted while it is row i's argmax. Sampled: position i's token is
+    drawn from p_i exactly as ``sample`` draws it (``sampler.draw``: the inverse CDF at one
+    uniform draw of ``generator``), and draft[i] is accepted if the draw is draft[i]; at the
+    first draw that differs, that draw is the token. This is speculative sampling's rule for a
+    point-mass draft q = one-hot(draft[i]) (accept with probability p_i(draft[i]), else take a
+    token from p_i with draft[i] removed), coupled to the draws plain decoding would make: one
+    draw per token appended, none for the draft tokens never reached, so a seeded request gets
+    the same tokens with or without speculation, whatever was drafted. Raises RuntimeError or
+    ValueError where ``sample`` would fail the row (e.g. no finite probability).
     """
     num_draft = len(draft)
     assert logits.shape[0] == num_draft + 1, f"{logits.shape[0]} rows for {num_draft} drafts"
@@ -89,16 +92,8 @@ def verify(
                 return [*draft[:i], best[i]]
         return [*draft, best[-1]]  # every draft accepted: the bonus token
     probs = probs_from_logits(logits, params)  # [num_draft + 1, vocab]
-    # p_draft, coins: [num_draft]
-    p_draft = probs[torch.arange(num_draft), torch.tensor(draft, dtype=torch.long)]
-    coins = torch.rand(num_draft, generator=generator)
-    is_accepted = (coins < p_draft).tolist()
     for i, t in enumerate(draft):
-        if not is_accepted[i]:
-            residual = probs[i].clone()
-            residual[t] = 0.0
-            if residual.any():  # else p_i(t) is 1 up to rounding: the draft stands
-                token = torch.multinomial(residual, 1, generator=generator)
-                return [*draft[:i], int(token.item())]
-    bonus = torch.multinomial(probs[-1], 1, generator=generator)
-    return [*draft, int(bonus.item())]
+        token = draw(probs[i], generator)
+        if token != t:
+            return [*draft[:i], token]
+    return [*draft, draw(probs[-1], generator)]

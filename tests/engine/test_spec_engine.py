@@ -108,17 +108,22 @@ def test_drafts_stop_at_max_tokens_and_at_a_stop_token(tiny_llama_dir, monkeypat
     _assert_no_leak(spec)
 
 
-def test_sampled_speculation_is_seeded_and_releases_everything(tiny_llama_dir, monkeypatch):
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(
+    tiny_llama_dir, monkeypatch
+):
+    plain = _engine(tiny_llama_dir)
     spec = _engine(tiny_llama_dir, speculative_tokens=4)
     vocab = spec.runner.model_config.vocab_size
     prompts = [_prompt(seed, vocab) for seed in range(4)]
-    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    _oracle(monkeypatch, prompts, [r.token_ids for r in spec.generate(prompts, greedy)], vocab, 3)
     params = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
-    first = [r.token_ids for r in spec.generate(prompts, params)]
-    assert [r.token_ids for r in spec.generate(prompts, params)] == first
-    assert all(len(t) == 32 for t in first)
-    assert spec.scheduler.stats().num_spec_steps > 0
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    # drafts right up to position 3, then wrong: accepted, then rejected by a different draw
+    _oracle(monkeypatch, prompts, want, vocab, 3)
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    # again, now that the answers are in the cache (drafts from there, other drafts)
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    stats = spec.scheduler.stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     _assert_no_leak(spec)
 
 
