@@ -39,9 +39,10 @@ class EngineConfig:
     )
     speculative_tokens: int = option(
         0,
-        "n-gram speculative decoding: up to this many tokens per decode step guessed from the "
-        "request's own prompt and output (prompt lookup) and checked in the same forward; "
-        "lossless (greedy output unchanged, sampling by rejection); 0: off",
+        "speculative decoding without a draft model: up to this many tokens per decode step "
+        "guessed from what followed the same text in the prefix cache, else from the request's "
+        "own prompt and output (n-gram lookup), and checked in the same forward; lossless "
+        "(greedy and seeded sampling give the same tokens as without it); 0: off",
     )
     speculative_max_batch: int = option(
         4, "speculate only in decode steps of at most this many requests (past it, it costs)"
