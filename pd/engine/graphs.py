@@ -111,8 +111,10 @@ class DecodeGraphs:
     def bucket_for(self, seqs: Sequence[SeqInput]) -> int | None:
         """The compiled bucket that runs ``seqs``, or None if they must run eagerly (not all
         one-token decodes, or more rows than any compiled bucket)."""
-        if not self.enabled or not all(
-            len(s.new_token_ids) == 1 and s.num_prefix >= 1 for s in seqs
+        if (
+            not self._steps
+            or not self.enabled
+            or not all(len(s.new_token_ids) == 1 and s.num_prefix >= 1 for s in seqs)
         ):
             return None  # the first token of a prompt attends to itself alone: a prefill
         return next((b for b in self._steps if b >= len(seqs)), None)

@@ -104,16 +104,17 @@ class ModelRunner:
         if not any(drafts):
             return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
         verdicts: dict[int, SampledRow] = {}
-        last_rows: list[int] = []  # the logits row of each request sampled as usual
+        plain: list[int] = []  # the requests sampled as usual ...
+        last_rows: list[int] = []  # ... and the logits row of each
         row = 0
         for i, req in enumerate(reqs):
             draft = drafts[i] if i < len(drafts) else ()
             if draft:
                 verdicts[i] = _verify(logits[row : row + len(draft) + 1], draft, req)
             else:
+                plain.append(i)
                 last_rows.append(row)
             row += len(draft) + 1
-        plain = [i for i in range(len(reqs)) if i not in verdicts]
         sampled = iter(
             sample(
                 logits[last_rows],

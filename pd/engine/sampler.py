@@ -93,7 +93,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)  # verify reads p(token) as it stands
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # each row sums to 1, as promised
     return probs
 
 

@@ -194,9 +194,13 @@ class Scheduler:
         drafts = [self._draft(r) if speculate else [] for r in decoding]
         for req, draft in zip(decoding, drafts):
             reqs.append(req)
-            n = len(req.all_ids)  # its last token goes to position n - 1, draft i to n + i
-            for i, token in enumerate([req.all_ids[-1], *draft]):
+            # its last token goes to position n - 1 and draft token i to n + i; the last row
+            # attends to every slot (the list itself: no copy, as in a step without drafts)
+            n = req.num_computed - len(draft)
+            rows = [*req.all_ids[-1:], *draft]
+            for i, token in enumerate(rows[:-1]):
                 seqs.append(SeqInput([token], req.slots[: n + i], n - 1 + i))
+            seqs.append(SeqInput(rows[-1:], req.slots, req.num_computed - 1))
         budget = self.max_mixed_prefill_tokens if decoding else self.max_prefill_tokens
         for req in [r for r in self.running if r.is_prefilling]:
             if budget <= 0:
@@ -223,20 +227,24 @@ class Scheduler:
         the request's last few tokens earlier in its own prompt and output. No draft before
         ``min_tokens`` (the tokens banned until then are not applied to a draft), none past
         ``max_tokens`` or the context, and only into free slots: a guess never evicts a cached
-        prefix. ``req.num_draft`` adapts to the request's
-        acceptance (``_adapt_draft``)."""
+        prefix. ``req.num_draft`` adapts to the request's acceptance (``_adapt_draft``)."""
         p = req.params
-        k = self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
-        n = len(req.all_ids)
-        k = min(k, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - n - 1)
+        tokens = req.all_ids
+        n = len(tokens)
+        k = min(
+            self._draft_len(req), p.max_tokens - len(req.output_ids) - 1, self.max_model_len - n - 1
+        )
         if k <= 0 or len(req.output_ids) < p.min_tokens:
             return []
-        tokens = req.all_ids
         draft = self.cache.continuation(tokens, req.namespace, k) or propose(tokens, k)
         while draft and not self.allocator.can_extend(req.slots, n + len(draft)):
             draft.pop()
         self.allocator.extend(req.slots, n + len(draft))
         return draft
+
+    def _draft_len(self, req: Req) -> int:
+        """The draft length ``req`` may have now (the maximum until it has adapted)."""
+        return self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
 
     def _adapt_draft(self, req: Req, num_draft: int, num_accepted: int) -> None:
         """Count a verified draft, and size the request's next one: half as long after a
@@ -244,7 +252,7 @@ class Scheduler:
         self._num_spec_steps += 1
         self._num_draft_tokens += num_draft
         self._num_accepted_tokens += num_accepted
-        k = self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
+        k = self._draft_len(req)
         if num_accepted == 0:
             req.num_draft = max(1, k // 2)
         elif num_accepted == num_draft:
