@@ -30,7 +30,11 @@ class EngineConfig:
         "matmuls of unquantized weights: onednn (cpu, packed once at load) | aten (torch's "
         "default GEMM); auto: onednn where it runs (see pd/model/quant.py)",
     )
-    attention_backend: str = option("auto", "attention kernels: torch (auto)")
+    attention_backend: str = option(
+        "auto",
+        "attention kernels: auto (torch's SDPA, with decode rows on pd's C++ kernel where it "
+        "builds: cpu, bf16, see pd/engine/cpu_attention.py) | torch (torch's ops alone)",
+    )
     compile_buckets: str = option(
         "off",
         "decode batch sizes that get a compiled decode step (torch.compile, one graph per size, "
@@ -114,6 +118,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(
+                f"attention_backend must be auto or torch, got {self.attention_backend!r}"
             )
         parse_buckets(self.compile_buckets)
         if self.speculative_tokens < 0 or self.speculative_max_batch < 1:

@@ -9,6 +9,9 @@ the weights frozen into the graph, so matmuls use packed weights). A batch of B 
 runs in the smallest bucket >= B, padded with rows that write and read only the pool's scratch
 slot. The key length is the one dynamic dimension: the attention takes the keys by an index
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
+In bf16 on the CPU that attention is one call of ``pd.engine.cpu_attention``'s C++ kernel
+inside the graph (inductor's own fused loops ran 1.4x slower at ~700 keys); otherwise inductor
+compiles ``attention.paged_decode_attention``.
 
 Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
 fails to compile (say, no C++ compiler) is logged and left eager. The fp16 LM head of the
@@ -31,6 +34,7 @@ import torch
 
 from pd.core.batch import DecodeBatch, SeqInput
 from pd.core.kv_pool import KVPool
+from pd.engine import cpu_attention
 from pd.engine.attention import PagedDecodeAttention
 from pd.model.llama import LlamaForCausalLM
 from pd.model.quant import Fp16Linear
@@ -64,6 +68,7 @@ class DecodeGraphs:
         pool: KVPool,
         buckets: Sequence[int],
         scratch_slot: int,
+        kernel: bool = True,
     ) -> None:
         if not 0 <= scratch_slot < pool.num_slots:
             raise ValueError(f"scratch slot {scratch_slot} outside the pool ({pool.num_slots})")
@@ -71,7 +76,14 @@ class DecodeGraphs:
         self.pool = pool
         self.buckets = tuple(sorted(buckets))
         self.scratch_slot = scratch_slot
-        self.attn = PagedDecodeAttention()
+        cfg = model.config
+        # kernel: attention by pd's C++ kernel where it runs (an opaque call in the graph)
+        self.attn = PagedDecodeAttention(
+            kernel=kernel
+            and cpu_attention.available(
+                pool.dtype, pool.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            )
+        )
         # fp16 weights are packed in an object the tracer cannot enter: such a head (every
         # quantized format has one) runs eagerly after the graph
         self.head_in_graph = not isinstance(model.lm_head, Fp16Linear)

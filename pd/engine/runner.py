@@ -51,7 +51,11 @@ class ModelRunner:
         )
         self.attn = make_attention_backend(cfg.attention_backend, self.device)
         self.graphs = DecodeGraphs(
-            self.model, self.pool, parse_buckets(cfg.compile_buckets), cfg.max_total_tokens
+            self.model,
+            self.pool,
+            parse_buckets(cfg.compile_buckets),
+            cfg.max_total_tokens,
+            kernel=cfg.attention_backend == "auto",
         )
         self.graphs.compile()
 

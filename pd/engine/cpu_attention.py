@@ -1,0 +1,313 @@
+"""Decode attention on the CPU as one small C++ loop nest (``torch.ops.pd.paged_decode_attention``).
+
+A decode step's attention is one query row per request over that request's keys in the paged
+pool. Torch has no CPU kernel for it. Measured here (Intel Xeon, 2 threads, bf16, SmolLM2's
+9 query and 3 KV heads of 64, 4 rows of 690 keys, one layer): SDPA on gathered keys 392 us,
+inductor's fused gathers (``attention.paged_decode_attention``) 393 us, this kernel 276 us
+(1,086 vs 827 us at 2,000 keys), about what reading those keys costs on this machine. A
+compiled bf16 decode step of 4 such rows went from 38.5 to 31.7 ms, and a step of 3 decode
+rows beside a 20-token prefill (eager) from 89 to 55 ms.
+
+The kernel reads each key and value row once for all the query heads of its group, keeps the
+scores, the softmax and the weighted sum in fp32, and runs the batch's (request, KV head)
+pairs on torch's own OpenMP threads (the same libgomp). Head dims 64 and 128 with 1 to 8 query
+heads per KV head are compiled in; bf16 only (in fp32, twice the bytes a key, it ran no faster
+than SDPA and at 0.8x inductor's loops).
+
+It is built from the source below on first use with the machine's C++ compiler (the one
+``torch.compile`` needs too; ~3 s, cached under ``PD_CACHE_DIR/kernels`` by source, compiler
+and CPU flags) and called through ctypes. Without a compiler, or for a dtype, device or head
+shape it does not take, ``available`` is False and callers use torch's ops. A slot outside the
+pool raises ``IndexError`` (the kernel skips it rather than read out of bounds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pd.core import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+static inline float to_float(uint16_t x) {  // bf16 -> fp32: the high half of the bits
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One (request b, KV head h) pair: its G query heads over its keys. D and G are compile-time
+// constants, so that the loops over a row unroll and vectorize. Returns the number of slots
+// outside [0, S) (those keys are skipped).
+template <typename T, int64_t D, int64_t G>
+static int64_t attend(const T* q, const T* kc, const T* vc, const int64_t* idx,
+                      const uint8_t* mask, float* out, int64_t b, int64_t h, int64_t KVH,
+                      int64_t L, int64_t S, float scale, float* scores) {
+  const int64_t H = KVH * G;
+  const float lowest = -std::numeric_limits<float>::infinity();
+  alignas(64) float qf[G * D], acc[G * D] = {}, row[D], best[G], total[G] = {};
+  int64_t bad = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    best[g] = lowest;
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
+  }
+  for (int64_t l = 0; l < L; ++l) {  // scores; -inf where there is no key
+    const int64_t slot = idx[b * L + l];
+    const bool inside = slot >= 0 && slot < S;
+    bad += h == 0 && mask[b * L + l] && !inside;  // counted once, not per KV head
+    if (!mask[b * L + l] || !inside) {
+      for (int64_t g = 0; g < G; ++g) scores[g * L + l] = lowest;
+      continue;
+    }
+    const T* k = kc + (slot * KVH + h) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) row[d] = to_float(k[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * row[d];
+      scores[g * L + l] = s;
+      best[g] = s > best[g] ? s : best[g];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, in place
+    float* sg = scores + g * L;
+    const float top = best[g] == lowest ? 0.0f : best[g];
+    for (int64_t l = 0; l < L; ++l) {
+      sg[l] = std::exp(sg[l] - top);
+      total[g] += sg[l];
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t slot = idx[b * L + l];
+    if (!mask[b * L + l] || slot < 0 || slot >= S) continue;
+    const T* v = vc + (slot * KVH + h) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * L + l];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* o = out + (b * H + h * G + g) * D;
+    const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;  // no key: zeros
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+  }
+  return bad;
+}
+
+template <typename T>
+using AttendFn = int64_t (*)(const T*, const T*, const T*, const int64_t*, const uint8_t*, float*,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*);
+
+template <typename T, int64_t D>
+static AttendFn<T> pick_group(int64_t G) {
+  switch (G) {
+    case 1: return attend<T, D, 1>;
+    case 2: return attend<T, D, 2>;
+    case 3: return attend<T, D, 3>;
+    case 4: return attend<T, D, 4>;
+    case 5: return attend<T, D, 5>;
+    case 6: return attend<T, D, 6>;
+    case 7: return attend<T, D, 7>;
+    case 8: return attend<T, D, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+static AttendFn<T> pick(int64_t D, int64_t G) {
+  switch (D) {
+    case 64: return pick_group<T, 64>(G);
+    case 128: return pick_group<T, 128>(G);
+    default: return nullptr;
+  }
+}
+
+// q: [B, H, D]; k_cache, v_cache: [S, KVH, D]; idx, mask: [B, L]; out: [B, H, D] fp32.
+// Row b attends to the keys idx[b, l] where mask[b, l]. Returns the number of slots outside
+// [0, S), or -1 for a head shape without a kernel (see supports()).
+template <typename T>
+static int64_t decode_attention(const T* q, const T* kc, const T* vc, const int64_t* idx,
+                                const uint8_t* mask, float* out, int64_t B, int64_t H,
+                                int64_t KVH, int64_t D, int64_t L, int64_t S, float scale,
+                                int threads) {
+  const AttendFn<T> fn = pick<T>(D, H / KVH);
+  if (fn == nullptr || H % KVH) return -1;
+  int64_t bad = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(+ : bad)
+  {
+    std::vector<float> scores((H / KVH) * L);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < B * KVH; ++task)
+      bad += fn(q, kc, vc, idx, mask, out, task / KVH, task % KVH, KVH, L, S, scale,
+                scores.data());
+  }
+  return bad;
+}
+
+extern "C" {
+int pd_decode_attention_supports(int64_t D, int64_t G) {
+  return pick<uint16_t>(D, G) != nullptr;
+}
+int64_t pd_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                 const int64_t* idx, const uint8_t* mask, float* out, int64_t B,
+                                 int64_t H, int64_t KVH, int64_t D, int64_t L, int64_t S,
+                                 float scale, int threads) {
+  return decode_attention<uint16_t>(q, kc, vc, idx, mask, out, B, H, KVH, D, L, S, scale,
+                                    threads);
+}
+}
+"""
+
+_FLAGS = (
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared",
+    "-fPIC",
+)  # fmt: skip
+_ENTRY = {torch.bfloat16: "pd_decode_attention_bf16"}
+# Below this many key rows (requests x KV heads x keys) one thread runs the whole batch: waking
+# the OpenMP team costs more than it saves.
+_PARALLEL_MIN_ROWS = 1024
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built (logged once)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.info("no C++ compiler: decode attention runs on torch's ops")
+        return None
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+        key = hashlib.sha256(
+            "\0".join((_SOURCE, compiler, version, " ".join(_FLAGS), _cpu_tag())).encode()
+        ).hexdigest()[:16]
+        out_dir = envs.PD_CACHE_DIR / "kernels"
+        path = out_dir / f"decode_attention-{key}.so"
+        if not path.exists():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+                src = Path(tmp) / "decode_attention.cpp"
+                src.write_text(_SOURCE)
+                built = Path(tmp) / path.name
+                subprocess.run(
+                    [compiler, *_FLAGS, str(src), "-o", str(built)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                os.replace(built, path)  # atomic: a concurrent builder leaves the same file
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("building the CPU decode attention failed (%s): torch's ops instead", detail)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in _ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = i64
+    lib.pd_decode_attention_supports.argtypes = [i64, i64]
+    lib.pd_decode_attention_supports.restype = ctypes.c_int
+    return lib
+
+
+def available(
+    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether ``paged_decode_attention`` runs this kernel for these heads, ``dtype`` and
+    ``device`` (cpu; bf16; head dims 64 and 128; 1 to 8 query heads per KV head)."""
+    if device.type != "cpu" or dtype not in _ENTRY or num_heads % num_kv_heads:
+        return False
+    lib = _library()
+    return lib is not None and bool(
+        lib.pd_decode_attention_supports(head_dim, num_heads // num_kv_heads)
+    )
+
+
+@torch.library.custom_op("pd::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    idx: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D]; idx: [B, L] int64 slots; mask:
+    [B, L] bool, True where the key is the row's; -> [B, H, D] in q's dtype. A row with no key
+    gives zeros. Callers check ``available`` first. Scores, softmax and the weighted sum are
+    fp32."""
+    lib = _library()
+    assert lib is not None and q.dtype in _ENTRY, "check cpu_attention.available first"
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or idx.shape != mask.shape:
+        raise ValueError(
+            f"decode attention shapes: q {tuple(q.shape)}, keys {tuple(k_cache.shape)}, "
+            f"idx {tuple(idx.shape)}, mask {tuple(mask.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode attention needs contiguous K/V caches")
+    q = q.contiguous()
+    idx = idx.to(torch.int64).contiguous()
+    mask = mask.to(torch.bool).contiguous()
+    out = torch.empty(b, num_heads, head_dim, dtype=torch.float32)
+    num_rows = b * num_kv_heads * idx.shape[1]
+    threads = torch.get_num_threads() if num_rows >= _PARALLEL_MIN_ROWS else 1
+    bad = getattr(lib, _ENTRY[q.dtype])(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        idx.data_ptr(),
+        mask.data_ptr(),
+        out.data_ptr(),
+        b,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        idx.shape[1],
+        k_cache.shape[0],
+        head_dim**-0.5,
+        threads,
+    )
+    if bad < 0:
+        raise ValueError(f"no decode attention kernel for {num_heads} heads of {head_dim}")
+    if bad:
+        raise IndexError(f"{bad} key slots outside the pool's {k_cache.shape[0]}")
+    return out.to(q.dtype)
+
+
+@paged_decode_attention.register_fake
+def _(q, k_cache, v_cache, idx, mask):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)

@@ -1,0 +1,113 @@
+"""Decode attention alone: pd's C++ kernel (``pd.engine.cpu_attention``) beside torch's two ways
+of doing it, on the same tensors in the same run.
+
+    python scripts/bench_attention.py [--threads 2] [--heads 9 --kv-heads 3 --head-dim 64]
+
+One layer's attention of B one-token rows over L keys each, bf16 KV pool, for several B and L:
+- ``sdpa``: what the eager backend did before the kernel (index_select the keys, one padded
+  SDPA call);
+- ``inductor``: ``attention.paged_decode_attention`` compiled, what a compiled decode step
+  traced before the kernel;
+- ``kernel``: ``torch.ops.pd.paged_decode_attention`` (eager; inside a compiled step it is
+  the same call).
+Microseconds per call, the best of --repeat runs; the ratio columns are sdpa / kernel and
+inductor / kernel (above 1: the kernel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pd.engine import cpu_attention
+from pd.engine.attention import paged_decode_attention
+
+
+def _time(fn, repeat: int, calls: int = 50) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def _sdpa(q, k_cache, v_cache, idx, mask):
+    shape = (*idx.shape, *k_cache.shape[1:])
+    flat = idx.view(-1)
+    keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True
+    )
+    return out[:, :, 0]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=9, help="query heads (SmolLM2-135M: 9)")
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--lengths", default="150,700,2000")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = 64  # one graph per (B, L) of the one function
+    dtype, cpu = torch.bfloat16, torch.device("cpu")
+    if not cpu_attention.available(dtype, cpu, args.heads, args.kv_heads, args.head_dim):
+        raise SystemExit("the kernel is not available here (no C++ compiler, or these heads)")
+    print(
+        f"cpu={_cpu_name()} threads={args.threads} bf16 "
+        f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim}\n"
+    )
+    print(
+        "| rows B | keys L | sdpa us | inductor us | kernel us | sdpa / kernel | inductor / kernel |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for b in (int(x) for x in args.batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            num_slots = b * length + 1
+            q = torch.randn(b, args.heads, args.head_dim, generator=g).to(dtype)
+            kv = [
+                torch.randn(num_slots, args.kv_heads, args.head_dim, generator=g).to(dtype)
+                for _ in range(2)
+            ]
+            # each row's keys in one run of slots, as the allocator hands out a prompt's
+            idx = torch.arange(b * length).view(b, length)
+            mask = torch.ones(b, length, dtype=torch.bool)
+            case = (q, *kv, idx, mask)
+            inductor = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False)
+            with torch.inference_mode():
+                us = [
+                    _time(lambda f=f, case=case: f(*case), args.repeat)
+                    for f in (_sdpa, inductor, torch.ops.pd.paged_decode_attention)
+                ]
+            print(
+                f"| {b} | {length} | {us[0]:.0f} | {us[1]:.0f} | {us[2]:.0f} | "
+                f"{us[0] / us[2]:.2f}x | {us[1] / us[2]:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The CPU decode attention kernel (``pd.engine.cpu_attention``) against torch's math: every
+head shape it takes, padded rows, a row without keys, a slot outside the pool, inside a
+compiled graph, and behind the eager backend's decode rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pd.engine import cpu_attention
+from pd.engine.attention import TorchAttentionBackend, _DecodeMeta, make_attention_backend
+from pd.engine.config import EngineConfig
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention.available(BF16, CPU, 9, 3, 64), reason="no C++ compiler to build the kernel"
+)
+
+
+def _reference(q, k_cache, v_cache, idx, mask):
+    """fp32 softmax attention of each row over its masked keys (zeros for a row without)."""
+    b, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    keys = k_cache.float()[idx].repeat_interleave(group, dim=2)  # [B, L, H, D]
+    values = v_cache.float()[idx].repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), keys) * head_dim**-0.5
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhl,blhd->bhd", probs, values)
+
+
+def _case(batch, num_kv_heads, group, head_dim, length, num_slots=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=g).to(BF16)
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(BF16)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(BF16)
+    idx = torch.randint(0, num_slots, (batch, length), generator=g)
+    lens = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = torch.arange(length)[None, :] < lens[:, None]
+    return q, k_cache, v_cache, idx, mask
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 64), (2, 1, 128), (4, 5, 128)]
+)
+@pytest.mark.parametrize("length", [1, 37, 700])
+def test_the_kernel_matches_fp32_attention(num_kv_heads, group, head_dim, length):
+    case = _case(5, num_kv_heads, group, head_dim, length)
+    assert cpu_attention.available(BF16, CPU, num_kv_heads * group, num_kv_heads, head_dim)
+    out = torch.ops.pd.paged_decode_attention(*case)
+    assert out.dtype == BF16 and out.shape == case[0].shape
+    torch.testing.assert_close(out.float(), _reference(*case), atol=2e-2, rtol=2e-2)
+
+
+def test_one_thread_and_many_give_the_same_result(monkeypatch):
+    case = _case(4, 3, 3, 64, 900)  # 4 x 3 x 900 key rows: above the threshold for threads
+    many = torch.ops.pd.paged_decode_attention(*case)
+    monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_ROWS", 10**9)
+    assert torch.equal(torch.ops.pd.paged_decode_attention(*case), many)
+
+
+def test_a_row_without_keys_gives_zeros_and_others_are_unharmed():
+    q, k_cache, v_cache, idx, mask = _case(3, 3, 3, 64, 20)
+    mask[1] = False
+    out = torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(
+        out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=2e-2, rtol=2e-2
+    )
+
+
+def test_a_slot_outside_the_pool_raises_with_the_numbers():
+    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8, num_slots=64)
+    idx[1, 2], mask[1, :3] = 64, True
+    with pytest.raises(IndexError, match="1 key slots outside the pool's 64"):
+        torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
+    mask[1, 2] = False  # a masked key is never read: no error
+    torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
+
+
+def test_shapes_and_dtypes_without_a_kernel_are_not_available():
+    assert not cpu_attention.available(torch.float32, CPU, 9, 3, 64)
+    assert not cpu_attention.available(BF16, CPU, 9, 3, 96)  # head dim
+    assert not cpu_attention.available(BF16, CPU, 27, 3, 64)  # 9 query heads a KV head
+    assert not cpu_attention.available(BF16, CPU, 10, 3, 64)  # not a whole group
+    assert not cpu_attention.available(BF16, torch.device("meta"), 9, 3, 64)
+
+
+def test_the_op_inside_a_compiled_graph_matches_the_eager_call():
+    case = _case(4, 3, 3, 64, 50)
+
+    def step(q, k_cache, v_cache, idx, mask):
+        return torch.ops.pd.paged_decode_attention(q * 2, k_cache, v_cache, idx, mask) + 1
+
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(*case), step(*case))
+
+
+def test_the_eager_backend_runs_decode_rows_on_the_kernel_like_sdpa():
+    q, k_cache, v_cache, idx, mask = _case(4, 3, 3, 64, 30, seed=3)
+
+    class Pool:
+        k, v = [k_cache], [v_cache]
+
+    backend = TorchAttentionBackend()
+    out = backend._decode(q, 0, Pool, _DecodeMeta(idx, mask))  # type: ignore[arg-type]
+    assert backend._kernel is True
+    keys = k_cache[idx].transpose(1, 2)  # [B, KVH, L, D]
+    values = v_cache[idx].transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(
+        q[:, :, None].float(),
+        keys.float(),
+        values.float(),
+        attn_mask=mask[:, None, None, :],
+        enable_gqa=True,
+    )[:, :, 0]
+    torch.testing.assert_close(out.float(), sdpa, atol=2e-2, rtol=2e-2)
+    full = backend._decode(q, 0, Pool, _DecodeMeta(idx, None))  # no padding: no mask
+    torch.testing.assert_close(
+        full.float(),
+        _reference(q, k_cache, v_cache, idx, torch.ones_like(mask)),
+        atol=2e-2,
+        rtol=2e-2,
+    )
+
+
+def test_the_torch_backend_never_calls_the_kernel_and_unknown_backends_are_refused():
+    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 10)
+
+    class Pool:
+        k, v = [k_cache], [v_cache]
+
+    backend = make_attention_backend("torch", CPU)
+    backend._decode(q, 0, Pool, _DecodeMeta(idx, mask))  # type: ignore[attr-defined]
+    assert backend._kernel is False  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="attention_backend must be auto or torch, got 'cpp'"):
+        EngineConfig(attention_backend="cpp")
