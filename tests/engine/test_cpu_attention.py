@@ -138,3 +138,24 @@ def test_the_torch_backend_never_calls_the_kernel_and_unknown_backends_are_refus
     assert backend._kernel is False  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="attention_backend must be auto or torch, got 'cpp'"):
         EngineConfig(attention_backend="cpp")
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_and_torch_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    cpu_attention._library.cache_clear()
+    try:
+        assert not cpu_attention.available(BF16, CPU, 9, 3, 64)
+        q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 10)
+
+        class Pool:
+            k, v = [k_cache], [v_cache]
+
+        backend = TorchAttentionBackend()
+        out = backend._decode(q, 0, Pool, _DecodeMeta(idx, mask))  # type: ignore[arg-type]
+        assert backend._kernel is False
+        torch.testing.assert_close(
+            out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=2e-2, rtol=2e-2
+        )
+    finally:
+        cpu_attention._library.cache_clear()  # the next caller builds (or finds) the real one
