@@ -179,7 +179,13 @@ def _check(outcomes: list[Outcome], reference: list[list[int]]) -> None:
 
 def _idle_and_whole(url: str) -> dict[str, dict[str, Any]]:
     """Every node holds no request and no slot; each pair group is to a live peer (one each
-    way at most: KV to decode, pulls between any two)."""
+    way at most: KV to decode, pulls between any two). The counts come with the nodes' stats,
+    a report behind the last answer: wait (bounded) for the report after it."""
+
+    def idle() -> bool:
+        return all(n["load"] == 0 and n["slots_in_use"] == 0 for n in _nodes(url).values())
+
+    _until(idle, "every node idle", 30)
     nodes = _nodes(url)
     for node_id, n in nodes.items():
         peers = len(nodes) - 1
@@ -260,7 +266,6 @@ def test_a_host_cut_off_shorter_than_the_heartbeat_timeout_changes_nothing(
     assert statuses == {200}, statuses
     _check(outcomes, reference)
     assert _metric(c.url, "pd_failed_nodes") == failed and set(_nodes(c.url)) == ids
-    _until(lambda: all(n["load"] == 0 for n in _nodes(c.url).values()), "idle", 30)
     _idle_and_whole(c.url)
     REPORT.append(
         f"decode host cut for {cut_for:.0f} s (< {HEARTBEAT_S:.0f} s timeout): {len(outcomes)} requests, none failed, no node lost, /ready stayed 200"
@@ -347,7 +352,6 @@ def test_a_killed_host_is_replaced_on_another_host_with_its_role(onprem, referen
     _check(join(), reference)
     assert _pd_nodes_on(hosts, late) == ["ray::PrefillNod", "ray::PrefillNod"]
     (gone,) = old - set(_nodes(c.url))
-    _until(lambda: all(n["load"] == 0 for n in _nodes(c.url).values()), "idle", 30)
     _idle_and_whole(c.url)
     REPORT.append(
         f"prefill host h2 killed: {gone} found dead after {dead:.1f} s ({_why_gone(gone)}), replaced on h4 (prefill: 2) {replaced:.1f} s after the kill"

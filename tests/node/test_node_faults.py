@@ -228,7 +228,10 @@ def test_a_long_forward_beats_between_its_layers(server, make_pair) -> None:
             if p.run_once(block=False):
                 break
             time.sleep(0.01)
-        server.drain()
+        deadline = time.monotonic() + 5  # the beats were sent; loopback delivers them soon
+        while server.num_stats - before < len(layers) and time.monotonic() < deadline:
+            server.drain()
+            time.sleep(0.01)
         assert server.num_stats - before >= len(layers), (server.num_stats, before)
     finally:
         for h in handles:
