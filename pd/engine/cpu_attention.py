@@ -14,9 +14,9 @@ pairs on torch's own OpenMP threads (the same libgomp). Each score's dot product
 tree reduction (AVX-512 intrinsics where the compiler targets it, a plain loop otherwise) and
 the softmax's exp is a polynomial the compiler vectorizes: the compiler's own code added each
 dot product's 16 lanes one after another and called libm's exp per score, and took 1.8x as
-long (one thread, 1 to 16 rows of 700 to 2,000 keys; 512 vs 283 us at 4 rows of 700). Head dims 64 and 128 with 1 to 8 query
-heads per KV head are compiled in; bf16 only (in fp32, twice the bytes a key, it ran no faster
-than SDPA and at 0.8x inductor's loops).
+long (one thread, 1 to 16 rows of 700 to 2,000 keys; 512 vs 283 us at 4 rows of 700). Head
+dims 64 and 128 with 1 to 8 query heads per KV head are compiled in; bf16 only (in fp32,
+twice the bytes a key, it ran no faster than SDPA and at 0.8x inductor's loops).
 
 It is built from the source below on first use with the machine's C++ compiler (the one
 ``torch.compile`` needs too; ~3 s, cached under ``PD_CACHE_DIR/kernels`` by source, compiler
