@@ -252,7 +252,7 @@ def _smol_engine(model_dir: Path, fmt: str | None = None) -> Engine:
 
 def _text_logits(engine: Engine, num_tokens: int = DEQUANT_MIN_TOKENS - 1) -> torch.Tensor:
     """All logits of the licence text's first tokens (fewer than ``DEQUANT_MIN_TOKENS``: the
-    quantized kernels; more: int8 and int4 dequantize for a dense GEMM)."""
+    quantized kernels; more: int8 and int4 multiply by dense weights)."""
     if not TEXT.is_file():
         pytest.skip(f"{TEXT} absent")
     ids = encode_prompt(engine.tokenizer, TEXT.read_text()[:4000])
