@@ -12,6 +12,11 @@ One layer's attention of B one-token rows over L keys each, bf16 KV pool, for se
   the same call).
 Microseconds per call, the best of --repeat runs; the ratio columns are sdpa / kernel and
 inductor / kernel (above 1: the kernel is faster).
+
+With ``--extend``: the attention of a prefill of N new tokens over P cached ones (one request,
+fp32 and bf16), the two ways ``TorchAttentionBackend`` can run it: SDPA with an explicit
+[N, P + N] mask, or causal SDPA with P query rows of zeros put before the N (their output
+dropped). The backend pads when 4 P <= N.
 """
 
 from __future__ import annotations
@@ -70,8 +75,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--lengths", default="150,700,2000")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--extend", action="store_true", help="prefill over a cached prefix instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.extend:
+        return extend_table(args)
     torch._dynamo.config.recompile_limit = 64  # one graph per (B, L) of the one function
     dtype, cpu = torch.bfloat16, torch.device("cpu")
     if not cpu_attention.available(dtype, cpu, args.heads, args.kv_heads, args.head_dim):
@@ -106,6 +114,46 @@ def main() -> None:
             print(
                 f"| {b} | {length} | {us[0]:.0f} | {us[1]:.0f} | {us[2]:.0f} | "
                 f"{us[0] / us[2]:.2f}x | {us[1] / us[2]:.2f}x |"
+            )
+
+
+def extend_table(args: argparse.Namespace) -> None:
+    print(
+        f"cpu={_cpu_name()} threads={args.threads} heads={args.heads} "
+        f"kv_heads={args.kv_heads} head_dim={args.head_dim}, one layer\n"
+    )
+    print(
+        "| dtype | cached P | new N | mask us | padded causal us | mask / padded | backend pads |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for cached, new in ((4, 640), (64, 640), (160, 640), (320, 640), (640, 640), (620, 20)):
+            total = cached + new
+            q = torch.randn(1, args.heads, new, args.head_dim, generator=g).to(dtype)
+            k, v = (
+                torch.randn(1, args.kv_heads, total, args.head_dim, generator=g).to(dtype)
+                for _ in range(2)
+            )
+            mask = torch.ones(new, total, dtype=torch.bool).tril(cached)
+            zeros = q.new_zeros(1, args.heads, cached, args.head_dim)
+
+            def masked(q=q, k=k, v=v, mask=mask):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+            def padded(q=q, k=k, v=v, zeros=zeros, cached=cached):
+                qp = torch.cat((zeros, q), 2)
+                out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, enable_gqa=True)
+                return out[:, :, cached:]
+
+            err = (masked() - padded()).abs().max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"paths differ by {err}"
+            with torch.inference_mode():
+                us = [_time(f, args.repeat, calls=5) for f in (masked, padded)]
+            name = "fp32" if dtype == torch.float32 else "bf16"
+            print(
+                f"| {name} | {cached} | {new} | {us[0]:.0f} | {us[1]:.0f} | "
+                f"{us[0] / us[1]:.2f}x | {'yes' if 4 * cached <= new else 'no'} |"
             )
 
 

@@ -2,7 +2,7 @@
 reference on CPU and GPU; ``PagedDecodeAttention`` is the one a compiled decode step traces.
 
 On the CPU both run a batch's one-token decode rows through ``pd.engine.cpu_attention``'s C++
-kernel where it builds (fp32 or bf16; 2.2x inductor's fused loops and SDPA at ~700 keys), and
+kernel where it builds (bf16; 2.2x inductor's fused loops and SDPA at ~700 keys), and
 torch's ops otherwise."""
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ class _DecodeMeta(NamedTuple):
 
 class _ExtendMeta(NamedTuple):
     q_bounds: list[tuple[int, int]]  # flat token range of each extend request
-    masks: list[torch.Tensor | None]  # [n, seq_len] bool, None for a cold prefill (plain causal)
+    # [n, seq_len] bool, or None: causal (a cold prefill, or one padded below)
+    masks: list[torch.Tensor | None]
+    # query rows of zeros put before the request's own, one per cached token, so that a short
+    # prefix runs SDPA's causal kernel (faster than an explicit mask); their rows of the
+    # output are dropped. 0: none (a cold prefill, or a prefix under an explicit mask)
+    pads: list[int]
     kv_slots: list[torch.Tensor]
 
 
@@ -53,19 +58,24 @@ class TorchAttentionBackend(BaseAttentionBackend):
             nd += 1
         device = batch.input_ids.device
         decode = self._decode_meta(batch.seq_lens[:nd], batch.kv_slots[:nd], device) if nd else None
-        bounds, masks = [], []
+        bounds, masks, pads = [], [], []
         start = nd
         for n, seq_len in zip(batch.extend_lens[nd:], batch.seq_lens[nd:]):
             bounds.append((start, start + n))
             start += n
-            if n == seq_len:
+            prefix = seq_len - n
+            # a prefix up to a quarter of the new tokens: pad (its zero rows cost less than a
+            # mask; scripts/bench_attention.py --extend: 1.2-2x at 4 to 160 cached before 640
+            # new, even or worse from half on)
+            pad = 4 * prefix <= n
+            pads.append(prefix if pad else 0)
+            if pad:
                 masks.append(None)
             else:
-                # query i sits at position seq_len - n + i and sees keys [0, seq_len - n + i]
-                masks.append(
-                    torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(seq_len - n)
-                )
-        batch.attn_metadata = _Meta(nd, decode, _ExtendMeta(bounds, masks, batch.kv_slots[nd:]))
+                # query i sits at position prefix + i and sees keys [0, prefix + i]
+                masks.append(torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(prefix))
+        extend = _ExtendMeta(bounds, masks, pads, batch.kv_slots[nd:])
+        batch.attn_metadata = _Meta(nd, decode, extend)
 
     @staticmethod
     def _decode_meta(
@@ -98,21 +108,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if meta.decode is not None:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], layer, pool, meta.decode)
         ext = meta.extend
-        for (start, end), mask, slots in zip(ext.q_bounds, ext.masks, ext.kv_slots):
-            qr = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
-            if mask is None:  # cold prefill: the keys are exactly this batch's new tokens
+        for (start, end), mask, pad, slots in zip(ext.q_bounds, ext.masks, ext.pads, ext.kv_slots):
+            qr = q[start:end]
+            if mask is None and not pad:  # cold prefill: the keys are this batch's new tokens
                 kr, vr = k[start:end], v[start:end]
             else:
                 kr, vr = pool.k[layer][slots], pool.v[layer][slots]
+            if pad:  # query row j of the padded rows sits at position j, as causal assumes
+                qr = torch.cat((qr.new_zeros(pad, *qr.shape[1:]), qr))
             o = F.scaled_dot_product_attention(
-                qr,
+                qr.transpose(0, 1)[None],  # [1, H, rows, D]
                 kr.transpose(0, 1)[None],
                 vr.transpose(0, 1)[None],
                 attn_mask=mask,
                 is_causal=mask is None,
                 enable_gqa=True,
             )
-            out[start:end] = o[0].transpose(0, 1)
+            out[start:end] = o[0, :, pad:].transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, pool: KVPool, meta: _DecodeMeta) -> torch.Tensor:
