@@ -65,7 +65,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             start += n
             prefix = seq_len - n
             # a prefix up to a quarter of the new tokens: pad (its zero rows cost less than a
-            # mask; scripts/bench_attention.py --extend: 1.2-2x at 4 to 160 cached before 640
+            # mask; scripts/bench_attention.py --extend: 1.2-1.6x at 4 to 160 cached before 640
             # new, even or worse from half on)
             pad = 4 * prefix <= n
             pads.append(prefix if pad else 0)
