@@ -400,10 +400,12 @@ class Cluster:
         task.add_done_callback(self._tasks.discard)
 
     def _threads(self) -> int | None:
-        if self._gpus:
-            return self.engine_cfg.num_threads
+        """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),
+        else on CPU nodes the machine's cores split over the nodes."""
         if self.cfg.threads_per_node is not None:
             return self.cfg.threads_per_node
+        if self._gpus or self.engine_cfg.num_threads:
+            return self.engine_cfg.num_threads
         total = self.cfg.num_prefill + self.cfg.num_decode
         return max(1, (os.cpu_count() or 1) // total)
 

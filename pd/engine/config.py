@@ -80,7 +80,11 @@ class EngineConfig:
         "host (share it between the nodes of one host); default: no disk tier",
     )
     disk_cache_gb: float = option(16.0, "the disk tier directory's bound, GiB")
-    num_threads: int | None = option(None, "torch threads per process; default: torch's")
+    num_threads: int | None = option(
+        None,
+        "torch threads per process (per node in a cluster); default: torch's, or in a cluster "
+        "on the CPU the machine's cores split over its nodes",
+    )
     seed: int = option(0, "seed for requests that bring none")
 
     def __post_init__(self) -> None:

@@ -68,3 +68,22 @@ def test_what_rays_autoscaler_may_add_counts() -> None:
     assert cap.max_nodes == 4  # 5 GPUs, one for the decode node
     assert "(as far as Ray's autoscaler may grow it)" in cap.why
     assert pool_capacity("prefill", gpu, "decode", gpu, 1, alive, {"GPU": 0}).max_nodes == 0
+
+
+def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pd.cluster.config import ClusterConfig
+    from pd.cluster.coordinator import CoordinatorConfig
+    from pd.cluster.launcher import Cluster
+    from pd.engine.config import EngineConfig
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+
+    def threads(num_threads: int | None, threads_per_node: int | None = None) -> int | None:
+        cfg = ClusterConfig(num_prefill=1, num_decode=3, threads_per_node=threads_per_node)
+        return Cluster(EngineConfig(num_threads=num_threads), cfg, CoordinatorConfig())._threads()
+
+    assert threads(None) == 2  # 8 cores over 4 nodes
+    assert threads(3) == 3  # --num-threads: each node's, as the user asked
+    assert threads(3, threads_per_node=1) == 1
