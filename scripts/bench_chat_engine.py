@@ -12,7 +12,8 @@ engine step is timed and counted by kind:
   without decode rows beside them; eager;
 - ``decode``: one-token rows only, eager; ``compiled``: the same in a compiled bucket.
 
-Each config (``label=ENGINE ARGS``, the flags ``pd serve`` takes for its engine) runs in turn,
+Each config (``label=ENGINE ARGS``, the flags ``pd serve`` takes for its engine, with its
+defaults: int4 and compiled steps for batches of 1, 2 and 4 on a CPU) runs in turn,
 in a fresh process; the first is the baseline of the ratio column. Compare the req/s here with
 ``bench_serving.py``'s for the same flags: the difference is what serving costs on the same
 cores.

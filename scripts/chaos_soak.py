@@ -157,6 +157,10 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
         "--admin-api-key": args.admin_api_key,
         "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
         "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
+        # fp32 and eager, as before pd serve's defaults became int4 and compiled steps: a
+        # replacement node is up in seconds, not after compiling its graphs
+        "--quantization": "none",
+        "--compile-buckets": "off",
     }
     for flag, value in optional.items():
         if value is not None and flag in flags:

@@ -24,6 +24,10 @@ T = TypeVar("T")
 
 # the transfer deadlines every node uses, as --transfer-* flags
 TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
+# ``pd serve``'s engine defaults where they differ from ``EngineConfig``'s (those of the library
+# and ``pd generate``: fp32 weights, eager steps): on a CPU, int4 weights and compiled decode
+# steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")
+SERVE_ENGINE_DEFAULTS = {"quantization": "auto", "compile_buckets": "auto"}
 AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
 
 
@@ -117,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_args(srv)
     add_dataclass_args(srv, EngineConfig)
+    srv.set_defaults(**SERVE_ENGINE_DEFAULTS)
     add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
     add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
     add_dataclass_args(srv, ServerConfig)

@@ -20,7 +20,8 @@ class ClusterConfig:
     # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
     # (this machine's Ray IP); nodes are always told a routable one (pd.core.addresses)
     host: str = "127.0.0.1"
-    threads_per_node: int | None = None  # None: the machine's cores split over the nodes (CPU)
+    # None: --num-threads, else (CPU) the machine's cores split over the larger pool's nodes
+    threads_per_node: int | None = None
     ready_timeout_s: float = 300.0
     replace_dead_nodes: bool = True  # start a new node of the same role when one dies
     connect_timeout_s: float = 5.0  # with an address: the cluster must answer within this

@@ -401,13 +401,16 @@ class Cluster:
 
     def _threads(self) -> int | None:
         """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),
-        else on CPU nodes the machine's cores split over the nodes."""
+        else on CPU nodes the machine's cores split over the larger pool. A prefill and a
+        decode node share the cores: each is busy while the other waits for more of the time
+        than not (1 prefill + 1 decode node of 2 threads each on 2 cores served the chat load
+        1.7x faster than of 1 thread each: BENCHMARKS.md, "pd serve's defaults")."""
         if self.cfg.threads_per_node is not None:
             return self.cfg.threads_per_node
         if self._gpus or self.engine_cfg.num_threads:
             return self.engine_cfg.num_threads
-        total = self.cfg.num_prefill + self.cfg.num_decode
-        return max(1, (os.cpu_count() or 1) // total)
+        largest = max(self.cfg.num_prefill, self.cfg.num_decode)
+        return max(1, (os.cpu_count() or 1) // largest)
 
     def _start_actor(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
         """Create a ``role`` node's actor; its ``start`` ref resolves to its ``NodeInfo``."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from pd.core.options import option
 from pd.engine.graphs import parse_buckets
-from pd.model.quant import check_quantization, resolve_linear_backend
+from pd.model.quant import INT4_GROUP_SIZE, check_quantization, resolve_linear_backend
+
+AUTO_CPU_BUCKETS = (1, 2, 4)  # ``compile_buckets="auto"`` on a CPU
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,10 @@ class EngineConfig:
         "auto", "float32 | bfloat16 | float16; auto: float32 on cpu, bfloat16 on cuda"
     )
     quantization: str = option(
-        "none", "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py)"
+        "none",
+        "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py); auto: int4 "
+        "for a float32 model on a cpu whose torch has its kernel, none elsewhere (pd serve's "
+        "default)",
     )
     linear_backend: str = option(
         "auto",
@@ -39,7 +45,8 @@ class EngineConfig:
         "off",
         "decode batch sizes that get a compiled decode step (torch.compile, one graph per size, "
         "built at start-up: tens of seconds each on a CPU; a batch runs in the smallest size "
-        ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py)",
+        ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py); auto: "
+        "1,2,4 on a cpu, off elsewhere (pd serve's default)",
     )
     speculative_tokens: int = option(
         0,
@@ -83,7 +90,7 @@ class EngineConfig:
     num_threads: int | None = option(
         None,
         "torch threads per process (per node in a cluster); default: torch's, or in a cluster "
-        "on the CPU the machine's cores split over its nodes",
+        "on the CPU the machine's cores split over the larger pool's nodes",
     )
     seed: int = option(0, "seed for requests that bring none")
 
@@ -127,13 +134,15 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto or torch, got {self.attention_backend!r}"
             )
-        parse_buckets(self.compile_buckets)
+        if self.compile_buckets.strip().lower() != "auto":
+            parse_buckets(self.compile_buckets)
         if self.speculative_tokens < 0 or self.speculative_max_batch < 1:
             raise ValueError(
                 f"speculative_tokens must be >= 0 and speculative_max_batch >= 1, got "
                 f"{self.speculative_tokens} and {self.speculative_max_batch}"
             )
-        check_quantization(self.quantization, self.torch_device)
+        if self.quantization != "auto":
+            check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
 
     @property
@@ -147,3 +156,26 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def quantization_method(self, in_features: Iterable[int] = ()) -> str:
+        """``quantization`` with ``auto`` resolved for this process's device and a model whose
+        linears take ``in_features``: int4 (the fastest format that passes BENCHMARKS.md's
+        quality check) where the model would run in fp32 on a CPU whose torch has the kernel
+        and every layer fits its groups; else none (a chosen ``dtype`` is kept as it is)."""
+        if self.quantization != "auto":
+            return self.quantization
+        if self.torch_dtype != torch.float32:
+            return "none"
+        try:
+            check_quantization("int4", self.torch_device)
+        except ValueError:
+            return "none"
+        return "int4" if all(k % INT4_GROUP_SIZE == 0 for k in in_features) else "none"
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """``compile_buckets`` parsed, with ``auto`` resolved for this process's device: 1, 2
+        and 4 on a CPU (a compiled step is 1.5-2x an eager one there), none elsewhere."""
+        if self.compile_buckets.strip().lower() == "auto":
+            return AUTO_CPU_BUCKETS if self.torch_device.type == "cpu" else ()
+        return parse_buckets(self.compile_buckets)

@@ -75,7 +75,12 @@ class EngineCore:
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
         num_host = host_tier_slots(cfg, self.runner.pool.num_bytes_per_token)
         host = HostKVPool(self.runner.pool, num_host) if num_host else None
-        disk = make_disk_tier(cfg, self.runner.model_dir, self.runner.pool) if host else None
+        runner = self.runner
+        disk = (
+            make_disk_tier(cfg, runner.model_dir, runner.pool, runner.quantization)
+            if host
+            else None
+        )
         self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host, disk)
         self.scheduler = scheduler_cls(
             self.allocator,

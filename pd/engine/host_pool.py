@@ -28,7 +28,9 @@ DEFAULT_MEMORY_SHARE = 8  # ... at most 1/8 of the machine's memory per tier
 DISK_CHUNK_TOKENS = 64  # a disk chunk's tokens (rounded up to whole pages)
 
 
-def make_disk_tier(cfg: EngineConfig, model_dir: Path, pool: KVPool) -> DiskTier | None:
+def make_disk_tier(
+    cfg: EngineConfig, model_dir: Path, pool: KVPool, quantization: str
+) -> DiskTier | None:
     """The disk tier ``cfg`` asks for, keyed by the checkpoint's files, the weight format, the
     KV layout and the page and chunk sizes; None without ``disk_cache_dir``."""
     if cfg.disk_cache_dir is None:
@@ -38,7 +40,7 @@ def make_disk_tier(cfg: EngineConfig, model_dir: Path, pool: KVPool) -> DiskTier
     weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     key = model_key(
-        config, weights, str(pool.dtype), cfg.quantization, cfg.linear_backend,
+        config, weights, str(pool.dtype), quantization, cfg.linear_backend,
         pool.num_layers, pool.num_kv_heads, pool.head_dim, ps, chunk,
     )  # fmt: skip
     max_bytes = int(cfg.disk_cache_gb * 2**30)

@@ -17,7 +17,7 @@ from pd.core.kv_pool import KVPool
 from pd.core.request import Req
 from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
-from pd.engine.graphs import DecodeGraphs, parse_buckets
+from pd.engine.graphs import DecodeGraphs
 from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify
 from pd.model.config import ModelConfig
@@ -40,6 +40,10 @@ class ModelRunner:
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        # the weight format, ``auto`` resolved: what the weights are packed as
+        self.quantization = cfg.quantization_method(
+            (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size)
+        )
         self.model = self._load_model()
         self.pool = KVPool(
             mc.num_layers,
@@ -53,7 +57,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model,
             self.pool,
-            parse_buckets(cfg.compile_buckets),
+            cfg.buckets,
             cfg.max_total_tokens,
             kernel=cfg.attention_backend == "auto",
         )
@@ -68,7 +72,7 @@ class ModelRunner:
         model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
         return quantize_linears(
-            model.to(self.dtype).eval(), self.cfg.quantization, linear_backend=backend
+            model.to(self.dtype).eval(), self.quantization, linear_backend=backend
         )
 
     def forward(

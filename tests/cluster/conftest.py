@@ -155,11 +155,16 @@ def end_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) 
         proc.wait()
 
 
+# fp32 weights and eager steps (the engine's defaults), not pd serve's int4 and compiled steps:
+# answers equal to HF's, and a start in seconds instead of minutes
+EXACT_EAGER = ["--quantization", "none", "--compile-buckets", "off"]
+
+
 class ServeProcess:
     """One ``pd serve --port PORT *args`` process in a process group of its own, its output in
     ``log``. Made once it prints its URL; fails (and ends it) if it exits or ``timeout_s``
     passes first. ``env`` None: this process's environment. ``scheme``: https when ``args``
-    give it a certificate."""
+    give it a certificate. ``EXACT_EAGER`` comes before ``args`` unless ``serve_defaults``."""
 
     def __init__(
         self,
@@ -168,11 +173,13 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         timeout_s: float = 180.0,
         scheme: str = "http",
+        serve_defaults: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(self.port), *args]
+        engine = [] if serve_defaults else EXACT_EAGER
+        cmd = [sys.executable, "-m", "pd.cli", "serve", "--port", str(self.port), *engine, *args]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

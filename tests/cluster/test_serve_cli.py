@@ -11,9 +11,30 @@ import pytest
 from tests.cluster.conftest import ServeProcess
 
 
+def test_pd_serve_defaults_to_int4_and_compiled_steps_on_a_cpu_and_generate_to_fp32() -> None:
+    from pd.cli import build_parser, engine_config
+
+    serve = engine_config(build_parser().parse_args(["serve"]))
+    smollm2 = (576, 576, 1536)  # the in_features of its linears
+    assert (serve.quantization_method(smollm2), serve.buckets) == ("int4", (1, 2, 4))
+    assert serve.quantization_method((576, 100)) == "none"  # 100 inputs: no int4 groups of 32
+    bf16 = engine_config(build_parser().parse_args(["serve", "--dtype", "bfloat16"]))
+    assert bf16.quantization_method(smollm2) == "none"  # a chosen precision is kept
+    gen = engine_config(build_parser().parse_args(["generate", "--prompt", "hi"]))
+    assert (gen.quantization_method(smollm2), gen.buckets) == ("none", ())
+    with pytest.raises(ValueError, match="compile buckets"):
+        engine_config(build_parser().parse_args(["serve", "--compile-buckets", "auto,2"]))
+
+
 @pytest.mark.timeout(300)
 def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
-    server = ServeProcess(["--max-total-tokens", "4096"], tmp_path / "serve.log")
+    # pd serve's defaults but the compiled steps (each would add ~40 s here; graphs are
+    # tested in tests/engine/test_graphs.py): int4 weights, 1 prefill + 1 decode node
+    server = ServeProcess(
+        ["--max-total-tokens", "4096", "--compile-buckets", "off"],
+        tmp_path / "serve.log",
+        serve_defaults=True,
+    )
     try:
         url = server.url
         assert httpx.get(f"{url}/ready", timeout=5).status_code == 200

@@ -64,7 +64,7 @@ def onprem(netns_hosts: NetnsHosts, tiny_llama_dir: Path) -> Iterator[Onprem]:
     ray = OnpremCluster(hosts, head, workers)
     start = time.monotonic()
     took = ray.up(wait_for=[])  # the head; the workers join while pd serve starts
-    flags = f"--model {ROOT / 'model'} --heartbeat-timeout-s {HEARTBEAT_S} --request-timeout 120 --local-prefill-tokens -1"
+    flags = f"--model {ROOT / 'model'} --quantization none --compile-buckets off --heartbeat-timeout-s {HEARTBEAT_S} --request-timeout 120 --local-prefill-tokens -1"
     serve = ray.serve(flags, ROOT / "serve.log")
     url = f"http://{head.ip}:{PORT}"
     _until(lambda: _ready(url)[0] == 200, "pd serve ready", 150, serve, ROOT / "serve.log")

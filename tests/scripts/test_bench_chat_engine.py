@@ -10,7 +10,7 @@ from bench_chat_engine import main
 
 @pytest.mark.timeout(120)
 def test_two_configs_replay_the_load_and_count_their_steps(tiny_llama_dir: Path, capsys) -> None:
-    model = f"--model {tiny_llama_dir} --max-total-tokens 2048"
+    model = f"--model {tiny_llama_dir} --max-total-tokens 2048 --quantization none --compile-buckets off"
     argv = [
         "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "300",
         "--max-tokens", "3", "--max-concurrency", "2",
