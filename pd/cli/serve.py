@@ -177,6 +177,13 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         ),
     )
     print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
+    if engine_cfg.buckets and cluster_cfg.address is None:
+        sizes = ",".join(map(str, engine_cfg.buckets))
+        print(
+            f"(decode nodes compile their decode steps for batches of {sizes} first: minutes on "
+            "a CPU; --compile-buckets off skips it)",
+            flush=True,
+        )
     cluster.start()
     if cluster.attached:
         print(f"attached to running nodes: {', '.join(cluster.attached)}", flush=True)
