@@ -401,10 +401,10 @@ class Cluster:
 
     def _threads(self) -> int | None:
         """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),
-        else on CPU nodes the machine's cores split over the larger pool. A prefill and a
-        decode node share the cores: each is busy while the other waits for more of the time
-        than not (1 prefill + 1 decode node of 2 threads each on 2 cores served the chat load
-        1.7x faster than of 1 thread each: BENCHMARKS.md, "pd serve's defaults")."""
+        else on CPU nodes the machine's cores split over the larger pool: a prefill and a
+        decode node share them, each busy while the other waits more of the time than not (1
+        prefill + 1 decode node on 2 cores served the chat load at 1.22 req/s with 2 threads
+        each, 0.73 with 1, in two runs of one morning: BENCHMARKS.md, "pd serve's defaults")."""
         if self.cfg.threads_per_node is not None:
             return self.cfg.threads_per_node
         if self._gpus or self.engine_cfg.num_threads:

@@ -175,7 +175,8 @@ class EngineConfig:
     @property
     def buckets(self) -> tuple[int, ...]:
         """``compile_buckets`` parsed, with ``auto`` resolved for this process's device: 1, 2
-        and 4 on a CPU (a compiled step is 1.5-2x an eager one there), none elsewhere."""
+        and 4 on a CPU (BENCHMARKS.md, "Compiled decode steps"), none elsewhere (the GPU's
+        graphs are not built)."""
         if self.compile_buckets.strip().lower() == "auto":
             return AUTO_CPU_BUCKETS if self.torch_device.type == "cpu" else ()
         return parse_buckets(self.compile_buckets)
