@@ -134,8 +134,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto or torch, got {self.attention_backend!r}"
             )
-        if self.compile_buckets.strip().lower() != "auto":
-            parse_buckets(self.compile_buckets)
+        self.buckets  # noqa: B018 (parses the spec: a bad one raises here)
         if self.speculative_tokens < 0 or self.speculative_max_batch < 1:
             raise ValueError(
                 f"speculative_tokens must be >= 0 and speculative_max_batch >= 1, got "
