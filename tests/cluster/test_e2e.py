@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -237,6 +239,18 @@ def test_metrics_report_cache_hits_transfers_and_latencies(live):
     assert values["pd_time_to_first_token_seconds_count"] >= 2
     hits = sum(v for k, v in values.items() if k.startswith("pd_node_cache_hit_tokens"))
     assert hits >= 200, text
+
+
+def test_cpu_nodes_openmp_threads_spin_briefly(live):
+    """The CPU nodes share the cores: each node's process gets libgomp's spin count for a
+    process with more threads than cores, unless the server's environment chose one."""
+    from pd.cluster.launcher import SHARED_CORES_SPIN_COUNT
+
+    expected = os.environ.get("GOMP_SPINCOUNT", str(SHARED_CORES_SPIN_COUNT))
+    for node_id, node in live.cluster.client.nodes.items():
+        environ = Path(f"/proc/{node.pid}/environ").read_bytes().split(b"\0")
+        spin = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMP_SPINCOUNT=")]
+        assert spin == [expected], (node_id, spin)
 
 
 def test_next_turn_of_a_conversation_moves_only_new_kv(live, smollm2_dir, tokenizer):
