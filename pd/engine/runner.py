@@ -53,7 +53,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.attn = make_attention_backend(cfg.attention_backend, self.device)
+        self.attn = make_attention_backend(
+            cfg.attention_backend, self.device, extend_dtype=self.extend_attention_dtype
+        )
         self.graphs = DecodeGraphs(
             self.model,
             self.pool,
@@ -62,6 +64,17 @@ class ModelRunner:
             kernel=cfg.attention_backend == "auto",
         )
         self.graphs.compile()
+
+    @property
+    def extend_attention_dtype(self) -> torch.dtype | None:
+        """The dtype prefills attend in, if not the model's: bf16 for int4 and int8 weights in
+        an fp32 model on a CPU, whose linears take bf16 activations anyway (torch's bf16 SDPA
+        took 2.8 ms a layer of SmolLM2 at 640 tokens against 8.2 ms in fp32, AMX: BENCHMARKS.md,
+        "CPU weight formats")."""
+        quantized = self.quantization in ("int4", "int8")
+        if quantized and self.dtype == torch.float32 and self.device.type == "cpu":
+            return torch.bfloat16
+        return None
 
     def _load_model(self) -> LlamaForCausalLM:
         mc = self.model_config

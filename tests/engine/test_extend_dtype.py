@@ -1,0 +1,57 @@
+"""Prefill and extend rows attending in another dtype than the model's (int4 and int8 weights
+in an fp32 model attend in bf16 on a CPU): the output stays in the model's dtype and near its
+own attention, cached prefixes included; the quantized runner picks bf16, others none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd.core.batch import ForwardBatch, SeqInput
+from pd.core.kv_pool import KVPool
+from pd.engine.attention import TorchAttentionBackend
+from pd.engine.config import EngineConfig
+from pd.engine.runner import ModelRunner
+
+HEADS, KV_HEADS, DIM = 6, 2, 32
+
+
+def _attend(backend: TorchAttentionBackend, pool: KVPool, seqs: list[SeqInput], seed: int):
+    batch = ForwardBatch.build(seqs)
+    rows = batch.input_ids.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, k, v, 0, batch, pool)
+
+
+def test_bf16_extend_rows_stay_fp32_and_near_fp32_attention_with_and_without_a_prefix():
+    pools = [KVPool(1, 256, KV_HEADS, DIM) for _ in range(2)]
+    backends = [TorchAttentionBackend(), TorchAttentionBackend(extend_dtype=torch.bfloat16)]
+    cold = [SeqInput(list(range(40)), list(range(40)), 0), SeqInput([5] * 9, range(40, 49), 0)]
+    # then extends over what the first step cached: a short prefix (padded causal) and a long
+    # one (an explicit mask)
+    warm = [SeqInput([7] * 30, list(range(3)) + list(range(60, 90)), 3),
+            SeqInput([8] * 6, list(range(40)) + list(range(100, 106)), 40)]  # fmt: skip
+    for step, seqs in enumerate((cold, warm)):
+        ref, out = (_attend(b, p, seqs, seed=step) for b, p in zip(backends, pools))
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+        assert not torch.equal(out, ref)  # it did attend in bf16
+    torch.testing.assert_close(pools[1].k[0], pools[0].k[0], atol=0, rtol=0)  # fp32 KV kept
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"quantization": "int4"}, torch.bfloat16),
+        ({"quantization": "int8"}, torch.bfloat16),
+        ({}, None),
+        ({"quantization": "fp16"}, None),
+        ({"dtype": "bfloat16"}, None),
+    ],
+)
+def test_quantized_fp32_runners_prefill_in_bf16(tiny_llama_dir, kw, expected):
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, **kw))
+    assert runner.extend_attention_dtype == expected
+    assert runner.attn.extend_dtype == expected  # type: ignore[attr-defined]
