@@ -64,12 +64,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _NODE_ID = re.compile(r"^(prefill|decode)-(\d+)$")  # ``LaunchedNode.node_id``: attach finds these
 STOP_TIMEOUT_S = 15.0  # a node's own shutdown, before its actor is killed
-# Iterations an idle OpenMP thread of a CPU node spins before it sleeps: libgomp's own count for
-# a process with more threads than cores (its default, 300,000, is for a process that has the
-# cores to itself). The CPU nodes share this machine's cores; each spinning at the other's
-# barriers, a prefill of 256 tokens beside a decoding node took 1.3 s instead of 0.4 s, and the
-# decode node made 30% fewer steps (BENCHMARKS.md, "OpenMP threads that share the cores").
-SHARED_CORES_SPIN_COUNT = 1000
+# Iterations an idle OpenMP thread of a CPU prefill node spins before it sleeps: libgomp's own
+# count for a process with more threads than cores (its default, 300,000, is for a process that
+# has the cores to itself). The CPU nodes share this machine's cores, and a prefill node's
+# threads spinning between its parallel regions hold cores a decoding node needs. Decode nodes
+# keep the default: they run without pause, and alone ran 12% more steps with it. A prefill of
+# 256 tokens beside a decoding node: 1.27 s with both at the default, 0.75 s with this, and the
+# decode node made 35% more steps (BENCHMARKS.md, "OpenMP threads that share the cores").
+PREFILL_SPIN_COUNT = 1000
 _OMP_WAIT_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
@@ -419,13 +421,13 @@ class Cluster:
         largest = max(self.cfg.num_prefill, self.cfg.num_decode)
         return max(1, (os.cpu_count() or 1) // largest)
 
-    def _node_env(self) -> dict[str, str]:
-        """Environment variables for a node's process: on CPU nodes, which share the cores,
-        OpenMP threads that spin only briefly (``SHARED_CORES_SPIN_COUNT``), unless the
-        server's environment sets OpenMP's waiting itself."""
-        if self._gpus or any(name in os.environ for name in _OMP_WAIT_VARS):
+    def _node_env(self, role: str) -> dict[str, str]:
+        """Environment variables for a ``role`` node's process: a CPU prefill node's OpenMP
+        threads spin only briefly (``PREFILL_SPIN_COUNT``), unless the server's environment
+        sets OpenMP's waiting itself (which every node then inherits)."""
+        if role != "prefill" or self._gpus or any(name in os.environ for name in _OMP_WAIT_VARS):
             return {}
-        return {"GOMP_SPINCOUNT": str(SHARED_CORES_SPIN_COUNT)}
+        return {"GOMP_SPINCOUNT": str(PREFILL_SPIN_COUNT)}
 
     def _start_actor(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]]:
         """Create a ``role`` node's actor; its ``start`` ref resolves to its ``NodeInfo``."""
@@ -438,7 +440,7 @@ class Cluster:
             options["resources"] = resources
         if self.is_detached:  # outlives this server; the next one finds it by name
             options.update(name=node_id, namespace=self.cfg.namespace, lifetime="detached")
-        if env := self._node_env():
+        if env := self._node_env(role):
             options["runtime_env"] = {"env_vars": env}
         engine_cfg = dataclasses.replace(self.engine_cfg, num_threads=self._threads())
         node_cfg = NodeConfig(
