@@ -47,13 +47,20 @@ class TorchAttentionBackend(BaseAttentionBackend):
     """One padded SDPA per layer for the batch's decode rows (the C++ kernel where it runs),
     one SDPA per extend request."""
 
-    def __init__(self, kernel: bool = True, extend_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        kernel: bool = True,
+        extend_dtype: torch.dtype | None = None,
+        extend_min_tokens: int = 1,
+    ) -> None:
         # whether decode rows may run on the kernel; None: decided at the first decode rows,
         # from their dtype and heads
         self._kernel: bool | None = None if kernel else False
-        # the dtype extend rows attend in (q, k and v cast to it, the output cast back);
-        # None: the model's
+        # the dtype a request's extend rows attend in when it has at least
+        # ``extend_min_tokens`` of them (q, k and v cast to it, the output cast back); None:
+        # the model's
         self.extend_dtype = extend_dtype
+        self.extend_min_tokens = extend_min_tokens
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         nd = 0
@@ -119,7 +126,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 kr, vr = pool.k[layer][slots], pool.v[layer][slots]
             if pad:  # query row j of the padded rows sits at position j, as causal assumes
                 qr = torch.cat((qr.new_zeros(pad, *qr.shape[1:]), qr))
-            if self.extend_dtype is not None:
+            if self.extend_dtype is not None and end - start >= self.extend_min_tokens:
                 qr, kr, vr = (t.to(self.extend_dtype) for t in (qr, kr, vr))
             o = F.scaled_dot_product_attention(
                 qr.transpose(0, 1)[None],  # [1, H, rows, D]
@@ -211,10 +218,14 @@ class PagedDecodeAttention(BaseAttentionBackend):
 
 
 def make_attention_backend(
-    name: str, device: torch.device, extend_dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device,
+    extend_dtype: torch.dtype | None = None,
+    extend_min_tokens: int = 1,
 ) -> BaseAttentionBackend:
     """``auto``: SDPA, decode rows on the C++ kernel where it runs; ``torch``: SDPA alone.
-    ``extend_dtype``: the dtype prefill and extend rows attend in, if not the model's."""
+    ``extend_dtype``: the dtype a request's prefill or extend rows attend in, if not the
+    model's, where it has at least ``extend_min_tokens`` of them."""
     if name in ("auto", "torch"):
-        return TorchAttentionBackend(kernel=name == "auto", extend_dtype=extend_dtype)
+        return TorchAttentionBackend(name == "auto", extend_dtype, extend_min_tokens)
     raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

@@ -23,7 +23,7 @@ from pd.engine.spec import verify
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
-from pd.model.quant import quantize_linears, resolve_linear_backend
+from pd.model.quant import DEQUANT_MIN_TOKENS, quantize_linears, resolve_linear_backend
 
 
 class ModelRunner:
@@ -54,7 +54,7 @@ class ModelRunner:
             self.device,
         )
         self.attn = make_attention_backend(
-            cfg.attention_backend, self.device, extend_dtype=self.extend_attention_dtype
+            cfg.attention_backend, self.device, self.extend_attention_dtype, DEQUANT_MIN_TOKENS
         )
         self.graphs = DecodeGraphs(
             self.model,
@@ -67,10 +67,12 @@ class ModelRunner:
 
     @property
     def extend_attention_dtype(self) -> torch.dtype | None:
-        """The dtype prefills attend in, if not the model's: bf16 for int4 and int8 weights in
-        an fp32 model on a CPU, whose linears take bf16 activations anyway (torch's bf16 SDPA
-        took 2.8 ms a layer of SmolLM2 at 640 tokens against 8.2 ms in fp32, AMX: BENCHMARKS.md,
-        "CPU weight formats")."""
+        """The dtype long prefill chunks attend in, if not the model's: bf16 for int4 and int8
+        weights in an fp32 model on a CPU. From ``DEQUANT_MIN_TOKENS`` new tokens on, their
+        linears multiply bf16 weights by bf16 activations, and so does attention then
+        (torch's bf16 SDPA: 2.6 ms a layer of SmolLM2 at 640 tokens against 7.1 ms in fp32,
+        AMX); shorter chunks stay as close to fp32 as before (BENCHMARKS.md, "OpenMP threads
+        that share the cores, and int4's prefill attention")."""
         quantized = self.quantization in ("int4", "int8")
         if quantized and self.dtype == torch.float32 and self.device.type == "cpu":
             return torch.bfloat16

@@ -1,6 +1,7 @@
-"""Prefill and extend rows attending in another dtype than the model's (int4 and int8 weights
-in an fp32 model attend in bf16 on a CPU): the output stays in the model's dtype and near its
-own attention, cached prefixes included; the quantized runner picks bf16, others none."""
+"""Prefill and extend rows attending in another dtype than the model's (long chunks of int4 and
+int8 weights in an fp32 model attend in bf16 on a CPU): the output stays in the model's dtype
+and near its own attention, cached prefixes included; shorter chunks attend as before; the
+quantized runner picks bf16 from ``DEQUANT_MIN_TOKENS`` on, others none."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pd.core.kv_pool import KVPool
 from pd.engine.attention import TorchAttentionBackend
 from pd.engine.config import EngineConfig
 from pd.engine.runner import ModelRunner
+from pd.model.quant import DEQUANT_MIN_TOKENS
 
 HEADS, KV_HEADS, DIM = 6, 2, 32
 
@@ -28,6 +30,7 @@ def _attend(backend: TorchAttentionBackend, pool: KVPool, seqs: list[SeqInput], 
 def test_bf16_extend_rows_stay_fp32_and_near_fp32_attention_with_and_without_a_prefix():
     pools = [KVPool(1, 256, KV_HEADS, DIM) for _ in range(2)]
     backends = [TorchAttentionBackend(), TorchAttentionBackend(extend_dtype=torch.bfloat16)]
+    short = TorchAttentionBackend(extend_dtype=torch.bfloat16, extend_min_tokens=41)
     cold = [SeqInput(list(range(40)), list(range(40)), 0), SeqInput([5] * 9, range(40, 49), 0)]
     # then extends over what the first step cached: a short prefix (padded causal) and a long
     # one (an explicit mask)
@@ -38,6 +41,8 @@ def test_bf16_extend_rows_stay_fp32_and_near_fp32_attention_with_and_without_a_p
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
         assert not torch.equal(out, ref)  # it did attend in bf16
+        if step == 0:  # 40 and 9 new tokens, under 41: both attend in fp32
+            assert torch.equal(_attend(short, pools[1], seqs, seed=step), ref)
     torch.testing.assert_close(pools[1].k[0], pools[0].k[0], atol=0, rtol=0)  # fp32 KV kept
 
 
@@ -55,3 +60,4 @@ def test_quantized_fp32_runners_prefill_in_bf16(tiny_llama_dir, kw, expected):
     runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, **kw))
     assert runner.extend_attention_dtype == expected
     assert runner.attn.extend_dtype == expected  # type: ignore[attr-defined]
+    assert runner.attn.extend_min_tokens == DEQUANT_MIN_TOKENS  # type: ignore[attr-defined]
