@@ -12,9 +12,10 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
-# A few minutes, for iterating: no Ray cluster, no pd serve process, no network namespaces.
+# A few minutes, for iterating: no Ray cluster, no pd serve process, no network namespaces, no
+# test of many seconds (make test runs them all).
 test-fast: setup
-	$(PY) -m pytest -q -m "not cluster and not multihost and not soak and not compile" $(ARGS)
+	$(PY) -m pytest -q -m "not cluster and not multihost and not soak and not compile and not slow" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pd prefill decode transfer scripts tests

@@ -56,6 +56,7 @@ def smol_engine(smollm2_dir) -> Engine:
     return _make_engine(smollm2_dir, max_total_tokens=8192)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_hf_chat_and_raw(smol_engine, smollm2_dir):
     from pd.model.tokenizer import encode_chat, encode_prompt
 
@@ -96,6 +97,7 @@ def test_prefix_plus_extend_equals_cold_prefill(smol_engine, cached):
     alloc.check_integrity()
 
 
+@pytest.mark.slow
 def test_batch_of_different_lengths_equals_each_alone(smol_engine):
     prompts = [_prompt(n, seed) for seed, n in enumerate((5, 33, 120, 260))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

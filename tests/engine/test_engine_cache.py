@@ -109,6 +109,7 @@ def smol_pair(request, smollm2_dir) -> tuple[Engine, Engine]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_shared_system_prompt_on_equals_off(smol_pair):
     on, off = smol_pair
@@ -149,6 +150,7 @@ def test_shared_system_prompt_on_equals_off(smol_pair):
     _assert_no_leak(off)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("smol_pair", [1], indirect=True, ids=["page1"])
 def test_multi_turn_on_equals_off_and_hf(smol_pair, smollm2_dir):

@@ -54,6 +54,7 @@ def test_a_decode_batch_pads_rows_onto_the_scratch_slot():
         DecodeBatch.build(seqs * 2 + seqs[:1], 4, scratch_slot=99)
 
 
+@pytest.mark.slow
 def test_tiny_compiled_steps_match_eager_in_their_bucket_padded_and_beyond(tiny_llama_dir):
     compiled, eager = _engine(tiny_llama_dir, "1,4"), _engine(tiny_llama_dir, "off")
     graphs = compiled.runner.graphs

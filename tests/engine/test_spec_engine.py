@@ -145,6 +145,7 @@ def test_no_speculation_in_batches_above_the_bound(tiny_llama_dir, monkeypatch):
     _assert_no_leak(spec)
 
 
+@pytest.mark.slow
 def test_the_compiled_step_verifies_drafts_like_the_eager_one(tiny_llama_dir, monkeypatch):
     plain = _engine(tiny_llama_dir)
     spec = _engine(tiny_llama_dir, speculative_tokens=3, compile_buckets="1,4,8")

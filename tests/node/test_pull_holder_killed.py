@@ -65,6 +65,7 @@ class _Remote:
         return self._info
 
 
+@pytest.mark.slow
 def test_a_holder_killed_mid_pull_leaves_the_request_to_compute_its_prefix(
     engine_cfg: EngineConfig, server: Server
 ) -> None:

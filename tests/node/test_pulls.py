@@ -199,6 +199,7 @@ def test_kv_offered_for_tokens_other_than_the_prefix_asked_for_is_refused(
     _idle(server, b, d)
 
 
+@pytest.mark.slow
 def test_fifty_cycles_of_warm_pull_and_evict_leave_nothing_behind(server, make_trio) -> None:
     """Prefixes warmed on one node and pulled by another, 50 times over pools of 512 slots (so
     older prefixes are evicted on both sides as the cycles go), the holder alternating between

@@ -8,6 +8,7 @@ import pytest
 from bench_chat_engine import main
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_configs_replay_the_load_and_count_their_steps(tiny_llama_dir: Path, capsys) -> None:
     model = f"--model {tiny_llama_dir} --max-total-tokens 2048 --quantization none --compile-buckets off"

@@ -162,6 +162,7 @@ def _check_answer(r: httpx.Response) -> None:
         assert out["output_ids"] if "output_ids" in out else out["usage"]["completion_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fuzz_every_endpoint(server: tuple[str, Any, Any]) -> None:
     url, client, app = server

@@ -77,6 +77,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90 + 4 * ROUNDS * FLOOD_S)
 def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
     server: tuple[str, Any, Any],
@@ -117,6 +118,7 @@ def test_flood_is_200s_and_429s_and_admitted_requests_keep_their_speed(
     check_idle(client, app)
 
 
+@pytest.mark.slow
 def test_40mb_bodies_get_413_and_slow_nobody(server: tuple[str, Any, Any]) -> None:
     url, client, app = server
     alone = _run(url, "--concurrency", "1", "--duration", "2.5")

@@ -72,6 +72,7 @@ def _report(unloaded: list[float], beside: list[float], what: str, more: str) ->
     return loaded / base
 
 
+@pytest.mark.slow
 def test_streams_whose_clients_never_read_are_cut_and_slow_nobody(
     make_app: MakeApp, script_ids: list[int]
 ) -> None:
