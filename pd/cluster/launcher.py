@@ -68,7 +68,7 @@ STOP_TIMEOUT_S = 15.0  # a node's own shutdown, before its actor is killed
 # count for a process with more threads than cores (its default, 300,000, is for a process that
 # has the cores to itself). The CPU nodes share this machine's cores, and a prefill node's
 # threads spinning between its parallel regions hold cores a decoding node needs. Decode nodes
-# keep the default: they run without pause, and alone ran 12% more steps with it. A prefill of
+# keep the default: they run without pause, and alone ran 14% more steps with it. A prefill of
 # 256 tokens beside a decoding node: 1.27 s with both at the default, 0.75 s with this, and the
 # decode node made 35% more steps (BENCHMARKS.md, "OpenMP threads that share the cores").
 PREFILL_SPIN_COUNT = 1000
@@ -424,7 +424,7 @@ class Cluster:
     def _node_env(self, role: str) -> dict[str, str]:
         """Environment variables for a ``role`` node's process: a CPU prefill node's OpenMP
         threads spin only briefly (``PREFILL_SPIN_COUNT``), unless the server's environment
-        sets OpenMP's waiting itself (which every node then inherits)."""
+        sets OpenMP's waiting itself (which a local cluster's nodes then inherit)."""
         if role != "prefill" or self._gpus or any(name in os.environ for name in _OMP_WAIT_VARS):
             return {}
         return {"GOMP_SPINCOUNT": str(PREFILL_SPIN_COUNT)}
