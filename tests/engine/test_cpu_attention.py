@@ -89,6 +89,7 @@ def test_shapes_and_dtypes_without_a_kernel_are_not_available():
     assert not cpu_attention.available(BF16, torch.device("meta"), 9, 3, 64)
 
 
+@pytest.mark.slow
 def test_the_op_inside_a_compiled_graph_matches_the_eager_call():
     case = _case(4, 3, 3, 64, 50)
 

@@ -103,6 +103,7 @@ def test_smollm2_compiled_steps_give_eager_greedy_tokens_in_buckets_1_3_8(smollm
     _assert_no_leak(compiled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int4", "fp16"])
 def test_quantized_formats_compile_or_stay_eager_with_the_same_tokens(tiny_llama_dir, quantization):
     # int4: the layers in the graph, its fp16 head eagerly after it; fp16: every layer is an

@@ -225,6 +225,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         d.shutdown()
 
 
+@pytest.mark.slow
 def test_nodes_under_a_flood_still_step_and_beat(engine_cfg: EngineConfig) -> None:
     reference = Engine(engine_cfg).generate(PROMPTS[:1], GREEDY)[0].token_ids
     asyncio.run(_flood_scenario(engine_cfg, reference))

@@ -141,6 +141,7 @@ def test_forged_and_replayed_control_frames_reach_no_handler(
         ctrl.close()
 
 
+@pytest.mark.slow
 def test_no_store_listens_and_a_stranger_cannot_list_read_or_write_a_rendezvous_entry(
     pair: Pair,
 ) -> None:

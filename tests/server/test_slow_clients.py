@@ -125,6 +125,7 @@ def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
                 pass
 
 
+@pytest.mark.slow
 def test_slow_bodies_hold_no_place_and_get_408(make_app: MakeApp, script_ids: list[int]) -> None:
     """Three times the admission limit of clients trickle their bodies: normal requests beside
     them are admitted at once and keep their latency; each slow one gets 408 at the body-read

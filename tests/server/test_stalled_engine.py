@@ -49,6 +49,7 @@ def engine(long_tiny_dir: Path) -> Iterator[AsyncEngine]:
     client.shutdown()
 
 
+@pytest.mark.slow
 def test_a_stream_cut_off_is_aborted_on_the_engine_and_its_slots_come_back(
     engine: AsyncEngine,
 ) -> None:
