@@ -16,9 +16,11 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    its transfer aborted and its decode node told to forget it.
 5. ``transferring``: on success the decode node gets ``PrefilledMsg`` and streams the first
    token itself, so a request has streamed nothing until it decodes (the server may re-route it
-   if a node dies before); on failure the server gets an error it may retry. Either way the
-   scheduler releases the request (``finish_sending``): the prompt goes into the cache,
-   unlocked, and its cache events go to the server.
+   if a node dies before); on failure the server gets an error it may retry. A success is
+   announced as soon as the loop sees it, between the layers of the next forward if one runs
+   (``between_layers``): the first tokens of a burst's first batch do not wait for the second
+   batch's forward. Either way the scheduler releases the request (``finish_sending``, after
+   the step): the prompt goes into the cache, unlocked, and its cache events go to the server.
 6. The decode node dies or leaves (``PeerGoneMsg``): every request routed to it is aborted
    here and failed to the server (which may re-route it).
 """
@@ -79,6 +81,8 @@ class PrefillRole(BaseRole):
         self.pulls.bind(parts.node_id, parts.addr, parts.transfer, parts.peers)
         self._routes: dict[str, _Route] = {}
         self._transfers: dict[str, _Transfer] = {}
+        # announced to their decode node during a forward; their slots go back after it
+        self._announced: list[str] = []
         self._counters = TransferCounters()  # finished transfers
 
     def handle(self, msg: NodeMsg) -> None:
@@ -172,7 +176,25 @@ class PrefillRole(BaseRole):
         if route is not None:
             self.parts.peers.send(route.decode_addr, AbortMsg(request_id=request_id, reason=why))
 
+    def between_layers(self) -> None:
+        """Mid-forward: a transfer that ended since the step before is announced now (its
+        first token to the decode node, which starts decoding it), not when this forward ends,
+        seconds later on a CPU. Its slots go back after the step (``_progress``): nothing the
+        forward may use changes under it. Failures wait for the step's end too."""
+        if not any(t.computed for t in self._transfers.values()):
+            return  # only a previous step's requests have their first token
+        self.parts.transfer.progress()
+        for rid, t in list(self._transfers.items()):
+            if t.computed and t.sender.poll() == KVPoll.SUCCESS:
+                del self._transfers[rid]
+                self._announced.append(rid)
+                with self.parts.guard(rid):
+                    self._finish_transfer(t, ok=True)
+
     def _progress(self) -> None:
+        for rid in self._announced:  # gone from the scheduler already if aborted since
+            self.scheduler.finish_sending(rid)
+        self._announced.clear()
         if not self._transfers:
             return
         self.parts.transfer.progress()

@@ -312,7 +312,9 @@ class Node:
             self._publish_stats()
 
     def _beat(self, layer: int) -> None:
-        """A decoder layer finished (the engine's layer callback): beat if it is time."""
+        """A decoder layer finished (the engine's layer callback): let the role do what cannot
+        wait (``between_layers``), and beat if it is time."""
+        self.role.between_layers()
         if time.monotonic() >= self._next_stats:
             self._publish_stats()
 

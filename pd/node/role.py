@@ -53,6 +53,11 @@ class BaseRole(ABC):
         K/V of the new tokens is in the pool."""
         return None
 
+    def between_layers(self) -> None:
+        """Called between the decoder layers of every forward (with the node's heartbeat): work
+        that must not wait for a forward of seconds to end. Nothing by default."""
+        return None
+
     @abstractmethod
     def after_step(self, result: StepResult) -> None:
         """Report what the step produced and move transfers on (called every iteration, also

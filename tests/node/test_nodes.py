@@ -3,6 +3,7 @@ random model, driven one loop iteration at a time: no Ray, no sleeps."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -66,6 +67,43 @@ def test_a_request_done_at_its_first_token_frees_both_sides(server, nodes) -> No
     run_until(server, nodes, lambda: "one" in server.finished)
     assert len(server.tokens["one"]) == 1
     run_until(server, nodes, lambda: d.count_unfinished() == 0, max_iters=100)
+    assert_idle(p, d)
+
+
+def test_a_transfer_that_ends_during_a_forward_is_announced_before_the_forward_ends(
+    server, nodes, reference, monkeypatch
+) -> None:
+    """The first token of a request whose KV went across while the prefill node computes the
+    next batch reaches the server during that forward (``PrefillRole.between_layers``), not
+    after it. Here the decode node runs inside the prefill node's next forward, and that
+    forward waits for the token (at most 10 s) before it computes anything."""
+    p, d = nodes
+    send_request(server, p, d, "first", PROMPTS[0])
+    # only the prefill node runs: "first" is prefilled; its transfer waits for the decode node
+    run_until(server, (p,), lambda: p.core.scheduler.num_sending == 1)
+    # done at its first token: no transfer of its own, so its forward's layers send nothing
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    send_request(server, p, d, "second", PROMPTS[1], one)
+    real_run = p.core.runner.run
+    during: dict[str, bool] = {}
+
+    def run(reqs, seqs, on_layer, *args):  # type: ignore[no-untyped-def]
+        if any(r.request_id == "second" for r in reqs):
+            deadline = time.monotonic() + 10.0
+            while "first" not in server.tokens and time.monotonic() < deadline:
+                d.run_once(block=False)  # the decode node reserves, receives, acknowledges
+                on_layer(0)  # a decoder layer of this forward finished
+                server.drain()
+                time.sleep(0.001)
+            during["first"] = "first" in server.tokens
+        return real_run(reqs, seqs, on_layer, *args)
+
+    monkeypatch.setattr(p.core.runner, "run", run)
+    run_until(server, nodes, lambda: {"first", "second"} <= set(server.finished))
+    assert during == {"first": True}
+    assert server.tokens["first"] == reference[0] and len(server.tokens["second"]) == 1
+    assert server.senders["first"][0] == "decode-0"  # the decode node streamed its first token
+    run_until(server, nodes, lambda: d.count_unfinished() == p.count_unfinished() == 0)
     assert_idle(p, d)
 
 
