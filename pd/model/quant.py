@@ -172,24 +172,33 @@ def check_quantization(method: str, device: torch.device) -> None:
 
 def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """``onednn`` or ``aten`` for unquantized weights; ``auto`` is oneDNN on a cpu that torch
-    built it for, with fp32 or bf16 weights. Raise if ``backend`` is unknown or cannot run."""
+    built it for, with fp32 weights, or bf16 ones where the cpu has oneDNN's bf16 path
+    (AVX512BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only cpu has neither, and aten's GEMM runs bf16
+    there). Raise if ``backend`` is unknown or cannot run."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(
             f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}"
         )
+    mkldnn = torch.backends.mkldnn.is_available()
     usable = (
         device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        and mkldnn
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_has_bf16()))
     )
     if backend == "onednn" and not usable:
         raise ValueError(
-            f"linear_backend 'onednn' needs a cpu, float32 or bfloat16 and torch built with "
-            f"mkldnn; have device {device}, {dtype}, mkldnn={torch.backends.mkldnn.is_available()}"
+            f"linear_backend 'onednn' needs a cpu, float32 (or bfloat16 on a cpu with oneDNN's "
+            f"bf16 path: AVX512BW/VL/DQ or AVX-NE-CONVERT) and torch built with mkldnn; have "
+            f"device {device}, {dtype}, mkldnn={mkldnn}, bf16 path={onednn_has_bf16()}"
         )
     if backend == "auto":
         return "onednn" if usable else "aten"
     return backend
+
+
+def onednn_has_bf16() -> bool:
+    """Whether this cpu runs oneDNN's bf16 kernels (torch asks oneDNN)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _has_fbgemm() -> bool:
