@@ -624,6 +624,29 @@ def test_a_burst_of_cold_prompts_is_prefilled_on_both_sides() -> None:
     coord.check_integrity()
 
 
+def test_a_burst_of_cold_chat_prompts_sharing_an_opening_is_prefilled_on_both_sides() -> None:
+    """Cold chat prompts share the template's opening (a system prompt): the prefill node is
+    expected to hold it once the first is booked there, which must not keep the rest off the
+    idle decode node; computing again more than a short prefill of what it holds still does."""
+    coord = _local_coordinator(balance=True, num_prefill=1)
+    opening = _tokens(500, 40)
+    cold = [opening + _tokens(1000 * (i + 1), 600) for i in range(4)]
+    routes = [coord.route(f"c{i}", p, 32).prefill for i, p in enumerate(cold)]
+    # local 640 against 600 there: 640 + 128 < 640 + 600; then 640 + 640 + 128 < 1240 + 600 ...
+    assert routes == ["p0", None, "p0", None]
+    coord.check_integrity()
+    # the opening and 200 more tokens held there: 240 > 128 of them would be computed again
+    shared = opening + _tokens(1000, 200) + _tokens(60_000, 400)
+    for rid in ("c0", "c1", "c2", "c3"):
+        coord.on_finished(rid)
+    _insert(coord, "p0", cold[0])
+    assert coord.route("big", _tokens(70_000, 3000), 32).prefill == "p0"  # a long queue there
+    assert coord.route("shared", shared, 32).prefill == "p0"
+    for rid in ("big", "shared"):
+        coord.on_finished(rid)
+    coord.check_integrity()
+
+
 def test_balance_off_keeps_cold_prompts_on_the_prefill_side() -> None:
     coord = _local_coordinator(balance=False, num_prefill=1)
     routes = [coord.route(f"c{i}", _tokens(1000 * (i + 1), 640), 32).prefill for i in range(4)]
