@@ -148,14 +148,15 @@ def test_no_speculation_in_batches_above_the_bound(tiny_llama_dir, monkeypatch):
 @pytest.mark.slow
 def test_the_compiled_step_verifies_drafts_like_the_eager_one(tiny_llama_dir, monkeypatch):
     plain = _engine(tiny_llama_dir)
-    spec = _engine(tiny_llama_dir, speculative_tokens=3, compile_buckets="1,4,8")
+    # one bucket of 8: every verify (and plain decode step) runs padded in its graph
+    spec = _engine(tiny_llama_dir, speculative_tokens=3, compile_buckets="8")
     vocab = spec.runner.model_config.vocab_size
     prompts = [_prompt(seed, vocab) for seed in range(2)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [r.token_ids for r in plain.generate(prompts, params)]
     _oracle(monkeypatch, prompts, want, vocab, 2)
     assert [r.token_ids for r in spec.generate(prompts, params)] == want
-    assert spec.runner.graphs.num_runs.get(8, 0) > 0  # 2 x (1 + 3) rows
+    assert spec.runner.graphs.num_runs.get(8, 0) >= 24 // 4  # 2 x (1 + 3) rows at most
     _assert_no_leak(spec)
 
 
