@@ -23,7 +23,12 @@ from pd.engine.spec import verify
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM, Rotary
 from pd.model.loader import load_config, load_weights, resolve_model
-from pd.model.quant import DEQUANT_MIN_TOKENS, quantize_linears, resolve_linear_backend
+from pd.model.quant import (
+    DEQUANT_MIN_TOKENS,
+    dense_dtype,
+    quantize_linears,
+    resolve_linear_backend,
+)
 
 
 class ModelRunner:
@@ -72,10 +77,12 @@ class ModelRunner:
         linears multiply bf16 weights by bf16 activations, and so does attention then
         (torch's bf16 SDPA: 2.6 ms a layer of SmolLM2 at 640 tokens against 7.1 ms in fp32,
         AMX); shorter chunks stay as close to fp32 as before (BENCHMARKS.md, "OpenMP threads
-        that share the cores, and int4's prefill attention")."""
+        that share the cores, and int4's prefill attention"). Not on a CPU without oneDNN's bf16
+        path (AVX2 only), whose bf16 SDPA is slower than fp32's (8.2 against 6.6 ms, AMD EPYC)
+        and whose int4 copy is fp32 (``dense_dtype``)."""
         quantized = self.quantization in ("int4", "int8")
         if quantized and self.dtype == torch.float32 and self.device.type == "cpu":
-            return torch.bfloat16
+            return torch.bfloat16 if dense_dtype() == torch.bfloat16 else None
         return None
 
     def _load_model(self) -> LlamaForCausalLM:

@@ -23,7 +23,10 @@ dequantizes it on each such call. int4 keeps it dequantized once at load, in bf1
 weight beside the kernel's half byte), and multiplies by oneDNN's bf16 GEMM (AMX where the CPU
 has it): the same weights and bf16 activations as before, without dequantizing 120 weights on
 every prefill chunk (512 tokens: 1.15x fp32's speed that way, 1.75x and 2.19x with the copy,
-Intel Xeon, ``scripts/bench_quant.py``). Below the threshold the kernel stays. At 16 to 64 rows
+Intel Xeon, ``scripts/bench_quant.py``). On a CPU without oneDNN's bf16 path (AVX2 only:
+``onednn_has_bf16``) a bf16 GEMM is 7x slower than fp32's (640 x 576 x 1536: 69 against 10 ms,
+AMD EPYC, 2 threads), so the copy holds the same weights in fp32 and the activations stay fp32
+(``dense_dtype``). Below the threshold the kernel stays. At 16 to 64 rows
 it is 3x slower than the dense GEMM, but it is closer to fp32: with the threshold at 8 rows,
 greedy output of 16 short chat prompts agreed with fp32 on 74.5% of tokens (8 prompts
 identical), against 90.7% (12) with the prompts through the kernel, in the same session. Each
@@ -107,13 +110,15 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16))
         # the weight the kernel multiplies by, ``(q - 8) * scale + zero`` per group with the
         # kernel's bf16 scale and zero, rounded once to bf16, for the dense path
+        # (in fp32 where bf16 GEMMs are slow: the same values, see dense_dtype)
         sz = self.scales_zeros.float().transpose(0, 1)  # [N, groups, 2]
         dense = (q.float() - 8) * sz[..., :1] + sz[..., 1:]  # q: [N, groups, group_size]
-        self.register_buffer("dense", dense.view(n, k).to(torch.bfloat16))
+        dense = dense.view(n, k).to(torch.bfloat16).to(dense_dtype())
+        self.register_buffer("dense", dense)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DEQUANT_MIN_TOKENS:
-            return F.linear(x.to(torch.bfloat16), self.dense)
+            return F.linear(x.to(self.dense.dtype), self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.qweight, self.group_size, self.scales_zeros
         )
@@ -199,6 +204,12 @@ def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtyp
 def onednn_has_bf16() -> bool:
     """Whether this cpu runs oneDNN's bf16 kernels (torch asks oneDNN)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def dense_dtype() -> torch.dtype:
+    """The dtype of int4's dequantized prefill copy, and of long quantized prefill chunks'
+    attention: bf16 where oneDNN has its bf16 path, else fp32 (bf16 GEMMs 7x slower)."""
+    return torch.bfloat16 if onednn_has_bf16() else torch.float32
 
 
 def _has_fbgemm() -> bool:

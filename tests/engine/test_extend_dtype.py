@@ -1,5 +1,6 @@
 """Prefill and extend rows attending in another dtype than the model's (long chunks of int4 and
-int8 weights in an fp32 model attend in bf16 on a CPU): the output stays in the model's dtype
+int8 weights in an fp32 model attend in bf16 on a CPU with oneDNN's bf16 path, in fp32 on an
+AVX2-only one): the output stays in the model's dtype
 and near its own attention, cached prefixes included; shorter chunks attend as before; the
 quantized runner picks bf16 from ``DEQUANT_MIN_TOKENS`` on, others none."""
 
@@ -13,9 +14,12 @@ from pd.core.kv_pool import KVPool
 from pd.engine.attention import TorchAttentionBackend
 from pd.engine.config import EngineConfig
 from pd.engine.runner import ModelRunner
+from pd.model import quant
 from pd.model.quant import DEQUANT_MIN_TOKENS
 
 HEADS, KV_HEADS, DIM = 6, 2, 32
+# long quantized chunks attend in bf16 where oneDNN has its bf16 path (not on an AVX2-only cpu)
+QUANTIZED_LONG_CHUNKS = torch.bfloat16 if quant.onednn_has_bf16() else None
 
 
 def _attend(backend: TorchAttentionBackend, pool: KVPool, seqs: list[SeqInput], seed: int):
@@ -49,8 +53,8 @@ def test_bf16_extend_rows_stay_fp32_and_near_fp32_attention_with_and_without_a_p
 @pytest.mark.parametrize(
     ("kw", "expected"),
     [
-        ({"quantization": "int4"}, torch.bfloat16),
-        ({"quantization": "int8"}, torch.bfloat16),
+        ({"quantization": "int4"}, QUANTIZED_LONG_CHUNKS),
+        ({"quantization": "int8"}, QUANTIZED_LONG_CHUNKS),
         ({}, None),
         ({"quantization": "fp16"}, None),
         ({"dtype": "bfloat16"}, None),
@@ -61,3 +65,20 @@ def test_quantized_fp32_runners_prefill_in_bf16(tiny_llama_dir, kw, expected):
     assert runner.extend_attention_dtype == expected
     assert runner.attn.extend_dtype == expected  # type: ignore[attr-defined]
     assert runner.attn.extend_min_tokens == DEQUANT_MIN_TOKENS  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_without_onednns_bf16_path_int4_prefills_in_fp32(tiny_llama_dir, monkeypatch, has_bf16):
+    # an AVX2-only cpu: bf16 GEMMs and SDPA are slower than fp32's there, so int4's dense copy
+    # holds the kernel's weights in fp32 and long chunks attend in fp32
+    monkeypatch.setattr(quant, "onednn_has_bf16", lambda: has_bf16)
+    cfg = EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, quantization="int4")
+    runner = ModelRunner(cfg)
+    want = torch.bfloat16 if has_bf16 else torch.float32
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert layer.dense.dtype == want  # type: ignore[union-attr]
+    assert runner.extend_attention_dtype == (torch.bfloat16 if has_bf16 else None)
+    x = torch.randn(DEQUANT_MIN_TOKENS, layer.in_features)
+    assert layer(x).dtype == torch.float32
+    # the same weights either way: bf16-rounded values of the kernel's dequantization
+    assert torch.equal(layer.dense.float(), layer.dense.bfloat16().float())  # type: ignore
