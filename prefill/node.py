@@ -177,13 +177,16 @@ class PrefillRole(BaseRole):
             self.parts.peers.send(route.decode_addr, AbortMsg(request_id=request_id, reason=why))
 
     def between_layers(self) -> None:
-        """Mid-forward: a transfer that ended since the step before is announced now (its
-        first token to the decode node, which starts decoding it), not when this forward ends,
-        seconds later on a CPU. Its slots go back after the step (``_progress``): nothing the
-        forward may use changes under it. Failures wait for the step's end too."""
+        """Mid-forward: the transfer agent moves on (a new pair group's rendezvous with a
+        decode node, which must finish within ``connect_timeout_s`` however long this forward
+        takes; handshakes; acknowledgements), and a transfer that ended since the step before
+        is announced now (its first token to the decode node, which starts decoding it), not
+        when this forward ends, seconds later on a CPU. Its slots go back after the step
+        (``_progress``): nothing the forward may use changes under it. Failures wait for the
+        step's end too."""
+        self.parts.transfer.progress()
         if not any(t.computed for t in self._transfers.values()):
             return  # only a previous step's requests have their first token
-        self.parts.transfer.progress()
         for rid, t in list(self._transfers.items()):
             if t.computed and t.sender.poll() == KVPoll.SUCCESS:
                 del self._transfers[rid]

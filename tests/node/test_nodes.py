@@ -107,6 +107,47 @@ def test_a_transfer_that_ends_during_a_forward_is_announced_before_the_forward_e
     assert_idle(p, d)
 
 
+def test_a_new_pair_group_connects_during_a_forward_longer_than_its_connect_timeout(
+    engine_cfg, server, reference, monkeypatch
+) -> None:
+    """A prefill node's first request to a decode node builds their pair group (gloo) while
+    its forward runs; the rendezvous goes through the nodes' control sockets, and must finish
+    within ``connect_timeout_s`` (1 s here) however long the forward takes (3 s here, like a
+    cold burst of long prompts on a slow CPU): ``PrefillRole.between_layers`` moves it on."""
+    gloo = TransferConfig(
+        backend="gloo", connect_timeout_s=1.0, timeout_s=10.0, handshake_timeout_s=10.0,
+        secret=SECRET,
+    )  # fmt: skip
+    p = Node(engine_cfg, NodeConfig("prefill-9", server.addr, transfer=gloo), PrefillRole)
+    d = Node(engine_cfg, NodeConfig("decode-9", server.addr, transfer=gloo), DecodeRole)
+    real_run = p.core.runner.run
+
+    def run(reqs, seqs, on_layer, *args):  # type: ignore[no-untyped-def]
+        end = time.monotonic() + 3.0  # the forward's layers, while the decode node runs
+        while time.monotonic() < end:
+            d.run_once(block=False)
+            on_layer(0)
+            server.drain()
+            time.sleep(0.005)
+        return real_run(reqs, seqs, on_layer, *args)
+
+    try:
+        monkeypatch.setattr(p.core.runner, "run", run)
+        send_request(server, p, d, "paired", PROMPTS[0])
+        run_until(server, (p, d), lambda: "paired" in server.finished)
+        assert server.finished["paired"].error is None
+        assert server.tokens["paired"] == reference[0]
+        assert p.transfer.num_pairs == 1  # connected once, never broken
+        run_until(server, (p, d), lambda: d.count_unfinished() == p.count_unfinished() == 0)
+        assert_idle(p, d)
+    finally:
+        for node in (p, d):
+            sock, _ = server.push.pop(node.addr, (None, None))
+            if sock is not None:
+                sock.close(linger=0)
+            node.shutdown()
+
+
 @pytest.mark.parametrize("when", ["before_prefill", "while_decoding"])
 def test_abort_frees_both_nodes(server, nodes, when: str) -> None:
     p, d = nodes
