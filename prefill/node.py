@@ -19,8 +19,10 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    if a node dies before); on failure the server gets an error it may retry. A success is
    announced as soon as the loop sees it, between the layers of the next forward if one runs
    (``between_layers``): the first tokens of a burst's first batch do not wait for the second
-   batch's forward. Either way the scheduler releases the request (``finish_sending``, after
-   the step): the prompt goes into the cache, unlocked, and its cache events go to the server.
+   batch's forward; between those layers the transfer agent moves on too, so a new pair
+   group's rendezvous, handshakes and acknowledgements never wait for a forward of seconds.
+   Either way the scheduler releases the request (``finish_sending``, after the step): the
+   prompt goes into the cache, unlocked, and its cache events go to the server.
 6. The decode node dies or leaves (``PeerGoneMsg``): every request routed to it is aborted
    here and failed to the server (which may re-route it).
 """
