@@ -4,7 +4,8 @@ Per format: decode ms/token at batch 1, decode tokens/s at batch 16, prefill tok
 tokens (best of ``--rounds``, formats taking turns); greedy agreement with fp32 over chat
 prompts (identical tokens position by position, and prompts identical in full); perplexity on
 a fixed licence text that ships with Debian. ``fp32`` and ``bf16`` run oneDNN's packed matmuls
-(the default where they run); ``-aten`` rows run torch's default GEMM on the same weights.
+(the default where they run); ``-aten`` rows run torch's default GEMM on the same weights;
+``int4-torch`` runs torch's int4 op where ``int4`` may run pd's (``pd.model.int4_kernel``).
 With ``--llamacpp`` the CPU peer joins as a row: llama.cpp (llama-cpp-python, built by
 ``scripts/setup_llamacpp.sh``) on the Q4_1 GGUF that pd's fp32 weights are dequantized from,
 given the same token ids (``scripts/llamacpp_quality.py``, run by the side venv); its batch-16
@@ -20,9 +21,11 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,7 @@ FORMATS = {  # name -> dtype, quantization, linear_backend
     "bf16-aten": ("bfloat16", "none", "aten"),
     "int8": ("float32", "int8", "auto"),
     "int4": ("float32", "int4", "auto"),
+    "int4-torch": ("float32", "int4", "auto"),  # torch's int4 op for few rows (PD_INT4_KERNEL)
     "fp16": ("float32", "fp16", "auto"),
 }
 PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -101,7 +105,9 @@ def make_engine(name: str, model: str | None) -> Engine:
         linear_backend=linear_backend,
         max_total_tokens=4096,
     )
-    return Engine(cfg)
+    kernel = "torch" if name == "int4-torch" else os.environ.get("PD_INT4_KERNEL", "auto")
+    with mock.patch.dict(os.environ, {"PD_INT4_KERNEL": kernel}):
+        return Engine(cfg)
 
 
 def measure_speed(engine: Engine, args: argparse.Namespace) -> dict[str, float]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     PD_NUM_THREADS: int | None
     PD_API_KEY: tuple[str, ...]
     PD_ADMIN_API_KEY: tuple[str, ...]
+    PD_INT4_KERNEL: str
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -51,6 +52,13 @@ def _read_csv(name: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in os.environ.get(name, "").split(",") if part.strip())
 
 
+def _read_choice(name: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, "").strip().lower() or choices[0]
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 def _read_cache_dir() -> Path:
     raw = os.environ.get("PD_CACHE_DIR", "").strip()
     return Path(raw or "~/.cache/pd").expanduser()
@@ -67,6 +75,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     "PD_API_KEY": lambda: _read_csv("PD_API_KEY"),
     # admin API keys of `pd serve` (added to --admin-api-key); `pd scale` / `pd status` send one
     "PD_ADMIN_API_KEY": lambda: _read_csv("PD_ADMIN_API_KEY"),
+    # the int4 matmul of few rows: auto (pd's kernel where torch's lacks AVX-512), pd or torch
+    "PD_INT4_KERNEL": lambda: _read_choice("PD_INT4_KERNEL", ("auto", "pd", "torch")),
 }
 
 

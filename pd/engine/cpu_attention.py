@@ -29,19 +29,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from pd.core import envs
-
-logger = logging.getLogger(__name__)
+from pd.core import cpp
 
 _SOURCE = r"""
 #include <cmath>
@@ -227,59 +218,17 @@ int64_t pd_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const ui
 }
 """
 
-_FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared",
-    "-fPIC",
-)  # fmt: skip
 _ENTRY = {torch.bfloat16: "pd_decode_attention_bf16"}
 # Below this many key rows (requests x KV heads x keys) one thread runs the whole batch: waking
 # the OpenMP team costs more than it saves.
 _PARALLEL_MIN_ROWS = 1024
 
 
-def _cpu_tag() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (logged once)."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.info("no C++ compiler: decode attention runs on torch's ops")
-        return None
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-        key = hashlib.sha256(
-            "\0".join((_SOURCE, compiler, version, " ".join(_FLAGS), _cpu_tag())).encode()
-        ).hexdigest()[:16]
-        out_dir = envs.PD_CACHE_DIR / "kernels"
-        path = out_dir / f"decode_attention-{key}.so"
-        if not path.exists():
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-                src = Path(tmp) / "decode_attention.cpp"
-                src.write_text(_SOURCE)
-                built = Path(tmp) / path.name
-                subprocess.run(
-                    [compiler, *_FLAGS, str(src), "-o", str(built)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                os.replace(built, path)  # atomic: a concurrent builder leaves the same file
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("building the CPU decode attention failed (%s): torch's ops instead", detail)
+    lib = cpp.load("decode_attention", _SOURCE)
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _ENTRY.values():

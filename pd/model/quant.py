@@ -1,22 +1,30 @@
 """CPU linears packed once at load and swapped in for a model's ``nn.Linear``s.
 
-Every format runs torch's own CPU matmul op on weights packed at load; none is a kernel of ours.
-Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN where torch has it
-(``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout, matmuls by
-oneDNN's AVX-512 kernels with fp32 accumulation. On an AMD CPU torch's default GEMM (MKL) runs
-its AVX2 code; with oneDNN SmolLM2 decoded 1.5x (batch 1) and 2.0x (batch 16) faster and
-prefilled 1.8x faster, at fp32's precision (``scripts/bench_quant.py``, ``-aten`` rows); on an
-Intel Xeon, where MKL runs AVX-512, oneDNN was 0.78x at batch 1 and 1.11x at batch 16.
+Every format runs torch's own CPU matmul op on weights packed at load, except int4 on a CPU
+without AVX-512 (below). Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN
+where torch has it (``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout,
+matmuls by oneDNN's AVX-512 kernels with fp32 accumulation. On an AMD CPU torch's default GEMM
+(MKL) runs its AVX2 code; with oneDNN SmolLM2 decoded 1.5x (batch 1) and 2.0x (batch 16) faster
+and prefilled 1.8x faster, at fp32's precision (``scripts/bench_quant.py``, ``-aten`` rows); on
+an Intel Xeon, where MKL runs AVX-512, oneDNN was 0.78x at batch 1 and 1.11x at batch 16.
 
 The quantized methods are weight-only. Per linear ``y = x W^T + b`` with ``W: [N, K]``:
 
     method  weight                                   matmul op                         x
     int8    int8 [N, K], a scale per output row      aten._weight_int8pack_mm          bf16
     int4    uint4 packed, a scale and a zero per     aten._weight_int4pack_mm_for_cpu  bf16
-            row and group of 32 inputs
+            row and group of 32 inputs               or pd::int4_mm (below)            fp32
     fp16    fp16 in fbgemm's packed layout           quantized.linear_dynamic_fp16     fp32
 
-The int8 and int4 ops take a scalar path for fp32 inputs (10x slower on an AVX2 CPU), so the
+torch's int4 op is vectorized for AVX-512 only. Where torch runs without it (an AVX2-only CPU),
+int4 multiplies by pd's own kernel (``pd.model.int4_kernel``, ``INT4_KERNELS``, the
+``PD_INT4_KERNEL`` setting): the same weights, inputs scaled to 16 bits per group instead of
+rounded to bf16. Measured there (AMD EPYC, 2 threads, ``scripts/bench_quant.py``): decode at
+batch 1 31.4 against 32.5 ms a token eagerly and 13.1 against 23.4 ms in a compiled step, batch
+16 1.22x torch's tokens/s, and greedy output closer to fp32 (89.5% of tokens and 12 of 16
+prompts identical, against 78.9% and 8).
+
+torch's int8 and int4 ops take a scalar path for fp32 inputs (10x slower on an AVX2 CPU), so the
 input is cast to bf16 and the output back. Both ops are built for few rows: from
 ``DEQUANT_MIN_TOKENS`` rows on (prefill) the weight is multiplied as a dense GEMM instead. int8
 dequantizes it on each such call. int4 keeps it dequantized once at load, in bf16 (2 bytes a
@@ -42,9 +50,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd.core import envs
+from pd.model import int4_kernel
+
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp16")
 LINEAR_BACKENDS = ("auto", "onednn", "aten")  # for unquantized weights on cpu
 INT4_GROUP_SIZE = 32
+INT4_KERNELS = ("pd", "torch")  # pd.model.int4_kernel, aten._weight_int4pack_mm_for_cpu
 # From this many tokens on (prefill), a dense GEMM replaces the int8 and int4 kernels (int8,
 # AMD: 2x at 512 tokens, the kernel 1.4x ahead at 16; int4: see above).
 DEQUANT_MIN_TOKENS = 128
@@ -93,32 +105,44 @@ class Int4Linear(QuantLinear):
     """Asymmetric int4 per row and group of ``INT4_GROUP_SIZE`` inputs: a group's min..max maps
     to 0..15 and the op dequantizes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+    def __init__(
+        self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, kernel: str | None = None
+    ) -> None:
         super().__init__(linear)
         n, k = self.out_features, self.in_features
         if k % group_size:
             raise ValueError(f"int4 needs in_features divisible by {group_size}, got {k}")
         self.group_size = group_size
+        self.kernel = _int4_kernel(kernel or envs.PD_INT4_KERNEL, n, group_size)
         w = linear.weight.detach().float().view(n, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-12)  # [N, groups]
         q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1)
-        self.register_buffer("qweight", packed)
-        # the op wants [groups, N, 2] of (scale, zero)
-        scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16))
-        # the weight the kernel multiplies by, ``(q - 8) * scale + zero`` per group with the
-        # kernel's bf16 scale and zero, rounded once to bf16, for the dense path
-        # (in fp32 where bf16 GEMMs are slow: the same values, see dense_dtype)
-        sz = self.scales_zeros.float().transpose(0, 1)  # [N, groups, 2]
-        dense = (q.float() - 8) * sz[..., :1] + sz[..., 1:]  # q: [N, groups, group_size]
+        # the kernels dequantize ``(q - 8) * scale + zero`` with a bf16 scale and zero
+        scale, zero = scale.to(torch.bfloat16), (lo + 8 * scale).to(torch.bfloat16)
+        if self.kernel == "pd":
+            packed, scales, zeros = int4_kernel.pack(q.view(n, k), scale, zero)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1)
+            self.register_buffer("qweight", packed)
+            # the op wants [groups, N, 2] of (scale, zero)
+            self.register_buffer(
+                "scales_zeros", torch.stack((scale, zero), -1).transpose(0, 1).contiguous()
+            )
+        # the weight the kernels multiply by, rounded once to bf16, for the dense path (in
+        # fp32 where bf16 GEMMs are slow: the same values, see dense_dtype)
+        dense = (q.float() - 8) * scale.float()[..., None] + zero.float()[..., None]
         dense = dense.view(n, k).to(torch.bfloat16).to(dense_dtype())
         self.register_buffer("dense", dense)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DEQUANT_MIN_TOKENS:
             return F.linear(x.to(self.dense.dtype), self.dense)
+        if self.kernel == "pd":
+            return torch.ops.pd.int4_mm(x, self.qweight, self.scales, self.zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.qweight, self.group_size, self.scales_zeros
         )
@@ -126,6 +150,23 @@ class Int4Linear(QuantLinear):
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, rounded once to bf16: [N, K]."""
         return self.dense
+
+
+def _int4_kernel(choice: str, out_features: int, group_size: int) -> str:
+    """The int4 matmul of few rows, ``pd`` or ``torch``, for ``choice`` (``auto``: pd's kernel
+    where it runs and torch's runs without AVX-512, see ``int4_kernel.preferred``)."""
+    fits = out_features % int4_kernel.ROWS_PER_BLOCK == 0 and group_size == int4_kernel.GROUP_SIZE
+    if choice == "auto":
+        return "pd" if fits and int4_kernel.preferred() else "torch"
+    if choice == "pd" and not (fits and int4_kernel.available()):
+        raise ValueError(
+            f"pd's int4 kernel does not run here ({out_features} outputs, groups of "
+            f"{group_size}; it needs a multiple of {int4_kernel.ROWS_PER_BLOCK}, groups of "
+            f"{int4_kernel.GROUP_SIZE}, a C++ compiler and AVX2 with FMA)"
+        )
+    if choice not in INT4_KERNELS:
+        raise ValueError(f"int4 kernel must be auto or one of {INT4_KERNELS}, got {choice!r}")
+    return choice
 
 
 class Fp16Linear(QuantLinear):

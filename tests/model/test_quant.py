@@ -19,6 +19,7 @@ from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
     INT4_GROUP_SIZE,
     Fp16Linear,
+    Int4Linear,
     OneDNNLinear,
     QuantLinear,
     quantize_linears,
@@ -89,8 +90,9 @@ def test_matmul_within_the_bound_of_its_quantization_step(
 def test_int4_dense_path_multiplies_by_the_kernels_weights() -> None:
     # the kernel applied to the identity reads its weights back: the prefill path's dequantized
     # copy must hold the same ones (bf16: the kernel's output rounding, <= 2^-9 of a weight)
+    # (pd's kernel: tests/model/test_int4_kernel.py)
     linear = _make_linear(96, 4 * INT4_GROUP_SIZE, bias=False)
-    quant = quantize_linears(nn.Sequential(linear), "int4")[0]
+    quant = Int4Linear(linear, kernel="torch")
     eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
     kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(
         eye, quant.qweight, quant.group_size, quant.scales_zeros
