@@ -113,7 +113,7 @@ class Int4Linear(QuantLinear):
         if k % group_size:
             raise ValueError(f"int4 needs in_features divisible by {group_size}, got {k}")
         self.group_size = group_size
-        self.kernel = _int4_kernel(kernel or envs.PD_INT4_KERNEL, n, group_size)
+        self.kernel = _pick_int4_kernel(kernel or envs.PD_INT4_KERNEL, n, group_size)
         w = linear.weight.detach().float().view(n, k // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-12)  # [N, groups]
@@ -152,7 +152,7 @@ class Int4Linear(QuantLinear):
         return self.dense
 
 
-def _int4_kernel(choice: str, out_features: int, group_size: int) -> str:
+def _pick_int4_kernel(choice: str, out_features: int, group_size: int) -> str:
     """The int4 matmul of few rows, ``pd`` or ``torch``, for ``choice`` (``auto``: pd's kernel
     where it runs and torch's runs without AVX-512, see ``int4_kernel.preferred``)."""
     fits = out_features % int4_kernel.ROWS_PER_BLOCK == 0 and group_size == int4_kernel.GROUP_SIZE

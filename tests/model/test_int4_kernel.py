@@ -92,7 +92,7 @@ def test_the_kernel_choice_follows_the_cpu_and_pd_int4_kernel(monkeypatch) -> No
     monkeypatch.setattr(int4_kernel, "available", lambda: True)
     monkeypatch.setattr(int4_kernel, "preferred", lambda: True)
     assert Int4Linear(linear).kernel == "pd"
-    assert quant._int4_kernel("auto", 12, 32) == "torch"  # 12 outputs: not blocks of 8 rows
+    assert quant._pick_int4_kernel("auto", 12, 32) == "torch"  # 12 outputs: not blocks of 8 rows
 
 
 @needs_kernel
