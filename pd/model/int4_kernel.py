@@ -22,7 +22,9 @@ weights as int16, the int32 sums of a group come out one per row with no horizon
 the group's scales and zeros are two 16-byte loads. Each block of rows is read once for all the
 rows of ``x`` (up to 4 at a time). Output rows run on torch's OpenMP threads.
 
-Built by ``pd.core.cpp`` (with AVX2 and FMA; elsewhere ``available`` is False). ``preferred``
+Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
+it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
+alone: as a Python operator calling ctypes it cost ~30 us more a call, a third of the step. ``preferred``
 says whether ``Int4Linear`` should use it: where it builds and torch runs without AVX-512.
 """
 
@@ -37,10 +39,12 @@ from pd.core import cpp
 
 ROWS_PER_BLOCK = 8  # output rows per vector; out_features must be a multiple
 GROUP_SIZE = 32
-# Below this many weights one thread runs the whole matmul: waking the OpenMP team costs more.
-_PARALLEL_MIN_WEIGHTS = 1 << 16
-
 _SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -88,63 +92,129 @@ static inline void block(const int16_t* xq, const float* dx, const float* xs, in
   for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * N + n, acc[i]);
 }
 
-extern "C" {
-int pd_int4_available() { return 1; }
+// x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
+// y: [M, N] fp32.
+static inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One group of 32 inputs to int16 (rounded to nearest, ties to even): xq ~ x / d with
+// d = the largest magnitude / 32767; -> d, and the inputs' sum in *sum.
+static inline float quantize_group(const float* x, int16_t* xq, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], top = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+    s = _mm256_add_ps(s, v[j]);
+  }
+  const float d = hmax(top) / 32767.0f;
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  for (int j = 0; j < 4; j += 2) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
+    // packs works per 128-bit lane: put the four 64-bit quarters back in order
+    const __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256((__m256i*)(xq + 8 * j), ab);
+  }
+  *sum = hsum(s);
+  return d;
+}
 
 // x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
-// y: [M, N] fp32. Returns -1 for K or N off the layout.
-int pd_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw, const uint16_t* scale,
-               const uint16_t* zero, int64_t N, float* y, int threads) {
-  if (K % 32 || N % 8) return -1;
+// y: [M, N] fp32.
+static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
+                    const uint16_t* scale, const uint16_t* zero, int64_t N, float* y,
+                    int threads) {
   const int64_t G = K / 32;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> dx(M * G), xs(M * G);
+  static thread_local std::vector<int16_t> xq;
+  static thread_local std::vector<float> dx, xs;
+  xq.resize(M * K);
+  dx.resize(M * G);
+  xs.resize(M * G);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xr = x + m * K + g * 32;
-      float top = 0.0f, sum = 0.0f;
-      for (int j = 0; j < 32; ++j) {
-        top = std::fmax(top, std::fabs(xr[j]));
-        sum += xr[j];
-      }
-      const float d = top / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int j = 0; j < 32; ++j)
-        xq[m * K + g * 32 + j] = static_cast<int16_t>(std::nearbyint(xr[j] * inv));
-      dx[m * G + g] = d;
-      xs[m * G + g] = sum;
-    }
+    for (int64_t g = 0; g < G; ++g)
+      dx[m * G + g] = quantize_group(x + m * K + g * 32, &xq[m * K + g * 32], &xs[m * G + g]);
+  // the thread-locals of this thread, by pointer: each OpenMP thread has its own
+  const int16_t* q = xq.data();
+  const float *d = dx.data(), *sums = xs.data();
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t b = 0; b < N / 8; ++b) {
     const uint8_t* qb = qw + b * G * 128;
     const uint16_t* sb = scale + b * G * 8;
     const uint16_t* zb = zero + b * G * 8;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) block<4>(xq.data(), dx.data(), xs.data(), m, K, qb, sb, zb, 8 * b, N, y);
-    for (; m + 2 <= M; m += 2) block<2>(xq.data(), dx.data(), xs.data(), m, K, qb, sb, zb, 8 * b, N, y);
-    for (; m < M; ++m) block<1>(xq.data(), dx.data(), xs.data(), m, K, qb, sb, zb, 8 * b, N, y);
+    for (; m + 4 <= M; m += 4) block<4>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+    for (; m + 2 <= M; m += 2) block<2>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+    for (; m < M; ++m) block<1>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
   }
-  return 0;
-}
-}
-#else
-extern "C" {
-int pd_int4_available() { return 0; }
-int pd_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
-               const uint16_t*, int64_t, float*, int) { return -1; }
 }
 #endif
+
+// Below this many weights one thread runs the whole matmul: waking the OpenMP team costs more.
+static constexpr int64_t kParallelMinWeights = 1 << 16;
+
+static at::Tensor int4_mm_cpu(const at::Tensor& x_in, const at::Tensor& weight,
+                              const at::Tensor& scale, const at::Tensor& zero) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "int4 matmul: x must be [rows, inputs], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.size(2) == 128 &&
+                        weight.scalar_type() == at::kByte && weight.is_contiguous(),
+                    "int4 matmul: the weight must be a contiguous uint8 [N / 8, K / 32, 128], got ",
+                    weight.scalar_type(), " ", weight.sizes());
+  const int64_t nb = weight.size(0), g = weight.size(1), n = nb * 8, k = x_in.size(1);
+  for (const at::Tensor* t : {&scale, &zero})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kBFloat16 && t->is_contiguous() &&
+                          t->dim() == 3 && t->size(0) == nb && t->size(1) == g && t->size(2) == 8,
+                      "int4 matmul: scales and zeros must be contiguous bf16 [", nb, ", ", g,
+                      ", 8], got ", t->scalar_type(), " ", t->sizes());
+  TORCH_CHECK_VALUE(k == g * 32, "int4 matmul: x has ", k, " inputs, the weight ", g * 32);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const int threads = n * k >= kParallelMinWeights ? at::get_num_threads() : 1;
+  int4_mm(x.data_ptr<float>(), x.size(0), k, weight.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+          reinterpret_cast<const uint16_t*>(zero.data_ptr()), n, y.data_ptr<float>(), threads);
+  return y;
+#else
+  TORCH_CHECK(false, "int4 matmul: this build has no AVX2 with FMA");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(pd, m) {
+  m.def("int4_mm(Tensor x, Tensor weight, Tensor scale, Tensor zero) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(pd, CPU, m) { m.impl("int4_mm", &int4_mm_cpu); }
+
+extern "C" int pd_int4_available() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 """
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot be built or the CPU lacks AVX2 and FMA."""
-    lib = cpp.load("int4_mm", _SOURCE)
-    if lib is None or not lib.pd_int4_available():
+    """The built kernel, its op registered, or None where it cannot be built or the CPU lacks
+    AVX2 and FMA (the op then raises)."""
+    path = cpp.load_torch_ops("int4_mm", _SOURCE)
+    if path is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pd_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.pd_int4_mm.restype = ctypes.c_int
+    lib = ctypes.CDLL(str(path))
+    if not lib.pd_int4_available():
+        return None
+    torch.library.register_fake("pd::int4_mm")(_fake_int4_mm)
     return lib
 
 
@@ -183,38 +253,16 @@ def pack(
     return packed, by_block(scale), by_block(zero)
 
 
-@torch.library.custom_op("pd::int4_mm", mutates_args=())
 def int4_mm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> torch.Tensor:
-    """x: [M, K]; weight, scale, zero: from ``pack`` -> x @ W^T, [M, N] fp32. Callers check
-    ``available`` first."""
-    lib = _library()
-    assert lib is not None, "check int4_kernel.available first"
-    nb, g, _ = weight.shape
-    m, k = x.shape
-    if k != g * GROUP_SIZE:
-        raise ValueError(f"int4 matmul: x has {k} inputs, the weight {g * GROUP_SIZE}")
-    x = x.float().contiguous()
-    n = nb * ROWS_PER_BLOCK
-    out = torch.empty(m, n, dtype=torch.float32)
-    threads = torch.get_num_threads() if n * k >= _PARALLEL_MIN_WEIGHTS else 1
-    rc = lib.pd_int4_mm(
-        x.data_ptr(),
-        m,
-        k,
-        weight.data_ptr(),
-        scale.data_ptr(),
-        zero.data_ptr(),
-        n,
-        out.data_ptr(),
-        threads,
-    )
-    if rc:
-        raise ValueError(f"int4 matmul: no kernel for {n} x {k}")
-    return out
+    """x: [M, K]; weight, scale, zero: from ``pack`` -> x @ W^T, [M, N] fp32 (``torch.ops.pd.
+    int4_mm``; ValueError for inputs off the weight's shape). Callers check ``available``
+    first: it builds and registers the op."""
+    return torch.ops.pd.int4_mm(x, weight, scale, zero)
 
 
-@int4_mm.register_fake
-def _(x, weight, scale, zero):  # type: ignore[no-untyped-def]
+def _fake_int4_mm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:  # the output's shape, for tracing
     return x.new_empty(x.shape[0], weight.shape[0] * ROWS_PER_BLOCK, dtype=torch.float32)

@@ -38,7 +38,7 @@ def _exact_weights(lin: Int4Linear) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 4, 5, 7, 13])  # the 4-, 2- and 1-row tiles
-@pytest.mark.parametrize(("n", "k"), [(8, 32), (96, 128), (40, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (96, 128), (40, 1536), (136, 576)])
 def test_products_within_the_rounding_of_the_kernels_16_bit_inputs(
     n: int, k: int, num_rows: int
 ) -> None:
@@ -60,6 +60,22 @@ def test_products_within_the_rounding_of_the_kernels_16_bit_inputs(
     if num_rows:
         # the bound has teeth: the inputs in another order break it
         assert ((x.double().flip(1) @ w.T - exact).abs() > bound).any()
+
+
+@needs_kernel
+@pytest.mark.timeout(30)
+def test_two_threads_give_the_products_of_one() -> None:
+    lin = Int4Linear(_linear(136, 576), kernel="pd")  # above the weights one thread runs alone
+    x = torch.randn(5, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each output row is computed by one thread, the same way
 
 
 @needs_kernel
