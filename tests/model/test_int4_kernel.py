@@ -4,10 +4,13 @@ between it and torch's op; bad shapes refused."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
+from pd.core import cpp
 from pd.model import int4_kernel, quant
 from pd.model.quant import Int4Linear
 
@@ -88,6 +91,19 @@ def test_the_kernel_and_torchs_op_multiply_by_the_same_weights() -> None:
     with torch.no_grad():
         # the identity reads the weights back (torch's in bf16, its output rounding)
         assert torch.allclose(ours(eye), theirs(eye), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_without_a_compiler_the_op_is_unavailable_and_int4_runs_on_torchs(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    assert cpp.load_torch_ops("int4_mm", int4_kernel._SOURCE) is None
+    # a fresh look for the library (the process may have loaded it already)
+    monkeypatch.setattr(int4_kernel, "_library", functools.cache(int4_kernel._library.__wrapped__))
+    assert not int4_kernel.available() and not int4_kernel.preferred()
+    assert Int4Linear(_linear(16, 64)).kernel == "torch"
 
 
 @pytest.mark.timeout(30)
