@@ -270,7 +270,11 @@ class Cluster:
             num_starting = sum(r == role for r in self.starting.values())
             surplus = len(ready) + num_starting - self.target[role]
             for _ in range(-surplus):
-                self._run_task(self._start_node(role))
+                # started here, not in the task: a second reconcile before the task's first
+                # turn (a scale right after a drain) counts it as starting, not as missing
+                started = self._launch(role)
+                if started is not None:
+                    self._run_task(self._join(role, *started))
             for node_id in self._victims(ready, min(surplus, len(ready))):
                 self._begin_drain(node_id)
 
@@ -289,8 +293,24 @@ class Cluster:
     async def _start_node(self, role: str) -> str | None:
         """Start a ``role`` actor and register it once it is up; a failed start is stopped and
         lowers the pool's target."""
-        node_id, ref = self._start_actor(role)
+        started = self._launch(role)
+        return None if started is None else await self._join(role, *started)
+
+    def _launch(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]] | None:
+        """Start a ``role`` actor (``starting`` from now on); None if Ray refused it, which
+        lowers the pool's target."""
+        try:
+            started = self._start_actor(role)
+        except Exception:
+            logger.exception("could not start a %s node: the pool's target drops back", role)
+            self.target[role] = max(1, self.target[role] - 1)
+            return None
         self.client.begin_start(role)  # requests wait for it rather than fail
+        return started
+
+    async def _join(self, role: str, node_id: str, ref: ray.ObjectRef[NodeInfo]) -> str | None:
+        """Wait for the started ``node_id`` and register it; a failed start is stopped and
+        lowers the pool's target."""
         try:
             info = await asyncio.wait_for(ref, self.cfg.ready_timeout_s)
         except Exception:
