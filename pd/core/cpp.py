@@ -1,24 +1,21 @@
-"""pd's C++ kernels, built on first use with the machine's compiler and loaded with ctypes.
+"""pd's C++ kernels: torch operators built on first use with the machine's compiler.
 
-Each kernel is one C++ source in its module, compiled once into ``PD_CACHE_DIR/kernels``, under
-a name keyed by the source, the compiler, the flags and the CPU's flags, so a changed source or
-another machine builds again and concurrent builders leave the same file. Two kinds:
+Each kernel is one C++ source in its module that registers torch operators from C++
+(``TORCH_LIBRARY_FRAGMENT``; ``pd.engine.cpu_attention``, ``pd.model.int4_kernel``).
+``load_torch_ops`` compiles it once against the running torch's headers (~7-10 s) into
+``PD_CACHE_DIR/kernels``, under a name keyed by the source, the compiler, the flags, torch's
+version and the CPU's flags, so a changed source or another machine builds again and concurrent
+builders leave the same file, and loads it into torch's dispatcher. A compiled graph calls such
+an operator through the dispatcher alone: the same kernels as Python operators calling ctypes
+cost ~30 us more a call (a third of an int4 decode step of SmolLM2, 120 calls; AMD EPYC, AVX2).
+Plain C functions of the same library (what a kernel supports) are read with ctypes.
 
-- ``load``: plain C functions, called through ctypes (``pd.engine.cpu_attention``; ~3 s to
-  build);
-- ``load_torch_ops``: a library that registers torch operators from C++ (``TORCH_LIBRARY``),
-  built against the running torch's headers (~7 s) and loaded into its dispatcher
-  (``pd.model.int4_kernel``). A graph calls such an op straight through the dispatcher: a
-  Python operator that calls ctypes cost ~30 us a call more, a third of an int4 decode step of
-  SmolLM2 (120 calls; AMD EPYC, AVX2).
-
-Where there is no compiler or the build fails, each logs why and returns None, and the caller
-runs torch's ops instead.
+Where there is no compiler or the build fails, ``load_torch_ops`` logs why and returns None,
+and the caller runs torch's ops instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -27,6 +24,9 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
 
 from pd.core import envs
 
@@ -46,26 +46,10 @@ def _cpu_flags() -> str:
         return ""
 
 
-def load(name: str, source: str, flags: Sequence[str] = FLAGS) -> ctypes.CDLL | None:
-    """The library built from ``source`` (``name`` names its file and the log lines), or None
-    where it cannot be built on this machine."""
-    path = _build(name, source, flags)
-    if path is None:
-        return None
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:
-        logger.warning("loading %s failed (%s): torch's ops instead", name, e)
-        return None
-
-
 def load_torch_ops(name: str, source: str) -> Path | None:
     """Build ``source``, which registers torch operators (``TORCH_LIBRARY_FRAGMENT``), against
     the running torch and load it into torch's dispatcher; -> the library's path (load it with
     ctypes too for its plain C functions), or None where it cannot be built or loaded."""
-    import torch
-    from torch.utils import cpp_extension
-
     flags = [
         *FLAGS,
         "-std=c++20",

@@ -214,8 +214,14 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     if not lib.pd_int4_available():
         return None
-    torch.library.register_fake("pd::int4_mm")(_fake_int4_mm)
+    _register_fake()
     return lib
+
+
+@functools.cache
+def _register_fake() -> None:
+    """Once a process, however often the library is looked for: the op's output for tracing."""
+    torch.library.register_fake("pd::int4_mm")(_fake_int4_mm)
 
 
 def available() -> bool:

@@ -4,6 +4,8 @@ compiled graph, and behind the eager backend's decode rows."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,11 +57,17 @@ def test_the_kernel_matches_fp32_attention(num_kv_heads, group, head_dim, length
     torch.testing.assert_close(out.float(), _reference(*case), atol=2e-2, rtol=2e-2)
 
 
-def test_one_thread_and_many_give_the_same_result(monkeypatch):
+def test_one_thread_and_many_give_the_same_result():
     case = _case(4, 3, 3, 64, 900)  # 4 x 3 x 900 key rows: above the threshold for threads
-    many = torch.ops.pd.paged_decode_attention(*case)
-    monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_ROWS", 10**9)
-    assert torch.equal(torch.ops.pd.paged_decode_attention(*case), many)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        many = torch.ops.pd.paged_decode_attention(*case)
+        torch.set_num_threads(1)
+        one = torch.ops.pd.paged_decode_attention(*case)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
 
 
 def test_a_row_without_keys_gives_zeros_and_others_are_unharmed():
@@ -79,6 +87,17 @@ def test_a_slot_outside_the_pool_raises_with_the_numbers():
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
     mask[1, 2] = False  # a masked key is never read: no error
     torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
+
+
+def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
+    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8)
+    with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], keys"):
+        torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
+    with pytest.raises(ValueError, match="decode attention runs on bf16, got q Float"):
+        torch.ops.pd.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), idx, mask)
+    strided = k_cache.transpose(0, 1).contiguous().transpose(0, 1)  # the same shape
+    with pytest.raises(ValueError, match="contiguous K/V caches"):
+        torch.ops.pd.paged_decode_attention(q, strided, v_cache, idx, mask)
 
 
 def test_shapes_and_dtypes_without_a_kernel_are_not_available():
@@ -144,19 +163,19 @@ def test_the_torch_backend_never_calls_the_kernel_and_unknown_backends_are_refus
 def test_without_a_compiler_the_kernel_is_unavailable_and_torch_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    cpu_attention._library.cache_clear()
-    try:
-        assert not cpu_attention.available(BF16, CPU, 9, 3, 64)
-        q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 10)
+    # a fresh look for the library (the process has loaded it already)
+    monkeypatch.setattr(
+        cpu_attention, "_library", functools.cache(cpu_attention._library.__wrapped__)
+    )
+    assert not cpu_attention.available(BF16, CPU, 9, 3, 64)
+    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 10)
 
-        class Pool:
-            k, v = [k_cache], [v_cache]
+    class Pool:
+        k, v = [k_cache], [v_cache]
 
-        backend = TorchAttentionBackend()
-        out = backend._decode(q, 0, Pool, _DecodeMeta(idx, mask))  # type: ignore[arg-type]
-        assert backend._kernel is False
-        torch.testing.assert_close(
-            out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=2e-2, rtol=2e-2
-        )
-    finally:
-        cpu_attention._library.cache_clear()  # the next caller builds (or finds) the real one
+    backend = TorchAttentionBackend()
+    out = backend._decode(q, 0, Pool, _DecodeMeta(idx, mask))  # type: ignore[arg-type]
+    assert backend._kernel is False
+    torch.testing.assert_close(
+        out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=2e-2, rtol=2e-2
+    )
