@@ -2,10 +2,12 @@
 
 torch's int4 op (``aten._weight_int4pack_mm_for_cpu``) has its vectorized kernel for AVX-512
 only. On an AVX2-only CPU it runs generic code on bf16 inputs: 4-5 GB/s of packed weights, so
-SmolLM2's 120 int4 linears took 14.2 ms a decode step (batch 1, 2 threads, AMD EPYC without
-AVX-512, every layer's weights in turn as in a step), and int4 decoded a single stream at
-0.70x llama.cpp's speed there. This kernel takes 5.1 ms for the same linears (9.3 against
-18.0 ms at 4 rows, 17.1 against 38.2 at 8).
+SmolLM2's 120 int4 linears took 10.2-14.2 ms a decode step (batch 1, 2 threads, AMD EPYC
+without AVX-512, every layer's weights in turn as in a step, on two days), and int4 decoded a
+single stream at 0.70x llama.cpp's speed there. This kernel takes 4.6 ms for the same linears
+where torch's op took 10.2 (7.7 against 13.2 ms at 4 rows, 13.9 against 24.0 at 8), and a
+compiled int4 step at batch 1 decodes faster than llama.cpp there (BENCHMARKS.md, "int4's
+kernel as a torch operator").
 
 The arithmetic is llama.cpp's for its AVX2 path, with 16-bit activations instead of 8-bit:
 each group of 32 inputs of a row of ``x`` is scaled to int16 (``x ~ d * xq``, ``d`` = the
