@@ -24,9 +24,10 @@ torch and CPU flags) and registers ``pd::paged_decode_attention`` from C++
 (``pd.core.cpp.load_torch_ops``): a graph calls it through torch's dispatcher alone. As a
 Python operator calling ctypes, the same kernel took 56 us a call for one row of 100 keys, now
 21 us (161 and 83 us at 700 keys, 425 and 373 us at 4 rows of 700; AMD EPYC without AVX-512,
-2 threads): a compiled bf16 step calls it once a layer. Without a compiler, or for a dtype, device or head
-shape it does not take, ``available`` is False and callers use torch's ops. A slot outside the
-pool raises ``IndexError`` (the kernel skips it rather than read out of bounds).
+2 threads): a compiled bf16 step calls it once a layer. Without a compiler, or for a dtype,
+device or head shape it does not take, ``available`` is False and callers use torch's ops. A
+slot outside the pool raises ``IndexError`` (the kernel skips it rather than read out of
+bounds).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::T
   TORCH_CHECK_VALUE(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
                         idx_in.dim() == 2 && idx_in.sizes() == mask_in.sizes() &&
                         idx_in.size(0) == q_in.size(0) && k_cache.size(2) == q_in.size(2) &&
-                        q_in.size(1) % k_cache.size(1) == 0,
+                        k_cache.size(1) > 0 && q_in.size(1) % k_cache.size(1) == 0,
                     "decode attention shapes: q ", q_in.sizes(), ", keys ", k_cache.sizes(),
                     ", values ", v_cache.sizes(), ", idx ", idx_in.sizes(), ", mask ",
                     mask_in.sizes());

@@ -26,8 +26,9 @@ rows of ``x`` (up to 4 at a time). Output rows run on torch's OpenMP threads.
 
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
-alone: as a Python operator calling ctypes it cost ~30 us more a call, a third of the step. ``preferred``
-says whether ``Int4Linear`` should use it: where it builds and torch runs without AVX-512.
+alone: as a Python operator calling ctypes it cost ~30 us more a call, a third of the step.
+``preferred`` says whether ``Int4Linear`` should use it: where it builds and torch runs without
+AVX-512.
 """
 
 from __future__ import annotations

@@ -95,6 +95,9 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
     with pytest.raises(ValueError, match="decode attention runs on bf16, got q Float"):
         torch.ops.pd.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), idx, mask)
+    with pytest.raises(ValueError, match=r"decode attention shapes: .* keys \[512, 0, 64\]"):
+        no_heads = k_cache[:, :0]  # no KV head: refused, not divided by
+        torch.ops.pd.paged_decode_attention(q, no_heads, no_heads, idx, mask)
     strided = k_cache.transpose(0, 1).contiguous().transpose(0, 1)  # the same shape
     with pytest.raises(ValueError, match="contiguous K/V caches"):
         torch.ops.pd.paged_decode_attention(q, strided, v_cache, idx, mask)
