@@ -16,13 +16,14 @@ and the caller runs torch's ops instead.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -38,6 +39,11 @@ FLAGS = (
 )  # fmt: skip
 
 
+# ops whose fake (their output for tracing) is registered: once a process, however often a
+# library is looked for again
+_FAKES: set[str] = set()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -46,10 +52,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def load_torch_ops(name: str, source: str) -> Path | None:
+def load_torch_ops(
+    name: str, source: str, fakes: Mapping[str, Callable[..., torch.Tensor]] | None = None
+) -> ctypes.CDLL | None:
     """Build ``source``, which registers torch operators (``TORCH_LIBRARY_FRAGMENT``), against
-    the running torch and load it into torch's dispatcher; -> the library's path (load it with
-    ctypes too for its plain C functions), or None where it cannot be built or loaded."""
+    the running torch, load it into torch's dispatcher and register ``fakes`` (op name -> its
+    output for tracing); -> the library, for its plain C functions, or None where it cannot be
+    built or loaded."""
     flags = [
         *FLAGS,
         "-std=c++20",
@@ -67,10 +76,15 @@ def load_torch_ops(name: str, source: str) -> Path | None:
         return None
     try:
         torch.ops.load_library(str(path))
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
         logger.warning("loading %s failed (%s): torch's ops instead", name, e)
         return None
-    return path
+    for op, fake in (fakes or {}).items():
+        if op not in _FAKES:
+            torch.library.register_fake(op)(fake)
+            _FAKES.add(op)
+    return lib
 
 
 def _build(

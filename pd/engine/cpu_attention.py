@@ -25,9 +25,13 @@ torch and CPU flags) and registers ``pd::paged_decode_attention`` from C++
 Python operator calling ctypes, the same kernel took 56 us a call for one row of 100 keys, now
 21 us (161 and 83 us at 700 keys, 425 and 373 us at 4 rows of 700; AMD EPYC without AVX-512,
 2 threads): a compiled bf16 step calls it once a layer. Without a compiler, or for a dtype,
-device or head shape it does not take, ``available`` is False and callers use torch's ops. A
-slot outside the pool raises ``IndexError`` (the kernel skips it rather than read out of
-bounds).
+device or head shape it does not take, ``available`` is False and callers use torch's ops.
+
+``torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)``: q [B, H, D]; the caches
+[num_slots, KVH, D]; idx [B, L] slots; mask [B, L], True where the key is the row's -> [B, H,
+D] in q's dtype (a row with no key gives zeros). Shapes and dtypes it does not take raise
+``ValueError`` with the numbers; a slot outside the pool raises ``IndexError`` (the kernel
+skips it rather than read out of bounds).
 """
 
 from __future__ import annotations
@@ -270,20 +274,13 @@ extern "C" int pd_decode_attention_supports(int64_t D, int64_t G) {
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, its op registered, or None where it cannot be built (logged once)."""
-    path = cpp.load_torch_ops("decode_attention", _SOURCE)
-    if path is None:
+    fakes = {"pd::paged_decode_attention": _fake_attention}
+    lib = cpp.load_torch_ops("decode_attention", _SOURCE, fakes)
+    if lib is None:
         return None
-    lib = ctypes.CDLL(str(path))
     lib.pd_decode_attention_supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.pd_decode_attention_supports.restype = ctypes.c_int
-    _register_fake()
     return lib
-
-
-@functools.cache
-def _register_fake() -> None:
-    """Once a process, however often the library is looked for: the op's output for tracing."""
-    torch.library.register_fake("pd::paged_decode_attention")(_fake_attention)
 
 
 def available(
@@ -297,22 +294,6 @@ def available(
     return lib is not None and bool(
         lib.pd_decode_attention_supports(head_dim, num_heads // num_kv_heads)
     )
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    idx: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    """q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D]; idx: [B, L] int64 slots; mask:
-    [B, L] bool, True where the key is the row's; -> [B, H, D] in q's dtype
-    (``torch.ops.pd.paged_decode_attention``). A row with no key gives zeros. Scores, softmax
-    and the weighted sum are fp32. ValueError for shapes or dtypes it does not take,
-    IndexError for a slot outside the pool. Callers check ``available`` first: it builds and
-    registers the op."""
-    return torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
 
 
 def _fake_attention(

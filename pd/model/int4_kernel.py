@@ -27,8 +27,10 @@ rows of ``x`` (up to 4 at a time). Output rows run on torch's OpenMP threads.
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
 alone: as a Python operator calling ctypes it cost ~30 us more a call, a third of the step.
-``preferred`` says whether ``Int4Linear`` should use it: where it builds and torch runs without
-AVX-512.
+``torch.ops.pd.int4_mm(x, weight, scale, zero)``: x [M, K] and ``pack``'s three tensors -> x @
+W^T, [M, N] fp32; ValueError, with the numbers, for inputs off the weight's shape. ``available``
+builds and registers it; ``preferred`` says whether ``Int4Linear`` should use it: where it
+builds and torch runs without AVX-512.
 """
 
 from __future__ import annotations
@@ -95,8 +97,6 @@ static inline void block(const int16_t* xq, const float* dx, const float* xs, in
   for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * N + n, acc[i]);
 }
 
-// x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
-// y: [M, N] fp32.
 static inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -211,20 +211,8 @@ extern "C" int pd_int4_available() {
 def _library() -> ctypes.CDLL | None:
     """The built kernel, its op registered, or None where it cannot be built or the CPU lacks
     AVX2 and FMA (the op then raises)."""
-    path = cpp.load_torch_ops("int4_mm", _SOURCE)
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    if not lib.pd_int4_available():
-        return None
-    _register_fake()
-    return lib
-
-
-@functools.cache
-def _register_fake() -> None:
-    """Once a process, however often the library is looked for: the op's output for tracing."""
-    torch.library.register_fake("pd::int4_mm")(_fake_int4_mm)
+    lib = cpp.load_torch_ops("int4_mm", _SOURCE, {"pd::int4_mm": _fake_int4_mm})
+    return lib if lib is not None and lib.pd_int4_available() else None
 
 
 def available() -> bool:
@@ -260,15 +248,6 @@ def pack(
         return t.to(torch.bfloat16).view(nb, ROWS_PER_BLOCK, g).transpose(1, 2).contiguous()
 
     return packed, by_block(scale), by_block(zero)
-
-
-def int4_mm(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> torch.Tensor:
-    """x: [M, K]; weight, scale, zero: from ``pack`` -> x @ W^T, [M, N] fp32 (``torch.ops.pd.
-    int4_mm``; ValueError for inputs off the weight's shape). Callers check ``available``
-    first: it builds and registers the op."""
-    return torch.ops.pd.int4_mm(x, weight, scale, zero)
 
 
 def _fake_int4_mm(
