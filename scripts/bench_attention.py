@@ -1,9 +1,12 @@
 """Decode attention alone: pd's C++ kernel (``pd.engine.cpu_attention``) beside torch's two ways
 of doing it, on the same tensors in the same run.
 
-    python scripts/bench_attention.py [--threads 2] [--heads 9 --kv-heads 3 --head-dim 64]
+    python scripts/bench_attention.py [--threads 2] [--dtype bfloat16 | float32] [--layers 30]
+        [--heads 9 --kv-heads 3 --head-dim 64]
 
-One layer's attention of B one-token rows over L keys each, bf16 KV pool, for several B and L:
+One layer's attention of B one-token rows over L keys each, for several B and L, each call on
+the next of ``--layers`` pools (as a decode step goes through its layers, so that the keys come
+from memory rather than from the cache of the call before):
 - ``sdpa``: what the eager backend did before the kernel (index_select the keys, one padded
   SDPA call);
 - ``inductor``: ``attention.paged_decode_attention`` compiled, what a compiled decode step
@@ -22,6 +25,7 @@ dropped). The backend pads when 4 P <= N.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 
@@ -32,13 +36,14 @@ from pd.engine import cpu_attention
 from pd.engine.attention import paged_decode_attention
 
 
-def _time(fn, repeat: int, calls: int = 50) -> float:
+def _time(fn, repeat: int, calls: int = 60) -> float:
+    """Best microseconds a call of ``fn(i)`` over ``repeat`` runs of ``calls`` calls."""
     best = float("inf")
     for _ in range(repeat):
-        fn()
+        fn(0)
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
         best = min(best, (time.perf_counter() - t0) / calls)
     return best * 1e6
 
@@ -75,17 +80,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--lengths", default="150,700,2000")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--layers", type=int, default=30, help="pools the calls go through in turn")
     ap.add_argument("--extend", action="store_true", help="prefill over a cached prefix instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.extend:
         return extend_table(args)
     torch._dynamo.config.recompile_limit = 64  # one graph per (B, L) of the one function
-    dtype, cpu = torch.bfloat16, torch.device("cpu")
+    dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")
     if not cpu_attention.available(dtype, cpu, args.heads, args.kv_heads, args.head_dim):
         raise SystemExit("the kernel is not available here (no C++ compiler, or these heads)")
     print(
-        f"cpu={_cpu_name()} threads={args.threads} bf16 "
+        f"cpu={_cpu_name()} threads={args.threads} {args.dtype} layers={args.layers} "
         f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim}\n"
     )
     print(
@@ -97,18 +104,24 @@ def main() -> None:
         for length in (int(x) for x in args.lengths.split(",")):
             num_slots = b * length + 1
             q = torch.randn(b, args.heads, args.head_dim, generator=g).to(dtype)
-            kv = [
-                torch.randn(num_slots, args.kv_heads, args.head_dim, generator=g).to(dtype)
-                for _ in range(2)
+            pools = [
+                [
+                    torch.randn(num_slots, args.kv_heads, args.head_dim, generator=g).to(dtype)
+                    for _ in range(2)
+                ]
+                for _ in range(args.layers)
             ]
             # each row's keys in one run of slots, as the allocator hands out a prompt's
             idx = torch.arange(b * length).view(b, length)
             mask = torch.ones(b, length, dtype=torch.bool)
-            case = (q, *kv, idx, mask)
             inductor = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False)
+
+            def call(i, f, q=q, pools=pools, idx=idx, mask=mask):
+                return f(q, *pools[i % len(pools)], idx, mask)
+
             with torch.inference_mode():
                 us = [
-                    _time(lambda f=f, case=case: f(*case), args.repeat)
+                    _time(functools.partial(call, f=f), args.repeat)
                     for f in (_sdpa, inductor, torch.ops.pd.paged_decode_attention)
                 ]
             print(
@@ -149,7 +162,7 @@ def extend_table(args: argparse.Namespace) -> None:
             err = (masked() - padded()).abs().max().item()
             assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"paths differ by {err}"
             with torch.inference_mode():
-                us = [_time(f, args.repeat, calls=5) for f in (masked, padded)]
+                us = [_time(lambda i, f=f: f(), args.repeat, calls=5) for f in (masked, padded)]
             name = "fp32" if dtype == torch.float32 else "bf16"
             print(
                 f"| {name} | {cached} | {new} | {us[0]:.0f} | {us[1]:.0f} | "

@@ -39,7 +39,7 @@ class EngineConfig:
     attention_backend: str = option(
         "auto",
         "attention kernels: auto (torch's SDPA, with decode rows on pd's C++ kernel where it "
-        "builds: cpu, bf16, see pd/engine/cpu_attention.py) | torch (torch's ops alone)",
+        "builds: cpu, bf16 or fp32, see pd/engine/cpu_attention.py) | torch (torch's ops alone)",
     )
     compile_buckets: str = option(
         "off",

@@ -1,5 +1,5 @@
 """The CPU decode attention kernel (``pd.engine.cpu_attention``) against torch's math: every
-head shape it takes, padded rows, a row without keys, a slot outside the pool, inside a
+head shape it takes in bf16 and fp32, padded rows, a row without keys, a slot outside the pool, inside a
 compiled graph, and behind the eager backend's decode rows."""
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from pd.engine.config import EngineConfig
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
+FP32 = torch.float32
+# how close each dtype's output is to fp32 math over the same inputs
+TOLERANCE = {BF16: 2e-2, FP32: 1e-5}
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention.available(BF16, CPU, 9, 3, 64), reason="no C++ compiler to build the kernel"
@@ -34,11 +37,11 @@ def _reference(q, k_cache, v_cache, idx, mask):
     return torch.einsum("bhl,blhd->bhd", probs, values)
 
 
-def _case(batch, num_kv_heads, group, head_dim, length, num_slots=512, seed=0):
+def _case(batch, num_kv_heads, group, head_dim, length, num_slots=512, seed=0, dtype=BF16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=g).to(BF16)
-    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(BF16)
-    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(BF16)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(dtype)
     idx = torch.randint(0, num_slots, (batch, length), generator=g)
     lens = torch.randint(1, length + 1, (batch,), generator=g)
     mask = torch.arange(length)[None, :] < lens[:, None]
@@ -49,16 +52,20 @@ def _case(batch, num_kv_heads, group, head_dim, length, num_slots=512, seed=0):
     ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 64), (2, 1, 128), (4, 5, 128)]
 )
 @pytest.mark.parametrize("length", [1, 37, 700])
-def test_the_kernel_matches_fp32_attention(num_kv_heads, group, head_dim, length):
-    case = _case(5, num_kv_heads, group, head_dim, length)
-    assert cpu_attention.available(BF16, CPU, num_kv_heads * group, num_kv_heads, head_dim)
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_the_kernel_matches_fp32_attention(num_kv_heads, group, head_dim, length, dtype):
+    case = _case(5, num_kv_heads, group, head_dim, length, dtype=dtype)
+    assert cpu_attention.available(dtype, CPU, num_kv_heads * group, num_kv_heads, head_dim)
     out = torch.ops.pd.paged_decode_attention(*case)
-    assert out.dtype == BF16 and out.shape == case[0].shape
-    torch.testing.assert_close(out.float(), _reference(*case), atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), _reference(*case), atol=tol, rtol=tol)
 
 
-def test_one_thread_and_many_give_the_same_result():
-    case = _case(4, 3, 3, 64, 900)  # 4 x 3 x 900 key rows: above the threshold for threads
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_one_thread_and_many_give_the_same_result(dtype):
+    # 4 x 3 x 900 key rows: above the threshold for threads
+    case = _case(4, 3, 3, 64, 900, dtype=dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -70,18 +77,21 @@ def test_one_thread_and_many_give_the_same_result():
     assert torch.equal(one, many)
 
 
-def test_a_row_without_keys_gives_zeros_and_others_are_unharmed():
-    q, k_cache, v_cache, idx, mask = _case(3, 3, 3, 64, 20)
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_a_row_without_keys_gives_zeros_and_others_are_unharmed(dtype):
+    q, k_cache, v_cache, idx, mask = _case(3, 3, 3, 64, 20, dtype=dtype)
     mask[1] = False
     out = torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+    tol = TOLERANCE[dtype]
     torch.testing.assert_close(
-        out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=2e-2, rtol=2e-2
+        out.float(), _reference(q, k_cache, v_cache, idx, mask), atol=tol, rtol=tol
     )
 
 
-def test_a_slot_outside_the_pool_raises_with_the_numbers():
-    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8, num_slots=64)
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_a_slot_outside_the_pool_raises_with_the_numbers(dtype):
+    q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8, num_slots=64, dtype=dtype)
     idx[1, 2], mask[1, :3] = 64, True
     with pytest.raises(IndexError, match="1 key slots outside the pool's 64"):
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
@@ -93,8 +103,10 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
     q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8)
     with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], keys"):
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
-    with pytest.raises(ValueError, match="decode attention runs on bf16, got q Float"):
-        torch.ops.pd.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), idx, mask)
+    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Float, keys BFloat16"):
+        torch.ops.pd.paged_decode_attention(q.float(), k_cache, v_cache, idx, mask)
+    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Half"):
+        torch.ops.pd.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), idx, mask)
     with pytest.raises(ValueError, match=r"decode attention shapes: .* keys \[512, 0, 64\]"):
         no_heads = k_cache[:, :0]  # no KV head: refused, not divided by
         torch.ops.pd.paged_decode_attention(q, no_heads, no_heads, idx, mask)
@@ -104,7 +116,7 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
 
 
 def test_shapes_and_dtypes_without_a_kernel_are_not_available():
-    assert not cpu_attention.available(torch.float32, CPU, 9, 3, 64)
+    assert not cpu_attention.available(torch.float16, CPU, 9, 3, 64)
     assert not cpu_attention.available(BF16, CPU, 9, 3, 96)  # head dim
     assert not cpu_attention.available(BF16, CPU, 27, 3, 64)  # 9 query heads a KV head
     assert not cpu_attention.available(BF16, CPU, 10, 3, 64)  # not a whole group
@@ -122,8 +134,10 @@ def test_the_op_inside_a_compiled_graph_matches_the_eager_call():
     assert torch.equal(compiled(*case), step(*case))
 
 
-def test_the_eager_backend_runs_decode_rows_on_the_kernel_like_sdpa():
-    q, k_cache, v_cache, idx, mask = _case(4, 3, 3, 64, 30, seed=3)
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_the_eager_backend_runs_decode_rows_on_the_kernel_like_sdpa(dtype):
+    q, k_cache, v_cache, idx, mask = _case(4, 3, 3, 64, 30, seed=3, dtype=dtype)
+    tol = TOLERANCE[dtype]
 
     class Pool:
         k, v = [k_cache], [v_cache]
@@ -140,13 +154,13 @@ def test_the_eager_backend_runs_decode_rows_on_the_kernel_like_sdpa():
         attn_mask=mask[:, None, None, :],
         enable_gqa=True,
     )[:, :, 0]
-    torch.testing.assert_close(out.float(), sdpa, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), sdpa, atol=tol, rtol=tol)
     full = backend._decode(q, 0, Pool, _DecodeMeta(idx, None))  # no padding: no mask
     torch.testing.assert_close(
         full.float(),
         _reference(q, k_cache, v_cache, idx, torch.ones_like(mask)),
-        atol=2e-2,
-        rtol=2e-2,
+        atol=tol,
+        rtol=tol,
     )
 
 
