@@ -61,7 +61,6 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -287,6 +286,7 @@ static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::T
                     "decode attention needs contiguous K/V caches");
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(2), KVH = k_cache.size(1);
   const int64_t L = idx_in.size(1), S = k_cache.size(0);
+  // both dtypes are compiled for the same head shapes: bf16's pick answers for either
   TORCH_CHECK_VALUE(pick<uint16_t>(D, H / KVH) != nullptr, "no decode attention kernel for ", H,
                     " heads of ", D, " over ", KVH, " KV heads");
   const at::Tensor q = q_in.contiguous();
@@ -309,7 +309,7 @@ static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::T
                                      KVH, D, L, S, scale, threads);
   }
   TORCH_CHECK_INDEX(bad == 0, bad, " key slots outside the pool's ", S);
-  return dtype == at::kFloat ? out : out.to(dtype);
+  return out.to(dtype);  // fp32: the same tensor
 }
 
 TORCH_LIBRARY_FRAGMENT(pd, m) {
