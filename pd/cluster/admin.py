@@ -116,8 +116,9 @@ class ClusterAdmin:
         return None
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
-        """Set the pools' target sizes (ValueError below 1), as the operator's: the autoscaler
-        keeps a size outside its range until the operator changes it; returns the targets."""
+        """Set the pools' target sizes (ValueError below ``MIN_POOL``: prefill 0, decode 1), as
+        the operator's: the autoscaler keeps a size outside its range until the operator
+        changes it; returns the targets."""
         targets = _targets(prefill, decode)
         self.cluster.scale(**targets)
         self._tell_autoscaler(targets)

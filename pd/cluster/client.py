@@ -5,7 +5,8 @@ The life of a request (a *flight*, ``pd.cluster.flight``), by its status:
 1. ``WAITING``: ``generate`` books a (prefill, decode) pair with the coordinator under the
    attempt's *wire id* (the request id, then ``id~1`` for a re-route), so messages of an
    attempt given up are recognised and dropped. When no node has room (or a pool is empty while
-   its replacement starts), it waits in a FIFO queue, woken when a request finishes or a node
+   its replacement starts; an empty prefill pool by choice only sends every request to a decode
+   node alone), it waits in a FIFO queue, woken when a request finishes or a node
    joins, until its deadline (``request_timeout_s``).
 2. ``ROUTED``: the decode node is told what to expect, the prefill node what to compute (or
    the decode node prefills it itself: conditional disaggregation).
@@ -88,7 +89,11 @@ from transfer.endpoint import parse_endpoint
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ROLES = ("prefill", "decode")
-# a warm-up ends at its first token, on the prefill node (nothing is sent to the decode node)
+# Each pool's smallest size: the prefill pool may be empty (its decode nodes then prefill every
+# prompt themselves: ``Coordinator.decode_only``), the decode pool may not.
+MIN_POOL = {"prefill": 0, "decode": 1}
+# a warm-up ends at its first token, on the prefill node (nothing is sent to the decode node;
+# on the decode node that prefills it when the prefill pool is empty)
 _WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 # What the reader handles between two turns of the event loop.
 READ_BUDGET = inbound.ReadBudget(max_frames=256, max_bytes=16 << 20)
@@ -131,7 +136,7 @@ class ClientConfig:
 
 
 class WarmResult(NamedTuple):
-    node_id: str  # the prefill node whose cache holds the prompt now
+    node_id: str  # the node whose cache holds the prompt now (a decode node: no prefill pool)
     num_tokens: int
     num_cached_tokens: int  # of them, held there already
 
@@ -272,7 +277,8 @@ class ClusterClient:
 
     async def warm(self, request_id: str, prompt_ids: list[int], namespace: str = "") -> WarmResult:
         """Prefill ``prompt_ids`` into the cache of the prefill node the coordinator routes it
-        to (as it would a request with this prompt), generating nothing."""
+        to (as it would a request with this prompt; a decode node's when the prefill pool is
+        empty), generating nothing."""
         flight = Flight(request_id, list(prompt_ids), _WARM_PARAMS, namespace, is_warmup=True)
         num_cached = 0
         async for out in self._generate(flight):
@@ -339,13 +345,19 @@ class ClusterClient:
         flight.mailbox.put_nowait(FlightEvent.abort())
         flight.ticket.cancel()  # stop waiting for room
 
+    @property
+    def pools_needed(self) -> tuple[str, ...]:
+        """The pools a request needs a node of: the decode pool alone when the prefill pool is
+        empty by choice (``Coordinator.decode_only``)."""
+        return ("decode",) if self.coordinator.decode_only else ROLES
+
     async def is_ready(self) -> bool:
         """The reader works (it has read since it last failed: nodes send stats a few times a
-        second), and each role has a node, or one starting (requests then wait for it)."""
+        second), and each pool needed has a node, or one starting (requests then wait for it)."""
         await self.start()
         roles = {info.role for info in self.nodes.values()}
         roles |= {role for role, n in self._num_starting.items() if n}
-        return self._reader_ok and roles >= set(ROLES) and self.mirror.is_settled
+        return self._reader_ok and roles >= set(self.pools_needed) and self.mirror.is_settled
 
     async def readiness(self) -> str | None:
         """Why a request could not be served now, or None (GET /ready answers 200 only then):
@@ -354,7 +366,7 @@ class ClusterClient:
         await self.start()
         if not self._reader_ok:
             return "the server reads no node messages (its reader is starting or restarting)"
-        for role in ROLES:
+        for role in self.pools_needed:
             if not any(info.role == role for info in self.nodes.values()):
                 starting = self._num_starting[role]
                 return f"no live {role} node" + (f" ({starting} starting)" if starting else "")

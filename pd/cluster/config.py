@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import ray
 
-from pd.cluster.client import ROLES, ClientConfig
+from pd.cluster.client import MIN_POOL, ROLES, ClientConfig
 from transfer import TransferConfig
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    num_prefill: int = 1
+    num_prefill: int = 1  # 0: no prefill pool, the decode nodes prefill every prompt
     num_decode: int = 1
     address: str | None = None  # None: start a local Ray instance; "auto": join a running one
     # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
@@ -38,9 +38,10 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
+        if self.num_prefill < MIN_POOL["prefill"] or self.num_decode < MIN_POOL["decode"]:
             raise ValueError(
-                f"need at least one prefill and one decode node, got {self.num_prefill} and {self.num_decode}"
+                f"need at least {MIN_POOL['prefill']} prefill and {MIN_POOL['decode']} decode "
+                f"node(s), got {self.num_prefill} and {self.num_decode}"
             )
         if self.node_gpus is not None and self.node_gpus < 0:
             raise ValueError(f"node_gpus must be >= 0, got {self.node_gpus}")

@@ -41,6 +41,10 @@ a burst off the idle decode node. The last two apply only while the
 decode node decodes nothing: a long prefill there would stretch every running stream's TPOT
 (measured: 1.9 s instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV moves and no second
 hop is paid; decode nodes prefill in chunks between their decode steps.
+A cluster whose prefill pool is empty by choice (``decode_only``, ``pd serve --prefill 0``: the
+default on one CPU machine) routes every request so, warm-ups included, whatever these rules
+and ``local_prefill_tokens=-1`` say: its decode nodes are then aggregated engines behind
+cache-aware routing, and a prefill node added later takes prompts again as above.
 What a decode node holds is, as for a prefill node, what its cache events say plus the prompts it
 is prefilling itself (a follower admitted there waits for them, as on a prefill node); a prompt
 whose KV it is receiving counts only once its events say so.
@@ -285,6 +289,10 @@ class Coordinator:
         self._rng = random.Random(cfg.seed)
         self._members: _Members | None = None  # rebuilt after membership changes
         self.num_local_routes = 0  # requests sent to a decode node alone
+        # The prefill pool's target is 0 (the launcher sets this): with no prefill node
+        # accepting, every request is prefilled on its decode node. Otherwise a request waits
+        # (NoCapacityError) while the prefill pool has no node, e.g. for a replacement.
+        self.decode_only = False
         self.costs = PullCosts()
         self.pulls = PullLog()
 
@@ -367,7 +375,12 @@ class Coordinator:
         decode = self._pick_decode(members, need, len(prompt_ids), match)
         decode_node = self._decode[decode]
         held = match.expected_len(decode_node.index.bit)
-        local = allow_local and self._is_local(members, decode_node, len(prompt_ids), held, match)
+        if self.decode_only and not members.accepting:
+            local = True  # no prefill pool: the decode nodes prefill every prompt (warm-ups too)
+        else:
+            local = allow_local and self._is_local(
+                members, decode_node, len(prompt_ids), held, match
+            )
         pull = None
         if not local:
             prefill, matched = self._pick_prefill(members, len(prompt_ids), match)

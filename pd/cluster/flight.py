@@ -127,7 +127,7 @@ class Flight:
     wire_id: str = ""  # the id the nodes know its latest attempt by
     prefill: str = ""  # the attempt's nodes; prefill is "" when the decode node prefills it
     decode: str = ""  # (both "" when it holds no routed attempt)
-    last_prefill: str = ""  # the prefill node of the latest attempt (kept after it ends)
+    last_prefill: str = ""  # the node that prefilled the latest attempt (kept after it ends)
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
     _status: FlightStatus = field(default=FlightStatus.NEW, init=False)
@@ -166,7 +166,7 @@ class Flight:
         """The attempt is booked on these nodes (``prefill`` None: the decode node prefills)."""
         self.set_status(_S.ROUTED)
         self.prefill, self.decode = prefill or "", decode
-        self.last_prefill = self.prefill
+        self.last_prefill = self.prefill or decode
 
     def receive(self, num_tokens: int) -> None:
         """Tokens came back from the attempt's nodes."""

@@ -14,7 +14,9 @@ autoscaler, scales) on its own machine type: pd decides how many nodes, Ray deci
 
 Each pool has a target size (``scale``, the admin API, the autoscaler); ``_reconcile`` starts
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
-or dies. A node is ``starting`` (its actor started, not registered), ``ready``, or
+or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
+while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
+every request to a decode node alone (``Coordinator.decode_only``). A node is ``starting`` (its actor started, not registered), ``ready``, or
 ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then it
 leaves, its peers close their pair groups to it, and its actor is stopped). A start that fails
 lowers the target again. The launcher records each node's role and number as it starts it
@@ -40,7 +42,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import ray
 
-from pd.cluster.client import ROLES, ClusterClient
+from pd.cluster.client import MIN_POOL, ROLES, ClusterClient
 from pd.cluster.config import ClusterConfig, free_port, init_ray
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.node_actor import ACTOR_CLASSES
@@ -137,6 +139,7 @@ class Cluster:
         running = self._find_running() if self.is_detached else {}
         if running:
             self._attach(running)
+        self._sync_decode_only()
         refs = []
         for role in ROLES:
             for _ in range(self.target[role] - len(self.nodes_of(role))):
@@ -218,11 +221,11 @@ class Cluster:
         return role in self.starting.values() or role in self.draining.values()
 
     def scale(self, **targets: int) -> None:
-        """Set pool targets (``prefill=``, ``decode=``, each >= 1); nodes start or drain in the
+        """Set pool targets (``prefill=`` >= 0, ``decode=`` >= 1); nodes start or drain in the
         background. Call on the client's event loop."""
         for role, n in targets.items():
-            if role not in ROLES or n < 1:
-                raise ValueError(f"pool sizes must be >= 1 for {ROLES}, got {role}={n}")
+            if role not in ROLES or n < MIN_POOL[role]:
+                raise ValueError(f"pool sizes must be >= {MIN_POOL} for {ROLES}, got {role}={n}")
         self.target.update(targets)
         self._reconcile()
 
@@ -256,13 +259,25 @@ class Cluster:
         info = self.client.nodes.get(node_id)
         if info is None or node_id in self.draining:
             raise KeyError(f"no ready node {node_id!r}")
-        if self.target[info.role] <= 1:
-            raise ValueError(f"{node_id} is the last {info.role} node: the pool keeps 1")
+        if self.target[info.role] <= MIN_POOL[info.role]:
+            keeps = MIN_POOL[info.role]
+            raise ValueError(f"{node_id} is the last {info.role} node: the pool keeps {keeps}")
         self.target[info.role] -= 1
         self._begin_drain(node_id)  # before reconciling: it must count as leaving already
         self._reconcile()
 
+    def _sync_decode_only(self) -> None:
+        """Requests go to a decode node alone (``Coordinator.decode_only``) while the prefill
+        pool has no node: empty by choice (target 0), or growing from empty (its first node
+        starts). Not while a dead node's replacement starts: then they wait for it, as the
+        operator asked for a prefill pool and a decode node's long prefills would stretch the
+        running streams' TPOT."""
+        self.client.coordinator.decode_only = (
+            not self.nodes_of("prefill") and not self._num_replacing["prefill"]
+        )
+
     def _reconcile(self) -> None:
+        self._sync_decode_only()
         if self._stopping:
             return
         for role in ROLES:
@@ -411,6 +426,7 @@ class Cluster:
         info = self.client.nodes[node_id]
         self.target[info.role] -= 1
         self._mark_draining(node_id)
+        self._sync_decode_only()
         await self._drain(node_id)
 
     def _wait(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

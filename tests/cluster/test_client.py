@@ -22,6 +22,7 @@ from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
     DecodeReqMsg,
+    LocalReqMsg,
     NodeInfo,
     NodeMsg,
     PeerGoneMsg,
@@ -424,6 +425,27 @@ async def test_readiness_says_which_pool_has_no_live_node_while_its_replacement_
         h.client.end_start("decode")
         assert await h.client.readiness() is None
         h.client.fail_node("prefill-0", "host killed")
+        assert await h.client.readiness() == "no live prefill node"
+
+
+async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -> None:
+    """``Coordinator.decode_only`` (the launcher's, for a prefill pool of 0): ready with a
+    decode node alone, which gets every request and warm-up to prefill itself."""
+    async with _harness() as h:
+        h.client.coordinator.decode_only = True
+        d = h.add("decode-0")
+        await _until(lambda: h.client._reader_ok)
+        assert await h.client.readiness() is None and await h.client.is_ready()
+        h.request("r")
+        assert (await d.recv_until(LocalReqMsg)).request_id == "r"
+        d.tokens("r", [7], finished=True)
+        await h.wait_done("r")
+        assert h.tokens_of("r") == [7] and not h.errors
+        warm = asyncio.ensure_future(h.client.warm("w", PROMPT))
+        assert (await d.recv_until(LocalReqMsg)).request_id == "w"
+        d.tokens("w", [1], finished=True)
+        assert (await asyncio.wait_for(warm, 5)).node_id == "decode-0"
+        h.client.coordinator.decode_only = False  # a prefill pool again: it must have a node
         assert await h.client.readiness() == "no live prefill node"
 
 

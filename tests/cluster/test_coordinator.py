@@ -575,6 +575,30 @@ def test_local_routing_off_or_refused() -> None:
     assert on.num_local_routes == 0
 
 
+def test_without_a_prefill_pool_every_request_is_prefilled_on_its_decode_node() -> None:
+    """``decode_only`` (the prefill pool's target is 0): long cold prompts, a decode node that
+    is decoding, warm-ups and ``local_prefill_tokens=-1`` all go to a decode node alone; a
+    prefill node that joins takes the prompts the rules give it again."""
+    coord = _make_coordinator(num_prefill=0, decode_slots=(1 << 20, 1 << 20))
+    with pytest.raises(NoCapacityError, match="no prefill node"):
+        coord.route("waits", _tokens(0, 900), 8)  # the pool is empty while a node replaces one
+    coord.decode_only = True
+    _insert(coord, "d1", _tokens(0, 600))
+    assert coord.route("a", _tokens(0, 900), 8) == Route(None, "d1", 600)  # the cache-aware pick
+    coord.on_prefilled("a")  # d1 decodes "a" now
+    assert coord.route("b", _tokens(5000, 900), 8).prefill is None
+    assert coord.route("warm", _tokens(7000, 50), 1, allow_local=False).prefill is None
+    assert coord.num_local_routes == 3
+    coord.check_integrity()
+    coord.add_prefill("p0")  # grown again: local_prefill_tokens=-1 sends everything there
+    assert coord.route("c", _tokens(9000, 900), 8).prefill == "p0"
+    coord.drain("p0")  # and shrunk to 0 again: no node accepts, the decode nodes prefill
+    assert coord.route("d", _tokens(9500, 900), 8).prefill is None
+    for rid in ("a", "b", "warm", "c", "d"):
+        coord.on_finished(rid)
+    coord.check_integrity()
+
+
 def test_local_routing_follows_the_decode_nodes_room() -> None:
     """The local rule looks at the decode node chosen for room: a full node is not used."""
     coord = _local_coordinator(decode_slots=[100, 1000])

@@ -62,3 +62,34 @@ def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
         wait_idle_and_check(live)
     finally:
         stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_without_prefill_pool_prefills_on_its_decode_node_and_grows_one_and_back(
+    ray_session, smollm2_dir
+):
+    """``--prefill 0`` (pd serve's default on one CPU machine): the decode node prefills every
+    prompt (even with conditional disaggregation off, as here); a prefill node added takes the
+    prompts, and once it is drained away the decode node prefills them again."""
+    live, stop = start_live_cluster(0, 1)
+    try:
+        cluster = live.cluster
+        coordinator = cluster.client.coordinator
+        prompt = "The capital of France is"
+        first = _complete(live.url, prompt, 8)
+        assert first.status_code == 200, first.text
+        assert coordinator.num_local_routes == 1 and coordinator.decode_only
+        new = cluster.add_node("prefill")
+        assert coordinator.prefill_nodes == [new] and not coordinator.decode_only
+        via_prefill = _complete(live.url, prompt, 8)
+        assert via_prefill.json()["choices"] == first.json()["choices"]
+        assert coordinator.num_local_routes == 1  # through the prefill node, its KV moved
+        cluster.remove_node(new)
+        assert coordinator.prefill_nodes == [] and coordinator.decode_only
+        assert httpx.get(f"{live.url}/ready", timeout=5).status_code == 200
+        again = _complete(live.url, prompt, 8)
+        assert again.json()["choices"] == first.json()["choices"]
+        assert coordinator.num_local_routes == 2
+        wait_idle_and_check(live)
+    finally:
+        stop()

@@ -75,7 +75,8 @@ class FakeAdmin:
         ]
 
     def scale(self, prefill: int | None = None, decode: int | None = None) -> PoolSizes:
-        self.sizes.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v})
+        pairs = (("prefill", prefill), ("decode", decode))
+        self.sizes.update({k: v for k, v in pairs if v is not None})
         return self.target()
 
     def drain(self, node_id: str) -> PoolSizes:
@@ -170,7 +171,10 @@ def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokeniz
             "message": "asked for 1024 prefill nodes, the cluster can place at most 6",
             "type": "invalid_request_error", "param": "prefill", "code": "insufficient_capacity",
         }  # fmt: skip
-        for bad, field in (({}, None), ({"prefill": 0}, "prefill"), ({"decode": 2, "x": 1}, "x")):
+        bad_bodies = ({}, None), ({"prefill": -1}, "prefill"), ({"decode": 0}, "decode"), (
+            {"decode": 2, "x": 1}, "x",
+        )  # fmt: skip
+        for bad, field in bad_bodies:
             r = c.post("/admin/scale", json=bad, headers=AUTH)
             assert r.status_code == 400, (bad, r.text)
             assert field is None or field in r.json()["error"]["message"], r.text
@@ -179,7 +183,10 @@ def test_scale_and_drain_answer_with_the_pools_and_refuse_what_cannot_be(tokeniz
         assert c.post("/admin/nodes/decode-1/drain", headers=AUTH).status_code == 202
         r = c.post("/admin/nodes/decode-0/drain", headers=AUTH)
         assert r.status_code == 409 and "last decode node" in r.json()["error"]["message"]
-    assert admin.sizes == {"prefill": 3, "decode": 1}
+        assert admin.sizes == {"prefill": 3, "decode": 1}
+        # no prefill pool: the decode nodes prefill every prompt
+        assert c.post("/admin/scale", json={"prefill": 0}, headers=AUTH).status_code == 202
+    assert admin.sizes == {"prefill": 0, "decode": 1}
 
 
 def test_warmup_tokenizes_checks_and_namespaces_prompts_as_requests_are(tokenizer) -> None:

@@ -4,13 +4,14 @@
   KV usage, cached tokens, pulls, what it holds open), the pools' targets, the autoscaler's last
   decisions and the coordinator's last pull-or-compute choices (``pulls``);
 - ``POST /admin/scale {"prefill": N, "decode": M}`` (either may be left out): set the pools'
-  target sizes; nodes start, or drain and leave, in the background (202); a pool grown past
+  target sizes (prefill may be 0: the decode nodes then prefill every prompt, decode at
+  least 1); nodes start, or drain and leave, in the background (202); a pool grown past
   what the Ray cluster can hold is refused (409, with the numbers: ``pd.cluster.placement``);
 - ``POST /admin/nodes/{id}/drain``: no new requests for it, the ones it has finish, then it
-  leaves (its pool's target drops by one; 409 for the last node of a pool);
+  leaves (its pool's target drops by one; 409 for the last decode node);
 - ``POST /admin/warmup {"prompts": [...], "cache_salt": ...}``: prefill each prompt (text or
-  token ids) into the cache of the prefill node the coordinator routes it to, generating
-  nothing; the answer says where each went.
+  token ids) into the cache of the prefill node the coordinator routes it to (a decode node
+  when the prefill pool is empty), generating nothing; the answer says where each went.
 
 The router is included by ``build_app`` when it is given a ``ClusterAdmin`` (``app.state.admin``)
 and needs an admin key when the server has keys (``AuthMiddleware``: 401 without a key, 403
@@ -40,7 +41,7 @@ MAX_WARMUP_PROMPTS = 256
 
 class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prefill: int | None = Field(default=None, ge=1, le=1024)
+    prefill: int | None = Field(default=None, ge=0, le=1024)  # 0: decode nodes prefill
     decode: int | None = Field(default=None, ge=1, le=1024)
 
 
