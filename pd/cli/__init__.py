@@ -179,7 +179,16 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model id clients send; default: the model dir's name",
     )
-    parser.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill nodes; 0: none, the decode nodes prefill every prompt themselves. "
+        "Default: 0 on this machine's CPUs (no --address, no --node-gpus), where a prefill node "
+        "would only share the decode node's cores (on 2 cores 1.14x the chat load's req/s "
+        "and 0.68x its TTFT p90: BENCHMARKS.md); else 1, and 1 with --autoscale (its smallest "
+        "prefill pool)",
+    )
     parser.add_argument("--decode", type=int, default=1, help="decode nodes")
     parser.add_argument(
         "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"

@@ -151,8 +151,9 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
     client_cfg = dataclasses.replace(
         dataclass_from_args(ClientConfig, args), request_timeout_s=server_cfg.request_timeout
     )
+    num_prefill = prefill_pool_size(args)
     cluster_cfg = ClusterConfig(
-        num_prefill=args.prefill,
+        num_prefill=num_prefill,
         num_decode=args.decode,
         address=args.address,
         host=args.host,
@@ -176,7 +177,14 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
             pull_min_tokens=args.pull_min_tokens,
         ),
     )
-    print(f"starting {args.prefill} prefill + {args.decode} decode nodes ...", flush=True)
+    if num_prefill:
+        print(f"starting {num_prefill} prefill + {args.decode} decode nodes ...", flush=True)
+    else:
+        print(
+            f"starting {args.decode} decode node(s), which prefill too (no prefill pool; "
+            "--prefill N or `pd scale --prefill N` adds one) ...",
+            flush=True,
+        )
     if engine_cfg.buckets and cluster_cfg.address is None:
         sizes = ",".join(map(str, engine_cfg.buckets))
         print(
@@ -190,6 +198,20 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
     model_name = args.served_model_name or _default_name(cluster.engine_cfg)
     app = build_cluster_app(cluster, model_name, server_cfg, autoscaler)
     return _run_http(app, args, on_exit=cluster.shutdown)
+
+
+def prefill_pool_size(args: argparse.Namespace) -> int:
+    """``--prefill``, or by default: 0 for a cluster on this machine's CPUs (no ``--address``,
+    no ``--node-gpus``), whose nodes would all share its cores: there a prefill node only
+    slows the decode node's steps down and is slowed by them (one decode node that prefills
+    served the chat load at 1.14x the requests/s of 1 prefill + 1 decode node on 2 cores,
+    with 0.68x the TTFT p90: BENCHMARKS.md, "No prefill pool on one CPU machine"); else 1,
+    the smallest disaggregated cluster, and 1 with ``--autoscale`` (whose prefill pool starts
+    at its minimum)."""
+    if args.prefill is not None:
+        return int(args.prefill)
+    on_this_cpu = args.address is None and not args.node_gpus
+    return 0 if on_this_cpu and not args.autoscale_enabled else 1
 
 
 def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None]) -> int:

@@ -26,10 +26,27 @@ def test_pd_serve_defaults_to_int4_and_compiled_steps_on_a_cpu_and_generate_to_f
         engine_config(build_parser().parse_args(["serve", "--compile-buckets", "auto,2"]))
 
 
+def test_pd_serve_has_no_prefill_pool_on_this_cpu_unless_asked_or_on_a_cluster() -> None:
+    from pd.cli import build_parser
+    from pd.cli.serve import prefill_pool_size
+    from pd.cluster.launcher import ClusterConfig
+
+    def size(*flags: str) -> int:
+        return prefill_pool_size(build_parser().parse_args(["serve", *flags]))
+
+    assert size() == 0  # the nodes would share this machine's cores
+    assert size("--prefill", "2") == 2 and size("--prefill", "0", "--address", "auto") == 0
+    assert size("--address", "auto") == size("--node-gpus", "1") == size("--autoscale") == 1
+    assert ClusterConfig(num_prefill=0).num_prefill == 0
+    for prefill, decode in ((-1, 1), (1, 0)):
+        with pytest.raises(ValueError, match=f"got {prefill} and {decode}"):
+            ClusterConfig(num_prefill=prefill, num_decode=decode)
+
+
 @pytest.mark.timeout(300)
 def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
     # pd serve's defaults but the compiled steps (each would add ~40 s here; graphs are
-    # tested in tests/engine/test_graphs.py): int4 weights, 1 prefill + 1 decode node
+    # tested in tests/engine/test_graphs.py): int4 weights, 1 decode node that prefills
     server = ServeProcess(
         ["--max-total-tokens", "4096", "--compile-buckets", "off"],
         tmp_path / "serve.log",
@@ -48,6 +65,9 @@ def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
             temperature=0,
         )
         assert chat.choices[0].message.content == "The capital of France is Paris."
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert "\npd_local_prefills 1.0" in metrics, metrics  # no prefill node: local
+        assert "starting 1 decode node(s), which prefill too" in server.log.read_text()
     finally:
         server.end(signal.SIGINT)
     # Ctrl-C is a normal way to stop the server: a clean exit, no traceback
