@@ -139,7 +139,8 @@ class Cluster:
         running = self._find_running() if self.is_detached else {}
         if running:
             self._attach(running)
-        self._sync_decode_only()
+        # _reconcile keeps it from here on (the nodes below register on the loop, maybe later)
+        self.client.coordinator.decode_only = self.target["prefill"] == 0
         refs = []
         for role in ROLES:
             for _ in range(self.target[role] - len(self.nodes_of(role))):
