@@ -250,7 +250,7 @@ def hostile_requests(
         Hostile("unknown path", "POST", "/v1/nothing", _j(cmpl), expect=(404,)),
         Hostile("declared body over the cap", "POST", c, None, expect=(413,), declared=max_body_bytes + 1),
         Hostile("chunked body over the cap", "POST", c, None, expect=(413,), chunked_bytes=max_body_bytes + (1 << 16)),
-        Hostile("scale to 0 nodes", "POST", "/admin/scale", _j({"prefill": 0}), key="admin"),
+        Hostile("scale the decode pool to 0", "POST", "/admin/scale", _j({"decode": 0}), key="admin"),
         Hostile("drain a node that is not there", "POST", "/admin/nodes/prefill-999/drain", None, expect=(404,), key="admin"),
     ]  # fmt: skip
     if has_keys:
