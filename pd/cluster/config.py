@@ -3,8 +3,10 @@ must answer within seconds."""
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
@@ -61,10 +63,39 @@ class ClusterConfig:
         return self.drain_timeout_s or self.client.request_timeout_s
 
 
-def free_port(host: str) -> int:
+# Ray's worker processes listen on 10002-19999 by default (``ray start --max-worker-port``)
+_ABOVE_RAY_WORKERS = 20000
+
+
+def free_port(host: str, rng: random.Random | None = None) -> int:
+    """A port free on ``host`` now, for the server's PULL socket, which binds it only once the
+    nodes have started (seconds to minutes later): it is picked below the kernel's ephemeral
+    range, where the hundreds of ports that the nodes, Ray and gloo bind meanwhile (port 0)
+    never land, and above Ray's worker ports. Once one of those took the port picked from
+    the ephemeral range (``Address already in use`` at start-up, in a test run). Falls back
+    to an ephemeral port where that range is empty or taken."""
+    rng = rng or random.Random()
+    low = _ephemeral_ports()[0]
+    for _ in range(64 if low > _ABOVE_RAY_WORKERS else 0):
+        port = rng.randrange(_ABOVE_RAY_WORKERS, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports bound as 0 (Linux; elsewhere IANA's 49152-65535)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def reachable_address(address: str, timeout_s: float) -> str:

@@ -120,3 +120,23 @@ def test_address_auto_reaches_ray_as_auto_so_it_finds_the_auth_token(monkeypatch
     config.init_ray(config.ClusterConfig(address="auto"))
     config.init_ray(config.ClusterConfig(address="10.0.0.10:6379"))
     assert calls == ["auto", "10.0.0.10:6379"]
+
+
+def test_the_servers_port_is_picked_where_other_processes_ports_never_land(monkeypatch) -> None:
+    """The server binds its PULL port only after its nodes started, which bind hundreds of
+    ephemeral ports meanwhile: the port is picked below that range, above Ray's workers'."""
+    import random
+    import socket
+
+    from pd.cluster import config
+
+    low, _ = config._ephemeral_ports()
+    assert low > 20000  # this machine's kernel: 32768
+    ports = {config.free_port("127.0.0.1") for _ in range(20)}
+    assert all(20000 <= p < low for p in ports), ports
+    first = config.free_port("127.0.0.1", random.Random(5))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        assert config.free_port("127.0.0.1", random.Random(5)) != first  # the next pick
+    monkeypatch.setattr(config, "_ephemeral_ports", lambda: (20000, 60999))  # no room below
+    assert config.free_port("127.0.0.1") >= low  # the kernel's pick
