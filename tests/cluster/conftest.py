@@ -99,6 +99,12 @@ def start_live_cluster(
         CoordinatorConfig(policy=policy, local_prefill_tokens=local_prefill_tokens),
     )
     cluster.start()
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+        cluster.shutdown()
+
     app = build_cluster_app(cluster, "SmolLM2-135M-Instruct", server_cfg)  # type: ignore[arg-type]
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -107,7 +113,7 @@ def start_live_cluster(
     deadline = time.monotonic() + 180  # node start-up on a loaded 2-core machine took > 60 s once
     import httpx
 
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and thread.is_alive():  # uvicorn ends if start-up fails
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                 break
@@ -115,12 +121,8 @@ def start_live_cluster(
             pass
         time.sleep(0.1)
     else:
-        raise TimeoutError("cluster did not become ready in 180 s")
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=10)
-        cluster.shutdown()
+        stop()  # its nodes would go on running beside the tests that follow
+        raise TimeoutError("cluster did not become ready in 180 s (or its server exited)")
 
     return LiveCluster(f"http://127.0.0.1:{port}", cluster), stop
 
