@@ -289,8 +289,9 @@ class Coordinator:
         self._rng = random.Random(cfg.seed)
         self._members: _Members | None = None  # rebuilt after membership changes
         self.num_local_routes = 0  # requests sent to a decode node alone
-        # The prefill pool's target is 0 (the launcher sets this): with no prefill node
-        # accepting, every request is prefilled on its decode node. Otherwise a request waits
+        # Set by the launcher while the prefill pool has no node and waits for no replacement
+        # (its target is 0, or its first node starts): with no prefill node accepting, every
+        # request is prefilled on its decode node. Otherwise a request waits
         # (NoCapacityError) while the prefill pool has no node, e.g. for a replacement.
         self.decode_only = False
         self.costs = PullCosts()
