@@ -8,12 +8,13 @@ over them again. A request whose own sampling fails fails alone (``Scheduler.pos
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pd.cache import DiskStats, TierStats, make_prefix_cache
 from pd.core.kv_pool import SlotAllocator
@@ -26,6 +27,9 @@ from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,6 @@ class EngineCore:
         self.cfg = cfg
         self.node_id = node_id
         self.runner = ModelRunner(cfg)
-        self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
         num_host = host_tier_slots(cfg, self.runner.pool.num_bytes_per_token)
         host = HostKVPool(self.runner.pool, num_host) if num_host else None
@@ -90,7 +93,7 @@ class EngineCore:
             max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
             new_token_ratio=cfg.new_token_ratio,
             max_model_len=self.runner.max_model_len,
-            eos_token_ids=eos_token_ids(self.runner.model_dir, self.tokenizer),
+            eos_token_ids=eos_token_ids(self.runner.model_dir),
             num_speculative_tokens=cfg.speculative_tokens,
             max_speculative_batch=cfg.speculative_max_batch,
         )
@@ -98,6 +101,12 @@ class EngineCore:
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
         self.num_prefill_tokens = 0  # computed in pure prefill batches, and the time they took
         self.prefill_seconds = 0.0
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The HF tokenizer, loaded when first asked for: a node only takes and gives token
+        ids and never asks (``tokenizer_eos_id`` has why)."""
+        return load_tokenizer(self.runner.model_dir)
 
     @property
     def max_model_len(self) -> int:

@@ -21,7 +21,7 @@ from pd.engine.graphs import DecodeGraphs
 from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify
 from pd.model.config import ModelConfig
-from pd.model.llama import LlamaForCausalLM, Rotary
+from pd.model.llama import LlamaForCausalLM
 from pd.model.loader import load_config, load_weights, resolve_model
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
@@ -87,11 +87,9 @@ class ModelRunner:
 
     def _load_model(self) -> LlamaForCausalLM:
         mc = self.model_config
-        with torch.device("meta"):
+        with torch.device("meta"):  # no memory, no init: the checkpoint's tensors replace them
             model = LlamaForCausalLM(mc)
-        model.to_empty(device=self.device)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
-        model.rotary = Rotary(mc).to(self.device)  # buffers are not in the checkpoint
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
         return quantize_linears(
             model.to(self.dtype).eval(), self.quantization, linear_backend=backend

@@ -119,7 +119,10 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given a weight, the embedding skips its random init, which under the loader's meta
+        # device imported torch._dynamo (``load_weights`` has why); the loader overwrites it
+        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -129,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBody(cfg)
-        self.rotary = Rotary(cfg)
+        self.rotary: Rotary  # its tables are not in the checkpoint: made by ``load_weights``
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tie_head()
 
@@ -173,12 +176,18 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load an HF-named state dict: q/k/v and gate/up are concatenated into the fused
-        projections; a tied checkpoint's duplicate ``lm_head`` is dropped."""
+        projections; a tied checkpoint's duplicate ``lm_head`` is dropped. The tensors become
+        the parameters (no copy), and the rotary tables are computed here, on their device: the
+        model is built on the meta device, where building the tables in ``__init__`` (or
+        ``to_empty``) ran torch's Python meta kernels, whose first call imports torch._dynamo
+        and sympy, seconds of a node's start."""
         tied = self.config.tie_word_embeddings
         if tied:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        missing, unexpected = self.load_state_dict(_fuse_projections(weights), strict=False)
+        fused = _fuse_projections(weights)  # assign: a model built on the meta device takes them
+        missing, unexpected = self.load_state_dict(fused, strict=False, assign=True)
         self._tie_head()
+        self.rotary = Rotary(self.config).to(self.model.embed_tokens.weight.device)
         missing = [k for k in missing if not (tied and k == "lm_head.weight")]
         unexpected = [k for k in unexpected if "rotary_emb" not in k]
         if missing or unexpected:

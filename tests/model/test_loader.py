@@ -27,6 +27,7 @@ from pd.model.tokenizer import (
     eos_token_ids,
     load_tokenizer,
     render_chat,
+    tokenizer_eos_id,
 )
 from tests.hf_reference import hf_greedy, load_hf_model
 
@@ -274,6 +275,36 @@ def test_eos_ids_merge_generation_config_and_tokenizer(tiny_llama_dir: Path, tmp
     assert eos_token_ids(model_dir, tokenizer) == (7, 2, 9)
     (model_dir / "generation_config.json").unlink()
     assert eos_token_ids(model_dir, tokenizer) == (2,)  # config.json's, then the tokenizer's
+
+
+def test_eos_id_read_from_the_files_is_the_loaded_tokenizers(
+    tiny_llama_dir: Path, smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pd.model import tokenizer as tokenizer_module
+
+    loads: list[Path] = []
+    real_load = tokenizer_module.load_tokenizer
+    monkeypatch.setattr(
+        tokenizer_module, "load_tokenizer", lambda m: loads.append(Path(m)) or real_load(m)
+    )
+    for model_dir in (tiny_llama_dir, smollm2_dir):  # read from the files, no tokenizer loaded
+        assert tokenizer_eos_id(model_dir) == real_load(model_dir).eos_token_id == 2
+        assert eos_token_ids(model_dir) == eos_token_ids(model_dir, real_load(model_dir))
+    assert loads == []
+
+    # otherwise the tokenizer decides, loaded
+    odd = _copy_model_dir(tiny_llama_dir, tmp_path / "odd")
+    config_path = odd / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token"] = {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}
+    config_path.write_text(json.dumps(config))
+    assert tokenizer_eos_id(odd) == real_load(odd).eos_token_id == 0 and loads == []
+    (odd / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_start|>"}))
+    assert tokenizer_eos_id(odd) == real_load(odd).eos_token_id and loads == [odd]
+    (odd / "special_tokens_map.json").unlink()
+    config["eos_token"] = "not-a-token-of-this-vocabulary"
+    config_path.write_text(json.dumps(config))
+    assert tokenizer_eos_id(odd) == real_load(odd).eos_token_id and loads == [odd, odd]
 
 
 def test_encode_chat_without_template_is_refused(tiny_llama_dir: Path) -> None:
