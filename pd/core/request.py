@@ -104,6 +104,13 @@ class Req:
         else:
             self.finish_reason = "abort"
 
+    def take_new_outputs(self) -> list[int]:
+        """The outputs not yet reported to the caller (several after a speculative step whose
+        draft was accepted), now counted as reported."""
+        new = self.output_ids[len(self.output_ids) - self.num_new_outputs :]
+        self.num_new_outputs = 0
+        return new
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

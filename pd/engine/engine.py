@@ -130,11 +130,9 @@ class Engine:
 
 
 def _output(req: Req) -> RequestOutput:
-    new = req.output_ids[len(req.output_ids) - req.num_new_outputs :]
-    req.num_new_outputs = 0
     return RequestOutput(
         req.request_id,
-        new,
+        req.take_new_outputs(),
         req.is_finished,
         req.finish_reason,
         req.num_prompt_tokens,

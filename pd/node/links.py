@@ -166,11 +166,12 @@ class ServerLink:
         )
 
     def report_step(self, result: StepResult) -> None:
-        """Tokens of the requests that produced one, errors of those that failed."""
+        """The new tokens of the requests that produced any (a speculative step may produce
+        several), errors of those that failed."""
         for req in result.failed:
             self.report_error(req.request_id, req.error or "failed")
         for req in result.produced:
-            self.report(req, req.output_ids[-1:])
+            self.report(req, req.take_new_outputs())
 
     def close(self) -> None:
         self._push.close(linger=0)
