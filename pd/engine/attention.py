@@ -43,15 +43,45 @@ class _Meta(NamedTuple):
     extend: _ExtendMeta
 
 
+class _RowMeta(NamedTuple):
+    """Every row of a batch by the kernel's ragged op: row t attends to the keys
+    ``slots[starts[t] : starts[t] + lens[t]]``."""
+
+    slots: torch.Tensor  # [sum of seq_lens] int64: each request's slots, one after another
+    starts: torch.Tensor  # [T] int64: where row t's request's slots begin
+    lens: torch.Tensor  # [T] int64: how many keys row t sees (its position + 1)
+
+
+def row_meta(batch: ForwardBatch) -> _RowMeta:
+    """``_RowMeta`` of a batch: request r's rows see its prefix and its new tokens up to
+    their own, causally."""
+    starts: list[int] = []
+    lens: list[int] = []
+    offset = 0
+    for n, seq_len in zip(batch.extend_lens, batch.seq_lens):
+        starts += [offset] * n
+        lens += range(seq_len - n + 1, seq_len + 1)
+        offset += seq_len
+    device = batch.input_ids.device
+    return _RowMeta(
+        torch.cat(batch.kv_slots),
+        torch.tensor(starts, dtype=torch.int64, device=device),
+        torch.tensor(lens, dtype=torch.int64, device=device),
+    )
+
+
 class TorchAttentionBackend(BaseAttentionBackend):
     """One padded SDPA per layer for the batch's decode rows (the C++ kernel where it runs),
-    one SDPA per extend request."""
+    one SDPA per extend request; or, ``every_row_on_kernel``, every row by the kernel's
+    ragged op, each row computed as it would be alone (``pd.engine.cpu_attention``): the
+    deterministic path."""
 
     def __init__(
         self,
         kernel: bool = True,
         extend_dtype: torch.dtype | None = None,
         extend_min_tokens: int = 1,
+        every_row_on_kernel: bool = False,
     ) -> None:
         # whether decode rows may run on the kernel; None: decided at the first decode rows,
         # from their dtype and heads
@@ -61,8 +91,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         # the model's
         self.extend_dtype = extend_dtype
         self.extend_min_tokens = extend_min_tokens
+        self.every_row_on_kernel = every_row_on_kernel
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if self.every_row_on_kernel:
+            batch.attn_metadata = row_meta(batch)
+            return
         nd = 0
         while nd < batch.num_reqs and batch.extend_lens[nd] == 1:
             nd += 1
@@ -111,6 +145,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
+        if self.every_row_on_kernel:
+            rows: _RowMeta = batch.attn_metadata
+            return torch.ops.pd.paged_attention(
+                q, pool.k[layer], pool.v[layer], rows.slots, rows.starts, rows.lens
+            )
         meta: _Meta = batch.attn_metadata
         if meta.decode is not None and meta.num_decode == q.shape[0]:
             return self._decode(q, layer, pool, meta.decode)
@@ -222,10 +261,14 @@ def make_attention_backend(
     device: torch.device,
     extend_dtype: torch.dtype | None = None,
     extend_min_tokens: int = 1,
+    every_row_on_kernel: bool = False,
 ) -> BaseAttentionBackend:
     """``auto``: SDPA, decode rows on the C++ kernel where it runs; ``torch``: SDPA alone.
     ``extend_dtype``: the dtype a request's prefill or extend rows attend in, if not the
-    model's, where it has at least ``extend_min_tokens`` of them."""
+    model's, where it has at least ``extend_min_tokens`` of them. ``every_row_on_kernel``
+    (``auto`` only): every row on the kernel, none on SDPA (the deterministic path)."""
     if name in ("auto", "torch"):
-        return TorchAttentionBackend(name == "auto", extend_dtype, extend_min_tokens)
+        return TorchAttentionBackend(
+            name == "auto", extend_dtype, extend_min_tokens, name == "auto" and every_row_on_kernel
+        )
     raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

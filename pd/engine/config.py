@@ -48,6 +48,16 @@ class EngineConfig:
         ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py); auto: "
         "1,2,4 on a cpu, off elsewhere (pd serve's default)",
     )
+    deterministic: bool = option(
+        True,
+        "every token's KV and logits computed the same whatever its batch, however its prompt "
+        "was chunked, whether it was decoded or prefilled, here or on another node: a greedy "
+        "answer does not depend on load or on the cache's history (on the cpu: int4/int8 "
+        "weights multiply by their kernel at every row count and every attention row runs on "
+        "pd's kernel, see pd/engine/cpu_attention.py); --no-deterministic: long prefill chunks "
+        "of int4/int8 weights multiply a bf16 copy of them and attend by torch's SDPA, faster "
+        "prefill at the price of answers that can change with the batch and the cache",
+    )
     speculative_tokens: int = option(
         0,
         "speculative decoding without a draft model: up to this many tokens per decode step "

@@ -14,6 +14,11 @@ kernel inside the graph (inductor's own fused loops ran 1.4x slower in bf16 at ~
 in fp32 a step of 32 rows of 145 keys took 116 instead of 105 ms); otherwise inductor
 compiles ``attention.paged_decode_attention``.
 
+A deterministic runner (``EngineConfig.deterministic``) gives the graph nothing to rewrite:
+the norms, the rotary embedding and the gated SiLU are ``pd.model.fixed_ops``' opaque
+operators and the linears and attention are pd's or oneDNN's kernels, so a compiled step gives
+each row the bits an eager forward gives it (inductor's fused loops round otherwise).
+
 Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
 fails to compile (say, no C++ compiler) is logged and left eager. The fp16 LM head of the
 quantized formats is packed in an object the tracer cannot enter: it runs eagerly after the

@@ -7,6 +7,7 @@ allocator hands out: the compiled steps' scratch slot for padding rows."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,20 +16,25 @@ from pd.core import envs
 from pd.core.batch import ForwardBatch, SeqInput
 from pd.core.kv_pool import KVPool
 from pd.core.request import Req
+from pd.engine import cpu_attention
 from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
 from pd.engine.graphs import DecodeGraphs
 from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify
+from pd.model import fixed_ops
 from pd.model.config import ModelConfig
 from pd.model.llama import LlamaForCausalLM
 from pd.model.loader import load_config, load_weights, resolve_model
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
+    check_deterministic,
     dense_dtype,
     quantize_linears,
     resolve_linear_backend,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -49,6 +55,7 @@ class ModelRunner:
         self.quantization = cfg.quantization_method(
             (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size)
         )
+        self.deterministic = self._check_deterministic()
         self.model = self._load_model()
         self.pool = KVPool(
             mc.num_layers,
@@ -59,7 +66,11 @@ class ModelRunner:
             self.device,
         )
         self.attn = make_attention_backend(
-            cfg.attention_backend, self.device, self.extend_attention_dtype, DEQUANT_MIN_TOKENS
+            cfg.attention_backend,
+            self.device,
+            self.extend_attention_dtype,
+            DEQUANT_MIN_TOKENS,
+            every_row_on_kernel=self.deterministic,
         )
         self.graphs = DecodeGraphs(
             self.model,
@@ -81,9 +92,38 @@ class ModelRunner:
         path (AVX2 only), whose bf16 SDPA is slower than fp32's (8.2 against 6.6 ms, AMD EPYC)
         and whose int4 copy is fp32 (``dense_dtype``)."""
         quantized = self.quantization in ("int4", "int8")
+        if self.deterministic:
+            return None
         if quantized and self.dtype == torch.float32 and self.device.type == "cpu":
             return torch.bfloat16 if dense_dtype() == torch.bfloat16 else None
         return None
+
+    def _check_deterministic(self) -> bool:
+        """Whether this runner computes deterministically (``EngineConfig.deterministic``: on
+        the CPU, where pd's kernels make it so); raise, saying what to change, where it was
+        asked for and a setting rules it out."""
+        if not self.cfg.deterministic:
+            return False
+        if self.device.type != "cpu":
+            logger.warning(
+                "deterministic inference runs on the cpu only: on %s an answer may depend on "
+                "its batch and on the cache's history",
+                self.device,
+            )
+            return False
+        mc = self.model_config
+        heads = (mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        kernels = cpu_attention.available(self.dtype, self.device, *heads) and fixed_ops.available()
+        if self.cfg.attention_backend != "auto" or not kernels:
+            raise ValueError(
+                f"deterministic inference runs on pd's C++ kernels (attention backend auto, bf16 "
+                f"or fp32 weights, a C++ compiler); have attention backend "
+                f"{self.cfg.attention_backend!r}, {self.dtype}, kernels built: {kernels}; pass "
+                "--no-deterministic"
+            )
+        backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
+        check_deterministic(self.quantization, backend)
+        return True
 
     def _load_model(self) -> LlamaForCausalLM:
         mc = self.model_config
@@ -91,8 +131,13 @@ class ModelRunner:
             model = LlamaForCausalLM(mc)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
+        if self.deterministic:
+            model.use_fixed_ops()
         return quantize_linears(
-            model.to(self.dtype).eval(), self.quantization, linear_backend=backend
+            model.to(self.dtype).eval(),
+            self.quantization,
+            linear_backend=backend,
+            deterministic=self.deterministic,
         )
 
     def forward(

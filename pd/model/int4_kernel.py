@@ -1,4 +1,4 @@
-"""int4 matmul of few rows on a CPU without AVX-512 (``torch.ops.pd.int4_mm``).
+"""int4 matmul by pd's own kernel (``torch.ops.pd.int4_mm``): AVX2, and AVX-512 VNNI where the CPU has it.
 
 torch's int4 op (``aten._weight_int4pack_mm_for_cpu``) has its vectorized kernel for AVX-512
 only. On an AVX2-only CPU it runs generic code on bf16 inputs: 4-5 GB/s of packed weights, so
@@ -23,6 +23,13 @@ nibbles) of all 8 rows, a row's two inputs side by side. One load, a mask and a 
 weights as int16, the int32 sums of a group come out one per row with no horizontal adds, and
 the group's scales and zeros are two 16-byte loads. Each block of rows is read once for all the
 rows of ``x`` (up to 4 at a time). Output rows run on torch's OpenMP threads.
+
+With AVX-512 VNNI, pairs of blocks (16 output rows) go through ``block16``: each group's
+weights are widened to int16 once per block pair and ``_mm512_dpwssd_epi32`` multiplies them
+by the rows of x; the int32 sums are exact and the fp32 steps after them are the AVX2 path's,
+so both paths give each output the same bits (tests/model/test_int4_kernel.py), and a row's
+output never depends on the other rows of x: the deterministic engine's int4 matmul at every
+row count, prefill included.
 
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
@@ -132,6 +139,69 @@ static inline float quantize_group(const float* x, int16_t* xq, float* sum) {
   return d;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+static inline __m512i both(__m256i a, __m256i b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// The weights of blocks b and b + 1 (16 output rows, one a lane) widened to int16 for every
+// group: w[(g * 16 + c) * 32 ..] holds input pair c of the group for the 16 rows, two int16 a
+// row (what ``_mm512_dpwssd_epi32`` multiplies by one pair of x).
+static inline void widen16(const uint8_t* q0, const uint8_t* q1, int64_t G, int16_t* w) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < 8; ++c) {
+      const __m128i a = _mm_loadu_si128((const __m128i*)(q0 + g * 128 + 16 * c));
+      const __m128i b = _mm_loadu_si128((const __m128i*)(q1 + g * 128 + 16 * c));
+      __m512i* out = (__m512i*)(w + (g * 16 + 2 * c) * 32);
+      _mm512_storeu_si512(out, both(_mm256_cvtepu8_epi16(_mm_and_si128(a, low)),
+                                    _mm256_cvtepu8_epi16(_mm_and_si128(b, low))));
+      _mm512_storeu_si512(out + 1,
+                          both(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(a, 4), low)),
+                               _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low))));
+    }
+}
+
+// Blocks b and b + 1 (16 output rows) for MT rows of x from m0, with AVX-512 VNNI, from the
+// widened weights ``w`` (``widen16``). The int32 sums are exact and the fp32 steps after them
+// are ``block``'s, so each output has the bits the AVX2 path gives it.
+template <int MT>
+static inline void block16(const int16_t* xq, const float* dx, const float* xs, int64_t m0,
+                           int64_t K, const int16_t* w, const uint16_t* s0, const uint16_t* s1,
+                           const uint16_t* z0, const uint16_t* z1, int64_t n, int64_t N,
+                           float* y) {
+  const int64_t G = K / 32;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512i* wg = (const __m512i*)(w + g * 16 * 32);
+    __m512i sums[MT];  // one chain a row: the rows' adds overlap
+    const int32_t* pairs[MT];
+    for (int i = 0; i < MT; ++i) {
+      sums[i] = _mm512_setzero_si512();
+      pairs[i] = (const int32_t*)(xq + (m0 + i) * K + g * 32);
+    }
+    for (int c = 0; c < 16; ++c) {
+      const __m512i wc = _mm512_loadu_si512(wg + c);
+      for (int i = 0; i < MT; ++i)
+        sums[i] = _mm512_dpwssd_epi32(sums[i], wc, _mm512_set1_epi32(pairs[i][c]));
+    }
+    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)),
+                                        bf16x8(s1 + g * 8), 1);
+    const __m512 z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)),
+                                        bf16x8(z1 + g * 8), 1);
+    for (int i = 0; i < MT; ++i) {
+      const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_set1_ps(d),
+                                       _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
+      acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
+      acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n, acc[i]);
+}
+#endif
+
 // x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
 // y: [M, N] fp32.
 static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
@@ -149,15 +219,40 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   // the thread-locals of this thread, by pointer: each OpenMP thread has its own
   const int16_t* q = xq.data();
   const float *d = dx.data(), *sums = xs.data();
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t b = 0; b < N / 8; ++b) {
-    const uint8_t* qb = qw + b * G * 128;
-    const uint16_t* sb = scale + b * G * 8;
-    const uint16_t* zb = zero + b * G * 8;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) block<4>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
-    for (; m + 2 <= M; m += 2) block<2>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
-    for (; m < M; ++m) block<1>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+  const int64_t NB = N / 8;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  const int64_t NB2 = NB / 2 * 2;  // blocks taken two at a time; an odd last one below
+#else
+  const int64_t NB2 = 0;
+#endif
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    std::vector<int16_t> wide(G * 16 * 32);
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < NB2; b += 2) {
+      const uint8_t* q0 = qw + b * G * 128;
+      const uint16_t *s0 = scale + b * G * 8, *s1 = s0 + G * 8;
+      const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
+      const int16_t* w = wide.data();
+      widen16(q0, q0 + G * 128, G, wide.data());
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) block16<8>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+      for (; m + 4 <= M; m += 4) block16<4>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+      for (; m + 2 <= M; m += 2) block16<2>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+      for (; m < M; ++m) block16<1>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+    }
+#endif
+#pragma omp for schedule(static)
+    for (int64_t b = NB2; b < NB; ++b) {
+      const uint8_t* qb = qw + b * G * 128;
+      const uint16_t* sb = scale + b * G * 8;
+      const uint16_t* zb = zero + b * G * 8;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) block<4>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+      for (; m + 2 <= M; m += 2) block<2>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+      for (; m < M; ++m) block<1>(q, d, sums, m, K, qb, sb, zb, 8 * b, N, y);
+    }
   }
 }
 #endif
@@ -221,9 +316,11 @@ def available() -> bool:
 
 
 def preferred() -> bool:
-    """Whether ``Int4Linear`` should use this kernel rather than torch's: where it runs and
-    torch's CPU kernels run without AVX-512 (torch's int4 op is fast only with it)."""
-    return available() and torch.backends.cpu.get_cpu_capability() != "AVX512"
+    """Whether ``Int4Linear`` should use this kernel rather than torch's: wherever it runs. With
+    AVX2 alone torch's op runs generic code (the module's docstring); with AVX-512 VNNI this
+    kernel takes 16 output rows a vector and keeps each group's weights in registers for the
+    rows of x, and at batch 1 it decodes as fast as torch's AVX-512 op (BENCHMARKS.md)."""
+    return available()
 
 
 def pack(

@@ -21,10 +21,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fixed = False  # through pd.model.fixed_ops (``LlamaForCausalLM.use_fixed_ops``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one call: bit-equal to HF's fp32 norm; within a rounding of it in bf16 (which HF
         # rounds before the weight multiply, torch after)
+        if self.fixed:
+            return torch.ops.pd.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -65,6 +68,7 @@ class Attention(nn.Module):
         num_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, num_qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.fixed = False  # rotary through pd.model.fixed_ops
 
     def forward(
         self,
@@ -77,7 +81,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, num_qk = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, num_qk + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :num_qk], cos, sin)  # q and k heads rotate alike
+        rotate = torch.ops.pd.rotary if self.fixed else apply_rotary
+        qk = rotate(qkv[:, :num_qk], cos, sin)  # q and k heads rotate alike
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
         out = attn.forward(q, k, v, self.layer, batch, pool)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -89,8 +94,11 @@ class MLP(nn.Module):
         # gate and up in one matmul: rows [gate | up]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fixed = False  # the gated SiLU through pd.model.fixed_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed:
+            return self.down_proj(torch.ops.pd.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -135,6 +143,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: Rotary  # its tables are not in the checkpoint: made by ``load_weights``
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tie_head()
+
+    def use_fixed_ops(self) -> None:
+        """Run the norms, the rotary embedding and the gated SiLU as ``pd.model.fixed_ops``'
+        opaque operators (built already: ``fixed_ops.available()``), so that a compiled step
+        computes them as the eager forward does."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.fixed = True
 
     def _tie_head(self) -> None:
         # Sharing the Parameter (as HF does); re-done after loading, since moving a module off

@@ -40,6 +40,13 @@ greedy output of 16 short chat prompts agreed with fp32 on 74.5% of tokens (8 pr
 identical), against 90.7% (12) with the prompts through the kernel, in the same session. Each
 method's speed and quality beside fp32 is measured by ``scripts/bench_quant.py``. The LM head is
 fp16 in every method (see ``quantize_linears``).
+
+The dense copy makes a row's result depend on how many rows came with it (a prompt's KV on how
+it was chunked and batched, and on whether its tokens were prefilled or decoded). A
+deterministic model (``quantize_linears(..., deterministic=True)``, the engine's default) has
+none: its int8 and int4 linears multiply by their kernel at every row count, each row's output
+its own (pd's int4 kernel takes 16 rows a vector with AVX-512 VNNI for prefill), and oneDNN's
+are called so that a row's bits do not depend on the others' (``OneDNNLinear``).
 """
 
 from __future__ import annotations
@@ -58,8 +65,14 @@ LINEAR_BACKENDS = ("auto", "onednn", "aten")  # for unquantized weights on cpu
 INT4_GROUP_SIZE = 32
 INT4_KERNELS = ("pd", "torch")  # pd.model.int4_kernel, aten._weight_int4pack_mm_for_cpu
 # From this many tokens on (prefill), a dense GEMM replaces the int8 and int4 kernels (int8,
-# AMD: 2x at 512 tokens, the kernel 1.4x ahead at 16; int4: see above).
+# AMD: 2x at 512 tokens, the kernel 1.4x ahead at 16; int4: see above), unless deterministic.
 DEQUANT_MIN_TOKENS = 128
+# oneDNN's bf16 GEMM gives a row the same bits at 1 to this many rows (AMX, Intel Xeon; past
+# it another kernel): deterministic bf16 linears multiply in blocks of this many rows. Its fp32
+# GEMM gives a lone row other bits than 2 or more rows where in_features is large (1536 and
+# up): a deterministic fp32 linear multiplies a lone row as two. Checked on each machine by
+# tests/model/test_deterministic.py.
+ONEDNN_BF16_INVARIANT_ROWS = 32
 
 
 class QuantLinear(nn.Module):
@@ -85,17 +98,22 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Symmetric per-output-channel int8: ``W ≈ q * scale[:, None]``, max |w| of a row → 127."""
+    """Symmetric per-output-channel int8: ``W ≈ q * scale[:, None]``, max |w| of a row → 127.
+    ``dense_min_tokens``: from this many rows on, a dense GEMM (None: never, the kernel alone,
+    whose rows do not depend on each other)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self, linear: nn.Linear, dense_min_tokens: int | None = DEQUANT_MIN_TOKENS
+    ) -> None:
         super().__init__(linear)
         w = linear.weight.detach().float()
         scale = w.abs().amax(1).clamp(min=1e-12) / 127
         self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.dense_min_tokens = dense_min_tokens
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANT_MIN_TOKENS:
+        if self.dense_min_tokens is not None and x.shape[0] >= self.dense_min_tokens:
             weight = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
             return F.linear(x, weight)
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
@@ -103,10 +121,16 @@ class Int8Linear(QuantLinear):
 
 class Int4Linear(QuantLinear):
     """Asymmetric int4 per row and group of ``INT4_GROUP_SIZE`` inputs: a group's min..max maps
-    to 0..15 and the op dequantizes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
+    to 0..15 and the op dequantizes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``.
+    ``dense_min_tokens``: from this many rows on, the dense copy (None: never, and no copy is
+    kept: the kernel alone, whose rows do not depend on each other)."""
 
     def __init__(
-        self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, kernel: str | None = None
+        self,
+        linear: nn.Linear,
+        group_size: int = INT4_GROUP_SIZE,
+        kernel: str | None = None,
+        dense_min_tokens: int | None = DEQUANT_MIN_TOKENS,
     ) -> None:
         super().__init__(linear)
         n, k = self.out_features, self.in_features
@@ -134,12 +158,15 @@ class Int4Linear(QuantLinear):
             )
         # the weight the kernels multiply by, rounded once to bf16, for the dense path (in
         # fp32 where bf16 GEMMs are slow: the same values, see dense_dtype)
-        dense = (q.float() - 8) * scale.float()[..., None] + zero.float()[..., None]
-        dense = dense.view(n, k).to(torch.bfloat16).to(dense_dtype())
+        self.dense_min_tokens = dense_min_tokens
+        dense = None
+        if dense_min_tokens is not None:
+            dense = (q.float() - 8) * scale.float()[..., None] + zero.float()[..., None]
+            dense = dense.view(n, k).to(torch.bfloat16).to(dense_dtype())
         self.register_buffer("dense", dense)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANT_MIN_TOKENS:
+        if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
             return F.linear(x.to(self.dense.dtype), self.dense)
         if self.kernel == "pd":
             return torch.ops.pd.int4_mm(x, self.qweight, self.scales, self.zeros)
@@ -148,7 +175,9 @@ class Int4Linear(QuantLinear):
         )
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, rounded once to bf16: [N, K]."""
+        """The weight the kernel multiplies by, rounded once to bf16: [N, K] (kept only with a
+        dense path)."""
+        assert self.dense is not None, "built without a dense path (dense_min_tokens=None)"
         return self.dense
 
 
@@ -182,15 +211,24 @@ class Fp16Linear(QuantLinear):
 
 
 class OneDNNLinear(QuantLinear):
-    """Unquantized weights (fp32 or bf16) in oneDNN's packed layout; inputs in the same dtype."""
+    """Unquantized weights (fp32 or bf16) in oneDNN's packed layout; inputs in the same dtype.
+    ``deterministic``: a row gets the same bits at any number of rows (see
+    ``ONEDNN_BF16_INVARIANT_ROWS``): bf16 rows multiplied in blocks, a lone fp32 row as two."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, deterministic: bool = False) -> None:
         super().__init__(linear)
         weight = linear.weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        bf16 = weight.dtype == torch.bfloat16
+        self.max_rows = ONEDNN_BF16_INVARIANT_ROWS if deterministic and bf16 else None
+        self.min_rows = 2 if deterministic and not bf16 else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]; the bias is added inside the op
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return torch.cat([self.forward(part) for part in x.split(self.max_rows)])
+        if x.shape[0] < self.min_rows:
+            return self.forward(x.expand(self.min_rows, -1))[: x.shape[0]]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -258,12 +296,19 @@ def _has_fbgemm() -> bool:
 
 
 def quantize_linears(
-    model: nn.Module, method: str, head_name: str = "lm_head", linear_backend: str = "aten"
+    model: nn.Module,
+    method: str,
+    head_name: str = "lm_head",
+    linear_backend: str = "aten",
+    deterministic: bool = False,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by ``method``'s packed module.
 
     ``none`` packs nothing with ``linear_backend="aten"`` and every linear (the head too) as a
     ``OneDNNLinear`` with ``"onednn"`` (a resolved backend: see ``resolve_linear_backend``).
+    ``deterministic``: every linear gives a row the bits it gets alone, at any number of rows
+    (``check_deterministic`` says which settings can): the int8 and int4 kernels at every row
+    count (no dense copy), oneDNN as ``OneDNNLinear`` says.
 
     With a quantized method the LM head (children named ``head_name``) is packed as fp16, where
     fbgemm exists: for SmolLM2's 49152x576 head it is as fast as int4 and 1.4x faster than
@@ -274,15 +319,35 @@ def quantize_linears(
     if method == "none" and linear_backend == "aten":
         return model
     if method == "none":
-        return _replace_linears(model, lambda name: OneDNNLinear)
-    head = Fp16Linear if _has_fbgemm() else _LINEARS[method]
-    return _replace_linears(model, lambda name: head if name == head_name else _LINEARS[method])
+        return _replace_linears(model, lambda name, lin: OneDNNLinear(lin, deterministic))
+    dense = None if deterministic else DEQUANT_MIN_TOKENS
+    make: Callable[[nn.Linear], QuantLinear] = (
+        (lambda lin: Int4Linear(lin, dense_min_tokens=dense))
+        if method == "int4"
+        else (lambda lin: Int8Linear(lin, dense))
+        if method == "int8"
+        else _LINEARS[method]
+    )
+    head = Fp16Linear if _has_fbgemm() else make
+    return _replace_linears(model, lambda name, lin: (head if name == head_name else make)(lin))
 
 
-def _replace_linears(model: nn.Module, make: Callable[[str], type[QuantLinear]]) -> nn.Module:
-    """Swap each ``nn.Linear`` child for ``make(its name)(it)``, in place."""
+def check_deterministic(method: str, linear_backend: str) -> None:
+    """Raise (saying what to change) where ``quantize_linears(..., deterministic=True)`` cannot
+    keep a row's bits independent of the batch on a cpu: torch's own GEMM (MKL) gives a row
+    other bits at other row counts."""
+    if method == "none" and linear_backend == "aten":
+        raise ValueError(
+            "deterministic inference needs oneDNN's matmuls for unquantized weights (torch's own "
+            "GEMM gives a row other bits in a batch of another size); use --linear-backend "
+            "onednn or auto, or pass --no-deterministic"
+        )
+
+
+def _replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], QuantLinear]) -> nn.Module:
+    """Swap each ``nn.Linear`` child for ``make(its name, it)``, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, make(name)(child))
+                setattr(parent, name, make(name, child))
     return model

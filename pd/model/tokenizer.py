@@ -86,7 +86,11 @@ def tokenizer_eos_id(model: str | os.PathLike[str] | None) -> int | None:
     named, one not in the vocabulary), the tokenizer is loaded after all."""
     model_dir = resolve_model(model)
     config, vocab = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
-    if vocab.is_file() and config.is_file() and not (model_dir / "special_tokens_map.json").exists():
+    if (
+        vocab.is_file()
+        and config.is_file()
+        and not (model_dir / "special_tokens_map.json").exists()
+    ):
         try:
             eos = json.loads(config.read_text()).get("eos_token")
             if isinstance(eos, dict):  # an AddedToken, as some files write it

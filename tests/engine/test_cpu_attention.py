@@ -1,6 +1,8 @@
-"""The CPU decode attention kernel (``pd.engine.cpu_attention``) against torch's math: every
-head shape it takes in bf16 and fp32, padded rows, a row without keys, a slot outside the pool, inside a
-compiled graph, and behind the eager backend's decode rows."""
+"""The CPU attention kernel (``pd.engine.cpu_attention``) against torch's math: head shapes in
+bf16 and fp32, padded rows, a row without keys, a slot outside the pool, inside a compiled graph,
+and behind the eager backend's decode rows; and its determinism: a row's bits are the same
+padded or ragged, alone or in a batch, as a decode row or a prefill row, on any thread count,
+built for AVX-512 or for AVX2."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def _case(batch, num_kv_heads, group, head_dim, length, num_slots=512, seed=0, d
 
 
 @pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 64), (2, 1, 128), (4, 5, 128)]
+    ("num_kv_heads", "group", "head_dim"),
+    [(3, 3, 64), (1, 8, 64), (2, 1, 128), (4, 5, 128), (2, 2, 48), (1, 12, 256)],
 )
 @pytest.mark.parametrize("length", [1, 37, 700])
 @pytest.mark.parametrize("dtype", [BF16, FP32])
@@ -101,13 +104,13 @@ def test_a_slot_outside_the_pool_raises_with_the_numbers(dtype):
 
 def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
     q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8)
-    with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], keys"):
+    with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], idx"):
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
     with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Float, keys BFloat16"):
         torch.ops.pd.paged_decode_attention(q.float(), k_cache, v_cache, idx, mask)
     with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Half"):
         torch.ops.pd.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), idx, mask)
-    with pytest.raises(ValueError, match=r"decode attention shapes: .* keys \[512, 0, 64\]"):
+    with pytest.raises(ValueError, match=r"attention shapes: .* keys \[512, 0, 64\]"):
         no_heads = k_cache[:, :0]  # no KV head: refused, not divided by
         torch.ops.pd.paged_decode_attention(q, no_heads, no_heads, idx, mask)
     strided = k_cache.transpose(0, 1).contiguous().transpose(0, 1)  # the same shape
@@ -117,10 +120,116 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
 
 def test_shapes_and_dtypes_without_a_kernel_are_not_available():
     assert not cpu_attention.available(torch.float16, CPU, 9, 3, 64)
-    assert not cpu_attention.available(BF16, CPU, 9, 3, 96)  # head dim
-    assert not cpu_attention.available(BF16, CPU, 27, 3, 64)  # 9 query heads a KV head
+    assert cpu_attention.available(BF16, CPU, 9, 3, 96)  # any head dim ...
+    assert cpu_attention.available(BF16, CPU, 27, 3, 64)  # ... and group
     assert not cpu_attention.available(BF16, CPU, 10, 3, 64)  # not a whole group
     assert not cpu_attention.available(BF16, torch.device("meta"), 9, 3, 64)
+
+
+def _ragged(slots_per_req, extend_lens):
+    """Ragged metadata of requests that extend by ``extend_lens`` tokens at the end of their
+    ``slots_per_req``: (slots, starts, lens) of every row."""
+    starts, lens, offset = [], [], 0
+    for slots, n in zip(slots_per_req, extend_lens):
+        starts += [offset] * n
+        lens += range(len(slots) - n + 1, len(slots) + 1)
+        offset += len(slots)
+    as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return torch.cat(slots_per_req), as_long(starts), as_long(lens)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_a_row_has_the_same_bits_however_it_is_batched(dtype):
+    """Prefill rows in one chunk, in chunks, in a batch with others, as decode rows one at a
+    time (padded and ragged), on one thread and two: every row the same bits."""
+    g = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, dim = 70, 9, 3, 64
+    k_cache = torch.randn(300, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(300, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    slots = torch.randperm(300, generator=g)[:n]
+    other = torch.randperm(300, generator=g)[:40]
+    q_other = torch.randn(5, heads, dim, generator=g).to(dtype)
+
+    def ragged(qs, slot_lists, extend_lens):
+        return torch.ops.pd.paged_attention(qs, k_cache, v_cache, *_ragged(slot_lists, extend_lens))
+
+    whole = ragged(q, [slots], [n])
+    chunks = torch.cat(
+        [ragged(q[i : i + 17], [slots[: i + 17]], [min(17, n - i)]) for i in range(0, n, 17)]
+    )
+    batched = ragged(torch.cat((q_other, q)), [other, slots], [5, n])[5:]
+    decode_rows = torch.cat([ragged(q[i : i + 1], [slots[: i + 1]], [1]) for i in range(n)])
+    idx = torch.stack([torch.cat((slots[: i + 1], slots.new_zeros(n - i - 1))) for i in range(n)])
+    mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    padded = torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = ragged(q, [slots], [n])
+    finally:
+        torch.set_num_threads(before)
+    for other_way in (chunks, batched, decode_rows, padded, one_thread):
+        assert torch.equal(other_way, whole)
+    torch.testing.assert_close(
+        whole.float(),
+        _reference(q, k_cache, v_cache, idx, mask),
+        atol=TOLERANCE[dtype],
+        rtol=TOLERANCE[dtype],
+    )
+
+
+def test_ragged_rows_out_of_their_slots_are_refused_with_the_numbers():
+    q, k_cache, v_cache, _, _ = _case(2, 3, 3, 64, 8)
+    slots = torch.arange(10)
+    with pytest.raises(ValueError, match=r"row 1 takes keys \[4, 12\) of 10"):
+        torch.ops.pd.paged_attention(
+            q, k_cache, v_cache, slots, torch.tensor([0, 4]), torch.tensor([3, 8])
+        )
+    with pytest.raises(IndexError, match="1 key slots outside the pool's 512"):
+        torch.ops.pd.paged_attention(
+            q, k_cache, v_cache, torch.tensor([0, 512]), torch.tensor([0, 0]), torch.tensor([1, 2])
+        )
+
+
+_OTHER_BUILD = """
+import sys, torch
+import pd.core.cpp as cpp
+cpp.FLAGS = (*cpp.FLAGS, *sys.argv[2:])
+from pd.engine import cpu_attention
+assert cpu_attention.available(torch.float32, torch.device("cpu"), 9, 3, 64)
+g = torch.Generator().manual_seed(0)
+out = []
+for dtype in (torch.float32, torch.bfloat16):
+    for dim, heads, kv_heads in ((64, 9, 3), (48, 4, 2)):
+        k = torch.randn(600, kv_heads, dim, generator=g).to(dtype)
+        v = torch.randn(600, kv_heads, dim, generator=g).to(dtype)
+        q = torch.randn(50, heads, dim, generator=g).to(dtype)
+        slots = torch.randperm(600, generator=g)[:300]
+        lens = torch.arange(251, 301)
+        out.append(torch.ops.pd.paged_attention(q, k, v, slots, torch.zeros(50, dtype=torch.long), lens))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_an_avx2_build_gives_the_bits_of_this_machines_build(tmp_path):
+    """Nodes on CPUs with and without AVX-512 compute the same attention (each of its steps is
+    spelled out: no reduction left to the compiler's vector width)."""
+    import subprocess
+    import sys
+
+    flags = open("/proc/cpuinfo").read()
+    if " avx512f " not in flags:
+        pytest.skip("this CPU has no AVX-512: its build is the AVX2 one")
+    outs = []
+    for name, extra in (("native", []), ("avx2", ["-mno-avx512f"])):
+        out = tmp_path / f"{name}.pt"
+        subprocess.run(
+            [sys.executable, "-c", _OTHER_BUILD, str(out), *extra], check=True, timeout=300
+        )
+        outs.append(torch.load(out))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 @pytest.mark.slow

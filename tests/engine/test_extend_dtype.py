@@ -2,7 +2,8 @@
 int8 weights in an fp32 model attend in bf16 on a CPU with oneDNN's bf16 path, in fp32 on an
 AVX2-only one): the output stays in the model's dtype
 and near its own attention, cached prefixes included; shorter chunks attend as before; the
-quantized runner picks bf16 from ``DEQUANT_MIN_TOKENS`` on, others none."""
+quantized runner picks bf16 from ``DEQUANT_MIN_TOKENS`` on, others none; all of it only where
+the runner is not deterministic (``--no-deterministic``)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,11 @@ def test_bf16_extend_rows_stay_fp32_and_near_fp32_attention_with_and_without_a_p
         ({}, None),
         ({"quantization": "fp16"}, None),
         ({"dtype": "bfloat16"}, None),
+        ({"quantization": "int4", "deterministic": True}, None),
     ],
 )
 def test_quantized_fp32_runners_prefill_in_bf16(tiny_llama_dir, kw, expected):
+    kw = {"deterministic": False, **kw}
     runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, **kw))
     assert runner.extend_attention_dtype == expected
     assert runner.attn.extend_dtype == expected  # type: ignore[attr-defined]
@@ -72,7 +75,9 @@ def test_without_onednns_bf16_path_int4_prefills_in_fp32(tiny_llama_dir, monkeyp
     # an AVX2-only cpu: bf16 GEMMs and SDPA are slower than fp32's there, so int4's dense copy
     # holds the kernel's weights in fp32 and long chunks attend in fp32
     monkeypatch.setattr(quant, "onednn_has_bf16", lambda: has_bf16)
-    cfg = EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, quantization="int4")
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir), max_total_tokens=256, quantization="int4", deterministic=False
+    )
     runner = ModelRunner(cfg)
     want = torch.bfloat16 if has_bf16 else torch.float32
     layer = runner.model.model.layers[0].mlp.down_proj
