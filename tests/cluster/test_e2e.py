@@ -1,4 +1,6 @@
-"""End to end over real HTTP with the official openai client: 1P+1D and 2P+1D clusters."""
+"""End to end over real HTTP with the official openai client: 1P+1D, 2P+1D and 1P+2D clusters.
+The 2P+1D cluster decodes speculatively (4 tokens, in batches up to 8): every answer there must
+still be HF's, cold, warm, streamed and 32 at once, its prefix pulled or reused."""
 
 from __future__ import annotations
 
@@ -31,12 +33,19 @@ RAW_PROMPTS = [
 ]
 
 
+SPECULATIVE = {"speculative_tokens": 4, "speculative_max_batch": 8}
+
+
 @pytest.fixture(
-    scope="module", params=[(1, 1, 1), (2, 1, 1), (1, 2, 16)], ids=["1p1d", "2p1d", "1p2d-page16"]
+    scope="module",
+    params=[(1, 1, 1, {}), (2, 1, 1, SPECULATIVE), (1, 2, 16, {})],
+    ids=["1p1d", "2p1d-speculative", "1p2d-page16"],
 )
 def live_spec(request, smollm2_dir) -> dict[str, Any]:
-    num_prefill, num_decode, page_size = request.param
-    return dict(num_prefill=num_prefill, num_decode=num_decode, page_size=page_size)
+    num_prefill, num_decode, page_size, engine = request.param
+    return dict(
+        num_prefill=num_prefill, num_decode=num_decode, page_size=page_size, engine_kwargs=engine
+    )
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +349,35 @@ def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
         time.sleep(0.05)
     assert d.error is None and d.num_pulled == d.num_tokens, d
     assert got["cached_tokens"] >= d.num_tokens  # the pulled part, a hit where it was computed
+
+
+def test_speculative_decoding_streams_every_accepted_token_like_hf(live, smollm2_dir, tokenizer):
+    """A prompt whose answer repeats its text (drafts are accepted): every accepted token
+    reaches the client once and in order, streamed and not, with the usage counted."""
+    cluster = live.cluster
+    if not cluster.engine_cfg.speculative_tokens:
+        pytest.skip("this cluster does not speculate")
+    client = _client(live)
+    prompt = "Repeat exactly: one two three four five six seven eight. " * 3 + "Repeat exactly:"
+    ids = encode_prompt(tokenizer, prompt)
+    want = hf_greedy(smollm2_dir, ids, 40, ignore_eos=True)
+    before = sum(n.num_accepted_draft_tokens for n in cluster.client.stats().nodes)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                   "ignore_eos": True}}  # fmt: skip
+    got = httpx.post(f"{live.url}/generate", json=body, timeout=120).json()
+    assert got["output_ids"] == want
+    full = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = tokenizer.decode(want, skip_special_tokens=True)
+    assert full.choices[0].text == text == "".join(c.choices[0].text for c in chunks if c.choices)
+    assert full.usage.completion_tokens == chunks[-1].usage.completion_tokens == 40
+    wait_idle_and_check(live)
+    time.sleep(0.5)  # node stats are published a few times a second
+    after = sum(n.num_accepted_draft_tokens for n in cluster.client.stats().nodes)
+    assert after - before >= 20, (before, after)  # it did speculate, and drafts were accepted
