@@ -1,0 +1,196 @@
+"""At ``pd serve``'s defaults (int4 weights, compiled decode steps for batches of 1, 2 and 4,
+conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
+path: alone and among 16, cold and warm, prefilled on a decode node or on a prefill node, its
+prefix pulled from another node or loaded back from the host tier, before and after a drain.
+
+One cluster (Ray, 2 prefill + 2 decode nodes of the default model, real processes). The
+reference is each prompt's answer alone on the idle cluster; routing is steered where a path
+must be forced (the coordinator's choices, monkeypatched in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
+from pd.model.tokenizer import encode_chat, load_tokenizer
+from tests.cluster.conftest import LiveCluster, wait_idle_and_check
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("pools_whole_after_each_test")]
+
+# answers that --no-deterministic changes when they are prefilled in a batch (int4, AMX)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "What is 19 times 2?",
+    "How many legs does a spider have?",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Hamlet?",
+    "How do I make tea?",
+    "Describe the moon.",
+]
+NOTES = " ".join(f"Note {i}: item {i} weighs {i * 7 % 13} kg." for i in range(30))
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def live_spec() -> dict[str, Any]:
+    # pd serve's engine defaults, and its coordinator's (local prefill up to 128 tokens)
+    engine = {"quantization": "auto", "compile_buckets": "auto", "max_total_tokens": 2048}
+    return dict(num_prefill=2, num_decode=2, local_prefill_tokens=128, engine_kwargs=engine)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir) -> dict[str, list[int]]:
+    tok = load_tokenizer(smollm2_dir)
+    out = {q: encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS}
+    for i, q in enumerate(QUESTIONS[:3]):  # long: past a local prefill's 128 tokens
+        out[f"notes-{i}"] = encode_chat(tok, [{"role": "user", "content": f"{NOTES}\n{q}"}])
+    return out
+
+
+async def _generate(http: httpx.AsyncClient, ids: list[int], salt: str | None) -> list[int]:
+    sampling = {"max_new_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"input_ids": ids, "sampling_params": sampling, "cache_salt": salt}
+    r = await http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def _answers(
+    live: LiveCluster, calls: list[list[int]], concurrent: bool = False, cold: str | None = None
+) -> list[Any]:
+    """The answers to ``calls``, one after another or all at once; ``cold``: each request in a
+    cache namespace of its own (a salt made of ``cold`` and its index), so nothing is cached."""
+
+    async def run() -> list[Any]:
+        salts = [None if cold is None else f"{cold}-{i}" for i in range(len(calls))]
+        async with httpx.AsyncClient(base_url=live.url, timeout=600) as http:
+            if concurrent:
+                gen = (_generate(http, ids, salt) for ids, salt in zip(calls, salts))
+                return list(await asyncio.gather(*gen))
+            return [await _generate(http, ids, salt) for ids, salt in zip(calls, salts)]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def reference(live: LiveCluster, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each prompt's answer alone on the idle cluster, cold (the first test's)."""
+    cluster: Any = live.cluster
+    assert cluster.engine_cfg.quantization == "auto"
+    return {name: _answers(live, [ids])[0] for name, ids in prompts.items()}
+
+
+def _node_sum(live: LiveCluster, field: str, role: str | None = None) -> float:
+    time.sleep(0.5)  # node stats are published a few times a second
+    nodes = live.cluster.client.stats().nodes  # type: ignore[attr-defined]
+    return sum(getattr(n, field) for n in nodes if role in (None, n.role))
+
+
+def _held(coordinator: Any, node_id: str, ids: list[int]) -> int:
+    """Tokens of ``ids`` the coordinator's mirror says ``node_id`` holds."""
+    match = coordinator._mirror.match(encode_tokens(ids)[:-TOKEN_BYTES], "")
+    return match.expected_len(coordinator.index(node_id).bit)
+
+
+def _spy_routes(coordinator: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The coordinator's routes from now on, every request through a prefill node."""
+    routes: list[Any] = []
+    route = coordinator.route
+    monkeypatch.setattr(
+        coordinator, "route", lambda *a, **k: routes.append(route(*a, **k)) or routes[-1]
+    )
+    monkeypatch.setattr(coordinator, "_is_local", lambda *a, **k: False)
+    monkeypatch.setattr(coordinator, "_is_sooner_local", lambda *a, **k: False)
+    return routes
+
+
+def test_a_prompt_prefilled_on_a_prefill_node_answers_as_on_a_decode_node(
+    live, prompts, reference, monkeypatch
+):
+    """The short questions were prefilled by decode nodes (local prefill); here each goes
+    through a prefill node to a decode node that does not hold it (but for the chat
+    template's opening, which every decode node holds): computed there, moved."""
+    coordinator = live.cluster.client.coordinator
+    routes = _spy_routes(coordinator, monkeypatch)
+    num_moved = 0
+    for q in QUESTIONS:
+        ids = prompts[q]
+        others = [n for n in coordinator.decode_nodes if _held(coordinator, n, ids) < len(ids) - 8]
+        if not others:
+            continue  # both decode nodes hold it (the 16 at once spread it)
+        monkeypatch.setattr(coordinator, "_pick_decode", lambda *a, _o=others[0], **k: _o)
+        assert _answers(live, [prompts[q]]) == [reference[q]], q
+        assert routes[-1].prefill is not None and routes[-1].decode == others[0], routes[-1]
+        num_moved += 1
+    assert num_moved >= len(QUESTIONS) // 2
+
+
+def test_warm_answers_and_sixteen_at_once_equal_the_cold_ones_alone(live, prompts, reference):
+    hits = _node_sum(live, "num_hit_tokens")
+    names = list(prompts)
+    assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]
+    assert _node_sum(live, "num_hit_tokens") - hits > sum(len(prompts[n]) for n in names) // 2
+    sixteen = QUESTIONS * 2
+    for cold in ("cold", None):  # prefilled together from nothing, then warm
+        got = _answers(live, [prompts[q] for q in sixteen], concurrent=True, cold=cold)
+        assert got == [reference[q] for q in sixteen], cold
+
+
+def test_a_prefix_pulled_from_another_node_answers_as_computed(
+    live, prompts, reference, monkeypatch
+):
+    """A long prompt that one prefill node holds is sent to the other, which pulls its KV."""
+    coordinator = live.cluster.client.coordinator
+    routes = _spy_routes(coordinator, monkeypatch)
+    name = "notes-1"
+    _answers(live, [prompts[name]])  # the holder: where it is routed on its own
+    holder = routes[-1].prefill
+    pick = coordinator._pick_prefill
+
+    def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
+        pick(members, prompt_len, match)
+        other = next(n for n in coordinator.prefill_nodes if n != holder)
+        return other, match.expected_len(coordinator.index(other).bit)
+
+    monkeypatch.setattr(coordinator, "_pick_prefill", elsewhere)
+    assert _answers(live, [prompts[name]]) == [reference[name]]
+    d = coordinator.pulls.decisions[-1]
+    assert d.choice == "pull" and d.node != holder and routes[-1].pull is not None, d
+    wait_idle_and_check(live)
+    deadline = time.monotonic() + 10  # the node's report of the pull reaches the server
+    while d.pull_s is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.error is None and d.num_pulled == d.num_tokens, d
+
+
+def test_prefixes_loaded_back_from_the_host_tier_answer_as_computed(live, prompts, reference):
+    """Unrelated prompts fill every pool, so the earlier prefixes move down to the host tier;
+    asked again, they are loaded back from there."""
+    filler = [[(997 * i + 31 * j) % 40000 + 100 for j in range(300)] for i in range(24)]
+    _answers(live, filler, concurrent=True)
+    host_hits = _node_sum(live, "num_host_hit_tokens")
+    names = list(prompts)
+    assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]
+    assert _node_sum(live, "num_host_hit_tokens") > host_hits
+
+
+def test_after_a_decode_node_drains_the_answers_are_the_same(live, prompts, reference):
+    cluster: Any = live.cluster
+    decode = cluster.client.coordinator.decode_nodes
+    assert len(decode) == 2
+    r = httpx.post(f"{live.url}/admin/nodes/{decode[0]}/drain", timeout=30)
+    assert r.status_code in (200, 202), r.text
+    deadline = time.monotonic() + 120
+    while len(cluster.client.coordinator.decode_nodes) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.client.coordinator.decode_nodes == decode[1:]
+    names = list(prompts)
+    assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]
+    got = _answers(live, [prompts[q] for q in QUESTIONS * 2], concurrent=True, cold="drained")
+    assert got == [reference[q] for q in QUESTIONS * 2]
