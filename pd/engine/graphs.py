@@ -107,10 +107,15 @@ class DecodeGraphs:
             try:
                 # freezing: the weights become constants of the graph (packed for its matmuls).
                 # Every bucket of every engine in the process is one more entry of this code
-                # object; the entries are made here and only looked up afterwards.
+                # object; the entries are made here and only looked up afterwards. Each is
+                # static but for the key length: without automatic dynamic shapes, an entry
+                # made after another engine's (other dims) does not turn those dims symbolic,
+                # which inductor miscompiled around pd's opaque ops (an undefined stride)
                 with (
                     torch._inductor.config.patch(freezing=True),
-                    torch._dynamo.config.patch(recompile_limit=_MAX_ENTRIES),
+                    torch._dynamo.config.patch(
+                        recompile_limit=_MAX_ENTRIES, automatic_dynamic_shapes=False
+                    ),
                     torch.inference_mode(),
                 ):
                     step(self._batch([], bucket, num_keys=2))
