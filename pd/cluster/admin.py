@@ -86,6 +86,10 @@ class ClusterAdmin:
             "decisions": [dataclasses.asdict(d) for d in list(log.decisions)[-last:]],
         }
 
+    def routes(self, request_id: str) -> list[dict[str, Any]]:
+        """Where each attempt of ``request_id`` went (the coordinator's route log)."""
+        return [r._asdict() for r in self.client.coordinator.routes.of(request_id)]
+
     def nodes(self) -> list[NodeView]:
         cluster, stats = self.cluster, self.client.node_stats
         views = [_view(n, role, "starting", None, None) for n, role in cluster.starting.items()]

@@ -75,6 +75,7 @@ from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
+from pd.cluster.route_log import RouteLog
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
@@ -296,6 +297,7 @@ class Coordinator:
         self.decode_only = False
         self.costs = PullCosts()
         self.pulls = PullLog()
+        self.routes = RouteLog()  # where each recent attempt went (GET /admin/routes)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -399,13 +401,16 @@ class Coordinator:
             decode_node.local_load += len(prompt_ids) - held
             self._mirror.add_pending(decode, key, namespace, after=match)
             self._requests[request_id] = _Booking(None, decode_node, need)
-            return Route(None, decode, held)
-        self._add_load(node, load)
-        node.inflight[request_id] = _InFlight(key, namespace, load)
-        self._mirror.add_pending(prefill, key, namespace, after=match)
-        decode_node.reserved += need
-        self._requests[request_id] = _Booking(node, decode_node, need)
-        return Route(prefill, decode, matched, pull)
+            chosen = Route(None, decode, held)
+        else:
+            self._add_load(node, load)
+            node.inflight[request_id] = _InFlight(key, namespace, load)
+            self._mirror.add_pending(prefill, key, namespace, after=match)
+            decode_node.reserved += need
+            self._requests[request_id] = _Booking(node, decode_node, need)
+            chosen = Route(prefill, decode, matched, pull)
+        self.routes.add(request_id, chosen)
+        return chosen
 
     def on_prefilled(self, request_id: str) -> None:
         """The request's first token came: its prefill load is gone, and its decode node is

@@ -516,6 +516,21 @@ def test_short_prompt_goes_to_the_decode_node_alone() -> None:
     coord.route("all", _tokens(0, 10), 990)
 
 
+def test_the_route_log_keeps_where_each_attempt_went() -> None:
+    coord = _local_coordinator(decode_slots=[1000])
+    short = coord.route("req-1", _tokens(0, LOCAL_TOKENS), 10)
+    coord.on_finished("req-1")
+    long = coord.route("req-1~1", _tokens(5000, LOCAL_TOKENS + 1), 10)  # its re-route
+    coord.route("req-10", _tokens(0, 8), 10)  # another request, whose id starts the same
+    got = coord.routes.of("req-1")
+    assert [(r.request_id, r.prefill, r.decode) for r in got] == [
+        ("req-1", None, "d0"),
+        ("req-1~1", long.prefill, long.decode),
+    ]
+    assert got[0].num_matched == short.num_matched and got[1].pull_from is None
+    assert coord.routes.of("req-2") == []
+
+
 def test_decode_node_holding_the_rest_prefills_it() -> None:
     coord = _local_coordinator()
     history = _tokens(0, 500)

@@ -15,6 +15,8 @@ import pytest
 from pd.cli import main as pd_main
 from pd.cluster.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
+from pd.cluster.coordinator import Pull, Route
+from pd.cluster.route_log import RouteLog
 from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, ServerMetrics, build_app
 from pd.server.auth import cache_namespace
@@ -30,6 +32,7 @@ CALLS = [
     ("POST", "/admin/scale", {"prefill": 2}),
     ("POST", "/admin/nodes/prefill-1/drain", None),
     ("POST", "/admin/warmup", {"prompts": ["You are a helpful assistant."]}),
+    ("GET", "/admin/routes?request_id=cmpl-1", None),
 ]
 
 
@@ -88,6 +91,13 @@ class FakeAdmin:
         self.sizes[role] -= 1
         return self.target()
 
+    def routes(self, request_id: str) -> list[dict[str, Any]]:
+        log = RouteLog()
+        log.add("cmpl-1", Route(None, "decode-0", 40))
+        log.add("cmpl-1~1", Route("prefill-1", "decode-0", 0, Pull("prefill-0", 64, 2.0)))
+        log.add("cmpl-10", Route(None, "decode-0", 0))
+        return [r._asdict() for r in log.of(request_id)]
+
     async def warmup(self, prompts: Sequence[list[int]], namespace: str) -> list[WarmResult]:
         self.warmed.append(([list(p) for p in prompts], namespace))
         return [WarmResult(f"prefill-{i % 2}", len(p), 0) for i, p in enumerate(prompts)]
@@ -126,8 +136,27 @@ def test_every_admin_endpoint_needs_an_admin_key(tokenizer) -> None:
         assert c.get("/ready", headers=tenant).json() == {"status": "ready"}
         assert c.get("/ready", headers=AUTH).json()["nodes"] == ["prefill-0", "decode-0"]
         assert c.get("/health", headers=AUTH).json() == {"status": "ok"}  # never node ids
-    assert got == [200, 202, 202, 200]
+    assert got == [200, 202, 202, 200, 200]
     assert admin.sizes == {"prefill": 1, "decode": 1}  # scaled to 2, then one drained
+
+
+def test_routes_say_where_each_attempt_of_a_request_went(tokenizer) -> None:
+    with serve(_app(tokenizer, FakeAdmin())) as url, httpx.Client(base_url=url, timeout=10) as c:
+        body = c.get("/admin/routes", params={"request_id": "cmpl-1"}, headers=AUTH).json()
+        assert c.get("/admin/routes", headers=AUTH).status_code == 400  # no request_id
+    assert body["request_id"] == "cmpl-1"
+    first, second = body["attempts"]  # cmpl-10 is another request
+    assert (first["request_id"], first["prefill"], first["decode"], first["num_matched"]) == (
+        "cmpl-1",
+        None,
+        "decode-0",
+        40,
+    )
+    assert (second["prefill"], second["pull_from"], second["num_pulled"]) == (
+        "prefill-1",
+        "prefill-0",
+        64,
+    )
 
 
 def test_without_an_admin_key_nobody_may_use_the_admin_api(tokenizer) -> None:

@@ -11,7 +11,10 @@
   leaves (its pool's target drops by one; 409 for the last decode node);
 - ``POST /admin/warmup {"prompts": [...], "cache_salt": ...}``: prefill each prompt (text or
   token ids) into the cache of the prefill node the coordinator routes it to (a decode node
-  when the prefill pool is empty), generating nothing; the answer says where each went.
+  when the prefill pool is empty), generating nothing; the answer says where each went;
+- ``GET /admin/routes?request_id=ID``: where each attempt of a recent request went (its
+  prefill node or none, its decode node, the prefix expected there, a pull), ID being the
+  ``id`` of its response (``pd.cluster.route_log``).
 
 The router is included by ``build_app`` when it is given a ``ClusterAdmin`` (``app.state.admin``)
 and needs an admin key when the server has keys (``AuthMiddleware``: 401 without a key, 403
@@ -70,6 +73,11 @@ def _pools(admin: ClusterAdmin) -> dict[str, Any]:
 @router.get("/nodes")
 async def nodes(request: Request) -> dict[str, Any]:
     return _pools(_admin(request))
+
+
+@router.get("/routes")
+async def routes(request_id: str, request: Request) -> dict[str, Any]:
+    return {"request_id": request_id, "attempts": _admin(request).routes(request_id)}
 
 
 @router.post("/scale")
