@@ -114,6 +114,14 @@ class Api:
         r = await self.http.get("/health")
         return r.status_code == 200, r.text[:200]
 
+    async def routes(self, request_id: str) -> list[dict[str, Any]]:
+        """Where each attempt of a request went (``GET /admin/routes``; [] where the server
+        has no such endpoint)."""
+        r = await self.http.get(
+            "/admin/routes", params={"request_id": request_id}, headers=self.headers(admin=True)
+        )
+        return r.json()["attempts"] if r.status_code == 200 else []
+
     async def drain(self, node_id: str) -> httpx.Response:
         return await self.http.post(f"/admin/nodes/{node_id}/drain", headers=self.headers(True))
 

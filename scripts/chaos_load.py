@@ -162,6 +162,8 @@ class Outcome:
     code: str = ""  # its OpenAI code (or type)
     hang: bool = False  # no end within the client's deadline
     notes: list[str] = field(default_factory=list)
+    request_id: str = ""  # the answer's id (the server's request id), where one came
+    cached_tokens: int | None = None  # its usage's cached prompt tokens, where it said
 
     @property
     def latency(self) -> float:
@@ -180,6 +182,8 @@ class StreamReader:
         self.done = False
         self.error = ""
         self.code = ""
+        self.request_id = ""
+        self.cached_tokens: int | None = None
 
     def feed(self, line: str) -> None:
         if not line.startswith("data: "):
@@ -188,6 +192,8 @@ class StreamReader:
             self.done = True
             return
         event = json.loads(line[6:])
+        self.request_id = self.request_id or str(event.get("id") or "")
+        self.cached_tokens = _cached_tokens(event, self.cached_tokens)
         if "error" in event:
             err = event["error"]
             self.error, self.code = err.get("message", ""), err.get("code") or err.get("type", "")
@@ -219,6 +225,14 @@ def parse_answer(endpoint: str, body: dict[str, Any]) -> Answer:
     choice = body["choices"][0]
     text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
     return Answer(text or "", choice["finish_reason"], body["usage"]["completion_tokens"])
+
+
+def _cached_tokens(body: dict[str, Any], default: int | None = None) -> int | None:
+    """The cached prompt tokens an answer (or a stream's usage event) reports."""
+    if "cached_tokens" in body:  # /generate
+        return int(body["cached_tokens"])
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details["cached_tokens"]) if "cached_tokens" in details else default
 
 
 def parse_error(text: str) -> tuple[str, str]:
@@ -266,7 +280,9 @@ async def _send(
         r = await http.post(spec.path, json=body, headers=headers, timeout=timeout_s)
         out.status = r.status_code
         if r.status_code == 200:
-            out.answer, out.complete = parse_answer(spec.endpoint, r.json()), True
+            answer = r.json()
+            out.answer, out.complete = parse_answer(spec.endpoint, answer), True
+            out.request_id, out.cached_tokens = str(answer.get("id", "")), _cached_tokens(answer)
         else:
             out.error, out.code = parse_error(r.text)
         return
@@ -282,6 +298,7 @@ async def _send(
         finally:
             out.answer, out.complete = reader.answer(), reader.done and not reader.error
             out.error, out.code = reader.error, reader.code
+            out.request_id, out.cached_tokens = reader.request_id, reader.cached_tokens
 
 
 class References(NamedTuple):

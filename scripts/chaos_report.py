@@ -158,7 +158,8 @@ def render(summary: dict[str, Any]) -> str:
     """The report, in markdown."""
     s = summary
     lines = [
-        f"### Chaos soak: {s['minutes']:g} min, seed {s['seed']}, {s['cluster']}, model {s['model']}",
+        f"### Chaos soak: {s['minutes']:g} min, seed {s['seed']}, {s['cluster']}, model {s['model']}"
+        + (f", engine `{s['engine']}`" if s.get("engine") else ""),
         "",
         f"Result: **{'PASS' if not s['failures'] else 'FAIL'}** — {s['counts']['total']} requests, "
         f"{s['counts']['wrong']} wrong answers, {s['counts']['hangs']} hangs, "
@@ -189,6 +190,17 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {f['t']:.0f} | {f['kind']} | {f['target']} | {shown} | {f['steady_latency']} |"
         )
+    if s.get("wrong_paths"):
+        lines += [
+            "",
+            "| wrong answer at t (s) | request | cached tokens | served by (each attempt) | last fault before |",
+            "|---|---|---|---|---|",
+        ]
+        for w in s["wrong_paths"]:
+            paths = "; ".join(_path(a) for a in w["attempts"]) or "(not in the route log)"
+            lines.append(
+                f"| {w['t']} | {w['spec']} `{w['id']}` | {w['cached_tokens']} | {paths} | {w['last_fault']} |"
+            )
     lines += ["", "| check (after the quiet period) | measured | bound | |", "|---|---|---|---|"]
     for c in s["checks"]:
         lines.append(
@@ -253,6 +265,52 @@ class Run(NamedTuple):
     rss: list[tuple[float, float]]  # the server's RSS (MiB) over time
     origin: float  # when the soak started (monotonic)
     max_rss_growth_mib: float
+    engine: str = ""  # the server's engine settings, as the soak started it ("" for --url)
+    # request id -> the route of each of its attempts (GET /admin/routes), for wrong answers
+    routes: dict[str, list[dict[str, Any]]] = {}  # noqa: RUF012 - never mutated
+
+
+def wrong_outcomes(run: Run) -> list[Outcome]:
+    """The requests judged wrong (their paths are asked of the server before the report)."""
+    ctx = Context(run.chaos.doomed, run.chaos.pressure_windows(), run.monitor.not_ready)
+    return [
+        out
+        for out in run.outcomes
+        if judge(out, run.refs.answers[out.spec], ctx).category == "wrong"
+    ]
+
+
+def wrong_paths(run: Run, limit: int = 20) -> list[dict[str, Any]]:
+    """What served each wrong answer (the first ``limit``): when, its cached prompt tokens,
+    each attempt's nodes (a prefill node or the decode node alone), the prefix expected there
+    and any pull, and the last fault before it."""
+    rows = []
+    for out in wrong_outcomes(run)[:limit]:
+        before = [r for r in run.chaos.records if r.start <= out.start]
+        last = before[-1] if before else None
+        rows.append(
+            {
+                "t": round(out.start - run.origin, 1), "spec": out.spec, "id": out.request_id,
+                "cached_tokens": out.cached_tokens, "attempts": run.routes.get(out.request_id, []),
+                "last_fault": f"{last.kind} {last.target} at t={last.start - run.origin:.0f} s"
+                if last else "-",
+            }
+        )  # fmt: skip
+    return rows
+
+
+def _path(attempt: dict[str, Any]) -> str:
+    where = (
+        f"{attempt['prefill']} -> {attempt['decode']}"
+        if attempt["prefill"]
+        else (f"{attempt['decode']} alone")
+    )
+    pull = (
+        f", pulled {attempt['num_pulled']} from {attempt['pull_from']}"
+        if attempt["pull_from"]
+        else ""
+    )
+    return f"{where}, {attempt['num_matched']} expected cached{pull}"
 
 
 _COUNTER_NAMES = {  # the server's counters the report gives the soak's increase of (a node's
@@ -329,4 +387,6 @@ def summarize(run: Run) -> dict[str, Any]:
         "checks": [c._asdict() for c in checks],
         "metric_deltas": {n: run.metrics1.total(n) - run.metrics0.total(n) for n in _COUNTER_NAMES},
         "failures": failures,
+        "engine": run.engine,
+        "wrong_paths": wrong_paths(run),
     }  # fmt: skip

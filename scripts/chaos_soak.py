@@ -7,8 +7,12 @@ leaked. Prints a report (a markdown table for RELIABILITY.md) and exits 1 on any
     python scripts/chaos_soak.py --url http://127.0.0.1:8000 --api-key K [--server-pid PID]
 
 Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
-ended with every process in it); with ``--url`` it tests that server, and signals its nodes
-only with ``--server-pid`` (only processes under that pid). ``--minutes`` counts from the
+ended with every process in it) at pd serve's engine defaults (int4 weights and compiled decode
+steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
+speculating with ``--speculative-tokens K``; with ``--url`` it tests that server, and signals its
+nodes only with ``--server-pid`` (only processes under that pid). A wrong answer is reported
+with the path that served it (``GET /admin/routes``: its nodes, the prefix expected cached there,
+a pull; its cached tokens; the last fault before it). ``--minutes`` counts from the
 first request after the reference answers to the report. Exit status: 0 pass, 1 a failure,
 2 the soak could not run (no server, unstable reference answers).
 """
@@ -41,12 +45,14 @@ from chaos_cluster import (
 )
 from chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
 from chaos_load import Outcome, References, long_spec, make_specs, references, send
-from chaos_report import Check, Run, leak_checks, render, summarize
+from chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
 
 QUIET_S = 20.0  # steady load without faults before the checks
 SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2 s)
 MAX_INFLIGHT, MAX_QUEUED = 32, 32  # admission limits of a server the soak starts
 MAX_BODY_BYTES = 1 << 20
+# a started server's engine flags, by --engine
+ENGINES = {"defaults": [], "fp32-eager": ["--quantization", "none", "--compile-buckets", "off"]}
 WRITE_TIMEOUT_S = 8.0  # a started server's --stream-write-timeout-s, where it has one
 
 
@@ -71,6 +77,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --url: the pd serve process; its nodes may be signalled",
     )
     p.add_argument("--model", default=None, help="pd serve --model (default: SmolLM2)")
+    p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="defaults",
+        help="a started server's engine: pd serve's defaults, or fp32 weights and eager steps",
+    )
+    p.add_argument(
+        "--speculative-tokens", type=int, default=0, help="a started server's (0: no speculation)"
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -153,19 +168,22 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
     ]  # fmt: skip
     if args.model:
         out += ["--model", args.model]
+    out += engine_args(args)
     optional = {
         "--admin-api-key": args.admin_api_key,
         "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
         "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
-        # fp32 and eager, as before pd serve's defaults became int4 and compiled steps: a
-        # replacement node is up in seconds, not after compiling its graphs
-        "--quantization": "none",
-        "--compile-buckets": "off",
     }
     for flag, value in optional.items():
         if value is not None and flag in flags:
             out += [flag, value]
     return out
+
+
+def engine_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags of a server the soak starts (none: pd serve's defaults)."""
+    spec = ["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else []
+    return [*ENGINES[args.engine], *spec]
 
 
 async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
@@ -299,11 +317,14 @@ async def _soak(
     await monitor.poll()
     await monitor.stop()
     sampler.cancel()
+    engine = (" ".join(engine_args(args)) or "defaults") if server is not None else ""
     run = Run(
         args.minutes, args.seed, model["id"], sizes, chaos, monitor, refs, outcomes, checks,
-        metrics0, metrics1, rss, origin, args.max_rss_growth_mib,
+        metrics0, metrics1, rss, origin, args.max_rss_growth_mib, engine,
     )  # fmt: skip
-    return summarize(run)
+    wrong = [out.request_id for out in wrong_outcomes(run)[:20] if out.request_id]
+    routes = {rid: await api.routes(rid) for rid in wrong}
+    return summarize(run._replace(routes=routes))
 
 
 def main(argv: list[str] | None = None) -> int:

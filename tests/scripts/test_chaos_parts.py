@@ -9,7 +9,7 @@ import os
 import random
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import chaos_faults
 import pytest
@@ -221,3 +221,61 @@ def test_only_the_server_and_its_descendants_may_be_signalled() -> None:
         child.kill()
         child.wait()
     assert not ProcessTree(os.getpid()).signal(child.pid, 0)  # gone: never signalled
+
+
+def test_a_stream_gives_its_request_id_and_cached_tokens() -> None:
+    reader = StreamReader("chat")
+    reader.feed('data: {"id": "chatcmpl-7", "choices": [{"delta": {"content": "Hi"}}]}')
+    reader.feed(
+        'data: {"id": "chatcmpl-7", "choices": [], "usage": {"completion_tokens": 1, '
+        '"prompt_tokens_details": {"cached_tokens": 96}}}'
+    )
+    assert (reader.request_id, reader.cached_tokens) == ("chatcmpl-7", 96)
+
+
+def test_the_soak_starts_pd_serve_at_its_defaults_or_as_asked() -> None:
+    import argparse
+
+    from chaos_soak import engine_args, parse_args
+
+    assert engine_args(parse_args([])) == []  # pd serve's own defaults
+    args = parse_args(["--engine", "fp32-eager", "--speculative-tokens", "4"])
+    assert engine_args(args) == [
+        "--quantization", "none", "--compile-buckets", "off", "--speculative-tokens", "4",
+    ]  # fmt: skip
+    assert isinstance(args, argparse.Namespace)
+
+
+def test_a_wrong_answer_is_reported_with_the_path_that_served_it() -> None:
+    from chaos_report import _path, wrong_paths
+
+    class _Chaos:
+        records = [chaos_faults.FaultRecord("drain", 50.0, 55.0, "decode-1")]
+        doomed: dict[str, float] = {}
+
+        def pressure_windows(self) -> list[Interval]:
+            return []
+
+    class _Monitor:
+        not_ready: list[Interval] = []
+
+    wrong = _out(status=200, answer=Answer("x", "stop", 1), complete=True, start=60.0,
+                 request_id="cmpl-9", cached_tokens=64)  # fmt: skip
+    right = _out(status=200, answer=REF, complete=True, request_id="cmpl-8")
+    route = {"request_id": "cmpl-9", "at": 0.0, "prefill": "prefill-0", "decode": "decode-0",
+             "num_matched": 64, "pull_from": "decode-1", "num_pulled": 64}  # fmt: skip
+
+    class _Run(NamedTuple):
+        chaos: Any = _Chaos()
+        monitor: Any = _Monitor()
+        refs: Any = type("R", (), {"answers": {"spec": REF}})()
+        outcomes: list[Outcome] = [right, wrong]  # noqa: RUF012
+        origin: float = 0.0
+        routes: dict[str, Any] = {"cmpl-9": [route]}  # noqa: RUF012
+
+    (row,) = wrong_paths(_Run())  # type: ignore[arg-type]
+    assert row["id"] == "cmpl-9" and row["cached_tokens"] == 64
+    assert row["last_fault"] == "drain decode-1 at t=50 s"
+    assert _path(row["attempts"][0]) == (
+        "prefill-0 -> decode-0, 64 expected cached, pulled 64 from decode-1"
+    )
