@@ -32,7 +32,7 @@ PROMPTS = [
     "import numpy as np\n",
     "1, 2, 3, 4, 5, 6, 7, 8,",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
