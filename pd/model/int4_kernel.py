@@ -175,17 +175,22 @@ static inline void block16(const int16_t* xq, const float* dx, const float* xs, 
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const __m512i* wg = (const __m512i*)(w + g * 16 * 32);
-    __m512i sums[MT];  // one chain a row: the rows' adds overlap
-    const int32_t* pairs[MT];
-    for (int i = 0; i < MT; ++i) {
-      sums[i] = _mm512_setzero_si512();
-      pairs[i] = (const int32_t*)(xq + (m0 + i) * K + g * 32);
-    }
+    // one chain a row, the rows' adds side by side (MT <= 4: named, so that each stays in
+    // its register)
+    const int32_t* p0 = (const int32_t*)(xq + m0 * K + g * 32);
+    const int32_t* p1 = p0 + (MT > 1 ? K / 2 : 0);
+    const int32_t* p2 = p0 + (MT > 2 ? K : 0);
+    const int32_t* p3 = p0 + (MT > 3 ? 3 * K / 2 : 0);
+    __m512i u0 = _mm512_setzero_si512(), u1 = u0, u2 = u0, u3 = u0;
+#pragma GCC unroll 16
     for (int c = 0; c < 16; ++c) {
       const __m512i wc = _mm512_loadu_si512(wg + c);
-      for (int i = 0; i < MT; ++i)
-        sums[i] = _mm512_dpwssd_epi32(sums[i], wc, _mm512_set1_epi32(pairs[i][c]));
+      u0 = _mm512_dpwssd_epi32(u0, wc, _mm512_set1_epi32(p0[c]));
+      if (MT > 1) u1 = _mm512_dpwssd_epi32(u1, wc, _mm512_set1_epi32(p1[c]));
+      if (MT > 2) u2 = _mm512_dpwssd_epi32(u2, wc, _mm512_set1_epi32(p2[c]));
+      if (MT > 3) u3 = _mm512_dpwssd_epi32(u3, wc, _mm512_set1_epi32(p3[c]));
     }
+    const __m512i sums[4] = {u0, u1, u2, u3};
     const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)),
                                         bf16x8(s1 + g * 8), 1);
     const __m512 z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)),
@@ -237,7 +242,6 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
       const int16_t* w = wide.data();
       widen16(q0, q0 + G * 128, G, wide.data());
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) block16<8>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
       for (; m + 4 <= M; m += 4) block16<4>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
       for (; m + 2 <= M; m += 2) block16<2>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
       for (; m < M; ++m) block16<1>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
