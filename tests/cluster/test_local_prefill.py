@@ -1,7 +1,7 @@
 """Conditional disaggregation end to end (1P+1D, SmolLM2): a request the coordinator's rule
 sends to the decode node alone is prefilled there and answers exactly what HF transformers
 does, as does the same request over the transfer path; the rule's choice shows in
-``pd_local_prefills``."""
+``pd_local_prefills``. The same again with speculative decoding on the decode node."""
 
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ SYSTEM = (
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("pools_whole_after_each_test")]
 
 
-@pytest.fixture(scope="module")
-def live_spec(smollm2_dir) -> dict[str, Any]:
-    return dict(num_prefill=1, num_decode=1, local_prefill_tokens=LOCAL_TOKENS)
+@pytest.fixture(scope="module", params=[0, 4], ids=["plain", "speculative"])
+def live_spec(request, smollm2_dir) -> dict[str, Any]:
+    engine = {"speculative_tokens": request.param}
+    return dict(
+        num_prefill=1, num_decode=1, local_prefill_tokens=LOCAL_TOKENS, engine_kwargs=engine
+    )
 
 
 def _num_local(live: LiveCluster) -> int:
