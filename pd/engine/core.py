@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from pd.cache import DiskStats, TierStats, make_prefix_cache
+from pd.cache import make_prefix_cache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
@@ -26,6 +26,7 @@ from pd.engine.host_pool import HostKVPool, host_tier_slots, make_disk_tier
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
+from pd.engine.stats import stats_msg
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -169,64 +170,9 @@ class EngineCore:
         return eos | frozenset(p.stop_token_ids)
 
     def stats(self, role: str, transfer: TransferCounters = _NO_TRANSFERS) -> NodeStatsMsg:
-        """This engine's gauges and counters; a node adds its transfer counters."""
-        s = self.scheduler.stats()
-        return NodeStatsMsg(
-            node_id=self.node_id,
-            role=role,
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            num_transferring=transfer.num_transferring,
-            num_slots=self.allocator.num_slots,
-            num_free_slots=self.allocator.num_free_slots,
-            num_cached_tokens=self.cache.num_cached_tokens,
-            num_hit_tokens=s.num_cached_tokens,
-            num_miss_tokens=s.num_prompt_tokens - s.num_cached_tokens,
-            num_queued_tokens=s.num_queued_tokens,
-            transfer_bytes=transfer.num_bytes,
-            transfer_seconds=transfer.num_seconds,
-            transfer_wire_seconds=transfer.num_wire_seconds,
-            num_transfers=transfer.num_done,
-            num_dropped_msgs=transfer.num_dropped_msgs,
-            num_retracted=s.num_retracted,
-            num_spec_steps=s.num_spec_steps,
-            num_draft_tokens=s.num_draft_tokens,
-            num_accepted_draft_tokens=s.num_accepted_tokens,
-            num_prefill_tokens=self.num_prefill_tokens,
-            prefill_seconds=self.prefill_seconds,
-            **_tier_fields(self.cache.tier_stats),
-        )
+        """This engine's gauges and counters as the server reads them (``pd.engine.stats``); a
+        node adds its transfer counters."""
+        return stats_msg(self, role, transfer)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-
-
-def _tier_fields(t: TierStats | None) -> dict[str, int | float]:
-    """The host tier's counters as NodeStatsMsg fields."""
-    if t is None:
-        return {}
-    return {
-        "num_host_slots": t.num_slots,
-        "num_host_cached_tokens": t.num_cached_tokens,
-        "num_host_hit_tokens": t.num_hit_tokens,
-        "num_host_loads": t.num_loads,
-        "host_load_bytes": t.num_load_bytes,
-        "host_load_seconds": t.load_seconds,
-        "num_host_skipped": t.num_skipped,
-        **_disk_fields(t.disk),
-    }
-
-
-def _disk_fields(d: DiskStats | None) -> dict[str, int | float]:
-    """The disk tier's counters as NodeStatsMsg fields."""
-    if d is None:
-        return {}
-    return {
-        "disk_bytes": d.num_bytes,
-        "num_disk_hit_tokens": d.num_hit_tokens,
-        "num_disk_loads": d.num_loads,
-        "disk_load_bytes": d.num_load_bytes,
-        "disk_load_seconds": d.load_seconds,
-        "num_disk_written": d.num_written,
-        "num_disk_rejected": d.num_rejected,
-    }

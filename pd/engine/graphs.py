@@ -22,7 +22,7 @@ each row the bits an eager forward gives it (inductor's fused loops round otherw
 Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
 fails to compile (say, no C++ compiler) is logged and left eager. The fp16 LM head of the
 quantized formats is packed in an object the tracer cannot enter: it runs eagerly after the
-graph. A speculative step's draft rows are one-token rows too (``Scheduler._draft``), so a
+graph. A speculative step's draft rows are one-token rows too (``pd.engine.drafter``), so a
 verify runs in the graph of its row count.
 
 Each bucket compiles at start-up (``DecodeGraphs.compile``; tens of seconds a bucket for
@@ -156,7 +156,7 @@ class DecodeGraphs:
             pad = [SeqInput([0], [self.scratch_slot] * num_keys, num_keys - 1)]
             batch = DecodeBatch.build(pad * bucket, bucket, self.scratch_slot, self.pool.device)
         # the key length varies (not a recompile); the bucket's rows never do
-        for t in batch[:5]:
+        for t in (batch.input_ids, batch.positions, batch.out_slots, batch.kv_idx, batch.kv_mask):
             torch._dynamo.mark_static(t, 0)
         torch._dynamo.mark_dynamic(batch.kv_idx, 1)
         torch._dynamo.mark_dynamic(batch.kv_mask, 1)

@@ -45,8 +45,8 @@ from pd.cache.base import BasePrefixCache
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.request import Req, ReqStatus
+from pd.engine.drafter import Drafter
 from pd.engine.sampler import SampledRow
-from pd.engine.spec import propose
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
@@ -129,9 +129,13 @@ class Scheduler:
         self._num_admitted_tokens = 0
         self._num_admitted_cached_tokens = 0
         self._num_retracted = 0
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_speculative_batch = max_speculative_batch
-        self._num_spec_steps = self._num_draft_tokens = self._num_accepted_tokens = 0
+        self.drafter = Drafter(
+            allocator,
+            cache,
+            max_tokens=num_speculative_tokens,
+            max_batch=max_speculative_batch,
+            max_model_len=max_model_len,
+        )
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -190,8 +194,7 @@ class Scheduler:
         reqs, seqs = [], []
         for req in decoding:
             self._grow(req, req.num_computed + 1)
-        speculate = 0 < len(decoding) <= self.max_speculative_batch
-        drafts = [self._draft(r) if speculate else [] for r in decoding]
+        drafts = self.drafter.drafts(decoding)
         for req, draft in zip(decoding, drafts):
             reqs.append(req)
             # its last token goes to position n - 1 and draft token i to n + i; the last row
@@ -218,45 +221,6 @@ class Scheduler:
         if decoding:
             self.new_token_ratio = max(self._min_ratio, self.new_token_ratio - self._ratio_decay)
         return ScheduledBatch(reqs, seqs, len(decoding), drafts if any(drafts) else ())
-
-    def _draft(self, req: Req) -> list[int]:
-        """Speculative tokens for a decoding request (grown into its slots), or [].
-
-        First what followed the request's whole text in the prefix cache (the same
-        conversation answered before, in its namespace), else ``spec.propose``: what followed
-        the request's last few tokens earlier in its own prompt and output. No draft before
-        ``min_tokens`` (the tokens banned until then are not applied to a draft), none past
-        ``max_tokens`` or the context, and only into free slots: a guess never evicts a cached
-        prefix. ``req.num_draft`` adapts to the request's acceptance (``_adapt_draft``)."""
-        p = req.params
-        tokens = req.all_ids
-        n = len(tokens)
-        k = min(
-            self._draft_len(req), p.max_tokens - len(req.output_ids) - 1, self.max_model_len - n - 1
-        )
-        if k <= 0 or len(req.output_ids) < p.min_tokens:
-            return []
-        draft = self.cache.continuation(tokens, req.namespace, k) or propose(tokens, k)
-        while draft and not self.allocator.can_extend(req.slots, n + len(draft)):
-            draft.pop()
-        self.allocator.extend(req.slots, n + len(draft))
-        return draft
-
-    def _draft_len(self, req: Req) -> int:
-        """The draft length ``req`` may have now (the maximum until it has adapted)."""
-        return self.num_speculative_tokens if req.num_draft < 0 else req.num_draft
-
-    def _adapt_draft(self, req: Req, num_draft: int, num_accepted: int) -> None:
-        """Count a verified draft, and size the request's next one: half as long after a
-        draft with nothing accepted, up to the maximum again after one accepted whole."""
-        self._num_spec_steps += 1
-        self._num_draft_tokens += num_draft
-        self._num_accepted_tokens += num_accepted
-        k = self._draft_len(req)
-        if num_accepted == 0:
-            req.num_draft = max(1, k // 2)
-        elif num_accepted == num_draft:
-            req.num_draft = min(self.num_speculative_tokens, 2 * k)
 
     def num_available_tokens(self) -> int:
         """Slots a new request could still be promised: free + evictable, less what running
@@ -401,7 +365,7 @@ class Scheduler:
                 if (reason := self._finish_reason(req, token)) is not None:
                     break
             if draft:
-                self._adapt_draft(req, len(draft), len(row.accepted))
+                self.drafter.verified(req, len(draft), len(row.accepted))
                 # the KV of the draft tokens rejected (or past a stop) is dropped
                 self.allocator.truncate(req.slots, len(req.all_ids) - 1)
             produced.append(req)
@@ -462,9 +426,7 @@ class Scheduler:
             self._num_admitted_tokens,
             self._num_admitted_cached_tokens,
             self._num_retracted,
-            self._num_spec_steps,
-            self._num_draft_tokens,
-            self._num_accepted_tokens,
+            *self.drafter.stats,
         )
 
     def held_slots(self) -> list[HeldSlots]:

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (``Scheduler._draft``, ``ModelRunner.run``): the same
+"""Speculative decoding in the engine (``Drafter``, ``ModelRunner.run``): the same
 greedy output as without it, drafts cut at max_tokens and stop tokens, every draft slot back
 when proposals are rejected, and the counters."""
 
@@ -38,7 +38,7 @@ def _oracle(monkeypatch, prompts, outputs, vocab: int, wrong_at: int | None) -> 
                 return draft
         raise AssertionError("a request the oracle does not know")
 
-    monkeypatch.setattr("pd.engine.scheduler.propose", propose)
+    monkeypatch.setattr("pd.engine.drafter.propose", propose)
 
 
 def _assert_no_leak(engine: Engine) -> None:
