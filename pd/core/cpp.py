@@ -1,7 +1,8 @@
 """pd's C++ kernels: torch operators built on first use with the machine's compiler.
 
-Each kernel is one C++ source in its module that registers torch operators from C++
-(``TORCH_LIBRARY_FRAGMENT``; ``pd.engine.cpu_attention``, ``pd.model.int4_kernel``).
+Each kernel is one C++ file beside the Python module that loads it (``cpu_attention.cpp`` beside
+``pd.engine.cpu_attention``; ``int4_kernel.cpp``, ``fixed_ops.cpp`` in ``pd.model``), which
+registers torch operators from C++ (``TORCH_LIBRARY_FRAGMENT``).
 ``load_torch_ops`` compiles it once against the running torch's headers (~7-10 s) into
 ``PD_CACHE_DIR/kernels``, under a name keyed by the source, the compiler, the flags, torch's
 version and the CPU's flags, so a changed source or another machine builds again and concurrent
