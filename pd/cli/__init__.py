@@ -29,6 +29,29 @@ TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
 # steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")
 SERVE_ENGINE_DEFAULTS = {"quantization": "auto", "compile_buckets": "auto"}
 AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
+# The groups of ``pd serve --help`` (and of README's flag tables), in order
+GROUPS = (
+    "server", "engine", "cache tiers", "speculation", "routing", "cluster and Ray",
+    "autoscaling", "security and limits",
+)  # fmt: skip
+# EngineConfig's fields by group; the others are engine flags
+ENGINE_GROUPS = {
+    "enable_prefix_cache": "cache tiers",
+    "host_cache_tokens": "cache tiers",
+    "disk_cache_dir": "cache tiers",
+    "disk_cache_gb": "cache tiers",
+    "speculative_tokens": "speculation",
+    "speculative_max_batch": "speculation",
+}
+
+
+def _groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The parser's argument groups by title, made (in ``GROUPS``' order) on first use."""
+    groups = getattr(parser, "_pd_groups", None)
+    if groups is None:
+        groups = {title: parser.add_argument_group(title) for title in GROUPS}
+        parser._pd_groups = groups  # type: ignore[attr-defined]
+    return groups
 
 
 def add_dataclass_args(
@@ -36,24 +59,27 @@ def add_dataclass_args(
     cls: type,
     prefix: str = "",
     only: tuple[str, ...] | None = None,
+    group: str | dict[str, str] = "engine",
 ) -> None:
     """One ``--flag`` per field (``--{prefix}{field}``, or the field's ``flag`` metadata; only
-    the fields in ``only`` if given); default, type and help read from the dataclass. The
-    value lands in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
+    the fields in ``only`` if given); default, type and help read from the dataclass, in the
+    help's ``group`` (a title, or field -> title with "engine" for the others). The value lands
+    in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
+    groups = _groups(parser)
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
+        title = group if isinstance(group, str) else group.get(f.name, "engine")
+        add = groups[title].add_argument
         flag = "--" + f.metadata.get("flag", prefix + f.name).replace("_", "-")
         dest, default, help_ = prefix + f.name, f.default, f.metadata.get("help")
         if isinstance(default, bool):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest
-            )
+            add(flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest)
         elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
-            parser.add_argument(flag, action="append", default=None, help=help_, dest=dest)
+            add(flag, action="append", default=None, help=help_, dest=dest)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            parser.add_argument(flag, type=kind, default=default, help=help_, dest=dest)
+            add(flag, type=kind, default=default, help=help_, dest=dest)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -115,17 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    add_dataclass_args(gen, EngineConfig)
+    add_dataclass_args(gen, EngineConfig, group=ENGINE_GROUPS)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_args(srv)
-    add_dataclass_args(srv, EngineConfig)
+    add_dataclass_args(srv, EngineConfig, group=ENGINE_GROUPS)
     srv.set_defaults(**SERVE_ENGINE_DEFAULTS)
-    add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",))
-    add_dataclass_args(srv, TransferConfig, prefix="transfer_", only=TRANSFER_FLAGS)
-    add_dataclass_args(srv, ServerConfig)
-    add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX)
+    cluster = "cluster and Ray"
+    add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",), group=cluster)
+    add_dataclass_args(srv, TransferConfig, "transfer_", only=TRANSFER_FLAGS, group=cluster)
+    add_dataclass_args(srv, ServerConfig, group="security and limits")
+    add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX, group="autoscaling")
     srv.set_defaults(func=cmd_serve)
 
     scale = sub.add_parser("scale", help="resize a running server's prefill and decode pools")
@@ -172,87 +199,85 @@ def _json_object(text: str) -> dict[str, float]:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument(
+    groups = _groups(parser)
+    server, cluster, routing = groups["server"], groups["cluster and Ray"], groups["routing"]
+    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    server.add_argument("--port", type=int, default=8000, help="HTTP port")
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients send; default: the model dir's name",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--prefill",
         type=int,
         default=None,
-        help="prefill nodes; 0: none, the decode nodes prefill every prompt themselves. "
-        "Default: 0 on this machine's CPUs (no --address, no --node-gpus), where a prefill node "
-        "would only share the decode node's cores (on 2 cores 1.14x the chat load's req/s "
-        "and 0.68x its TTFT p90: BENCHMARKS.md); else 1, and 1 with --autoscale (its smallest "
-        "prefill pool)",
+        help="prefill nodes; 0: the decode nodes prefill every prompt. Default: 0 on one CPU "
+        "machine (no --address, --node-gpus or --autoscale: it would share the cores), else 1",
     )
-    parser.add_argument("--decode", type=int, default=1, help="decode nodes")
-    parser.add_argument(
+    cluster.add_argument("--decode", type=int, default=1, help="decode nodes")
+    cluster.add_argument(
         "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--prefill-resources",
         type=_json_object,
         default={},
         help="Ray custom resources each prefill node asks for, e.g. '{\"prefill\": 1}'",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--decode-resources",
         type=_json_object,
         default={},
         help="Ray custom resources each decode node asks for, e.g. '{\"decode\": 1}'",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--node-gpus",
         type=float,
         default=None,
         help="GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
         "where Ray's autoscaler adds GPU machines for nodes that wait",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--namespace", default="pd", help="with --address: the Ray namespace of the nodes"
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--keep-nodes",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with --address: leave the nodes running when pd serve exits (the next one "
         "attaches to them and their caches)",
     )
-    parser.add_argument("--policy", default="cache_aware", choices=POLICIES)
-    parser.add_argument(
+    routing.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    routing.add_argument(
         "--local-prefill-tokens",
         type=int,
         default=CoordinatorConfig.local_prefill_tokens,
-        help="conditional disaggregation: a request is prefilled on its decode node (no KV "
-        "transfer) when that node would compute at most this many prompt tokens; -1: never",
+        help="a request is prefilled on its decode node (no KV transfer) when that node would "
+        "compute at most this many prompt tokens; -1: never",
     )
-    parser.add_argument(
+    routing.add_argument(
         "--local-prefill-min-held",
         type=float,
         default=CoordinatorConfig.local_prefill_min_held,
         help="... or when the decode node holds at least this fraction of the prompt and no "
         "prefill node holds more (a conversation's next turn)",
     )
-    parser.add_argument(
+    routing.add_argument(
         "--local-prefill-balance",
         action=argparse.BooleanOptionalAction,
         default=CoordinatorConfig.local_prefill_balance,
-        help="... or when the decode node would get through the prompt sooner than the "
-        "prefill node (their queued prefill tokens counted): bursts of cold prompts use both",
+        help="... or when the decode node would get through the prompt sooner than the prefill "
+        "node (queued prefills counted)",
     )
-    parser.add_argument(
+    routing.add_argument(
         "--pull-min-tokens",
         type=int,
         default=CoordinatorConfig.pull_min_tokens,
-        help="a prefill node that lacks a prefix another node holds pulls its KV from there "
-        "when that saves at least this many tokens and is estimated faster than computing "
-        "them (measured rates); -1: never pull",
+        help="pull a prefix's KV from the node holding it when that saves at least this many "
+        "tokens and is estimated faster than computing them; -1: never",
     )
-    parser.add_argument(
+    server.add_argument(
         "--colocated",
         action="store_true",
         help="serve one in-process engine (prefill and decode together, no Ray) instead",

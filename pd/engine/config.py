@@ -27,9 +27,8 @@ class EngineConfig:
     )
     quantization: str = option(
         "none",
-        "weight-only cpu formats: none | int8 | int4 | fp16 (see pd/model/quant.py); auto: int4 "
-        "for a float32 model on a cpu whose torch has its kernel, none elsewhere (pd serve's "
-        "default)",
+        "weight-only cpu formats: none | int8 | int4 | fp16 (pd/model/quant.py); auto: int4 for "
+        "a float32 model on a cpu, else none (pd serve's default)",
     )
     linear_backend: str = option(
         "auto",
@@ -38,32 +37,23 @@ class EngineConfig:
     )
     attention_backend: str = option(
         "auto",
-        "attention kernels: auto (torch's SDPA, with decode rows on pd's C++ kernel where it "
-        "builds: cpu, bf16 or fp32, see pd/engine/cpu_attention.py) | torch (torch's ops alone)",
+        "auto: pd's C++ kernel on a cpu (pd/engine/cpu_attention.py), SDPA elsewhere | torch: "
+        "torch's ops alone (not with --deterministic)",
     )
     compile_buckets: str = option(
         "off",
-        "decode batch sizes that get a compiled decode step (torch.compile, one graph per size, "
-        "built at start-up: tens of seconds each on a CPU; a batch runs in the smallest size "
-        ">= it), e.g. 1,2,4,8,16,32; off: every step eager (see pd/engine/graphs.py); auto: "
-        "1,2,4 on a cpu, off elsewhere (pd serve's default)",
+        "decode batch sizes with a compiled step (torch.compile at start-up, tens of seconds a "
+        "size on a cpu), e.g. 1,2,4,8; off: eager; auto: 1,2,4 on a cpu (pd serve's default)",
     )
     deterministic: bool = option(
         True,
-        "every token's KV and logits computed the same whatever its batch, however its prompt "
-        "was chunked, whether it was decoded or prefilled, here or on another node: a greedy "
-        "answer does not depend on load or on the cache's history (on the cpu: int4/int8 "
-        "weights multiply by their kernel at every row count and every attention row runs on "
-        "pd's kernel, see pd/engine/cpu_attention.py); --no-deterministic: long prefill chunks "
-        "of int4/int8 weights multiply a bf16 copy of them and attend by torch's SDPA, faster "
-        "prefill at the price of answers that can change with the batch and the cache",
+        "the same answer whatever the batch and the cache hold (on a cpu; README); "
+        "--no-deterministic: faster prefill of int4/int8 weights, answers may change with load",
     )
     speculative_tokens: int = option(
         0,
-        "speculative decoding without a draft model: up to this many tokens per decode step "
-        "guessed from what followed the same text in the prefix cache, else from the request's "
-        "own prompt and output (n-gram lookup), and checked in the same forward; lossless "
-        "(greedy and seeded sampling give the same tokens as without it); 0: off",
+        "n-gram speculative decoding: up to this many tokens a step guessed from the prefix "
+        "cache or the request's own text, checked in the same forward (lossless); 0: off",
     )
     speculative_max_batch: int = option(
         4, "speculate only in decode steps of at most this many requests (past it, it costs)"
@@ -79,22 +69,20 @@ class EngineConfig:
     )
     new_token_ratio: float = option(
         0.7,
-        "admission expects a request to decode this fraction of its max_tokens (it decays while "
-        "nothing is retracted); 1.0 reserves the worst case and never retracts",
+        "admission expects a request to decode this fraction of its max_tokens (decaying while "
+        "nothing is retracted); 1.0: the worst case, never retract",
     )
     max_model_len: int | None = option(None, "context length; default: the model's")
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
     host_cache_tokens: int | None = option(
         None,
-        "KV slots of the host tier below each pool, holding what the pool evicts (resident "
-        "only as it fills); default: 4 x max_total_tokens, at most 1/8 of the machine's "
-        "memory; 0: off",
+        "KV slots of the host tier below each pool (what it evicts); default: 4 x "
+        "max_total_tokens, at most 1/8 of the machine's memory; 0: off",
     )
     disk_cache_dir: str | None = option(
         None,
-        "directory of the disk tier below the host tier: what the host tier drops is written "
-        "there in checked chunks, read back on a hit, and found by a node that starts on the "
-        "host (share it between the nodes of one host); default: no disk tier",
+        "a disk tier below the host tier, shared by the nodes of one host (a node started "
+        "later reads it up); default: none",
     )
     disk_cache_gb: float = option(16.0, "the disk tier directory's bound, GiB")
     num_threads: int | None = option(

@@ -22,9 +22,8 @@ class ServerConfig:
     )
     admin_api_key: tuple[str, ...] = option(
         (),
-        "a key for the admin API (/admin/*, /metrics) as well as everything a tenant key may "
-        "use (repeatable; also PD_ADMIN_API_KEY, comma-separated); with --api-key but no admin "
-        "key, nobody may use the admin API",
+        "a key for the admin API (/admin/*, /metrics) and all a tenant's may use (repeatable; "
+        "also PD_ADMIN_API_KEY); with --api-key alone nobody may use the admin API",
     )
     metrics_no_auth: bool = option(False, "serve /metrics without a key (for scrapers)")
     max_inflight_per_key: int = option(
@@ -61,9 +60,8 @@ class ServerConfig:
     )
     shutdown_grace_s: float = option(
         30.0,
-        "on SIGTERM: stop admitting (503), let the requests in flight finish, and exit within "
-        "this many seconds (requests still running when a fifth of it, at most 5 s, is left "
-        "are cut off: finish reason abort)",
+        "on SIGTERM: stop admitting (503), let requests in flight finish, exit within this "
+        "many seconds (what still runs near the end is cut off: finish reason abort)",
     )
     ssl_certfile: str | None = option(None, "serve HTTPS: the certificate (PEM; with ssl_keyfile)")
     ssl_keyfile: str | None = option(None, "serve HTTPS: the private key (PEM)")
