@@ -22,7 +22,7 @@ File layout::
 
     b"PDKV1\\n" | header length (4 bytes, little endian) | header (JSON) | payload
 
-The payload's bytes are the mover's (``BaseKVMover.chunk_bytes``); this module never looks
+The payload's bytes are the mover's (``BaseKVMover.host_bytes`` and ``device_bytes``); this module never looks
 inside them.
 """
 

@@ -3,12 +3,12 @@
 Each kernel is one C++ file beside the Python module that loads it (``cpu_attention.cpp`` beside
 ``pd.engine.cpu_attention``; ``int4_kernel.cpp``, ``fixed_ops.cpp`` in ``pd.model``), which
 registers torch operators from C++ (``TORCH_LIBRARY_FRAGMENT``).
-``load_torch_ops`` compiles it once against the running torch's headers (~7-10 s) into
+``load_torch_ops`` compiles it once against the running torch's headers (seconds) into
 ``PD_CACHE_DIR/kernels``, under a name keyed by the source, the compiler, the flags, torch's
 version and the CPU's flags, so a changed source or another machine builds again and concurrent
 builders leave the same file, and loads it into torch's dispatcher. A compiled graph calls such
-an operator through the dispatcher alone: the same kernels as Python operators calling ctypes
-cost ~30 us more a call (a third of an int4 decode step of SmolLM2, 120 calls; AMD EPYC, AVX2).
+an operator through the dispatcher alone (the same kernels as Python operators calling ctypes
+cost tens of microseconds more a call, a third of an int4 decode step).
 Plain C functions of the same library (what a kernel supports) are read with ctypes.
 
 Where there is no compiler or the build fails, ``load_torch_ops`` logs why and returns None,

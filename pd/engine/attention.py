@@ -2,8 +2,8 @@
 reference on CPU and GPU; ``PagedDecodeAttention`` is the one a compiled decode step traces.
 
 On the CPU both run a batch's one-token decode rows through ``pd.engine.cpu_attention``'s C++
-kernel where it builds (bf16 and fp32; 2-3x inductor's fused loops and SDPA at 145 to 700
-keys), and torch's ops otherwise."""
+kernel where it builds (bf16 and fp32), and torch's ops otherwise; deterministic, every row,
+prefill rows too (``every_row_on_kernel``)."""
 
 from __future__ import annotations
 
@@ -109,8 +109,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             start += n
             prefix = seq_len - n
             # a prefix up to a quarter of the new tokens: pad (its zero rows cost less than a
-            # mask; scripts/bench_attention.py --extend: 1.2-1.6x at 4 to 160 cached before 640
-            # new, even or worse from half on)
+            # mask: scripts/bench_attention.py --extend)
             pad = 4 * prefix <= n
             pads.append(prefix if pad else 0)
             if pad:

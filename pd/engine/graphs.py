@@ -1,8 +1,8 @@
 """Compiled decode steps: one ``torch.compile`` graph per batch-size bucket (what CUDA graphs
 are to a GPU server, for the CPU).
 
-An eager decode step runs ~45 small torch ops per layer, each paying its dispatch (2-50 us)
-every step, however few tokens it computes. Here the whole decode forward (embedding, every
+An eager decode step runs ~45 small torch ops per layer, each paying its dispatch every step,
+however few tokens it computes. Here the whole decode forward (embedding, every
 layer with its KV write and its attention over the paged pool, the final norm and the LM head)
 is traced once per bucket with static shapes and compiled by inductor (C++ loops on the CPU;
 the weights frozen into the graph, so matmuls use packed weights). A batch of B decode rows
@@ -10,9 +10,8 @@ runs in the smallest bucket >= B, padded with rows that write and read only the 
 slot. The key length is the one dynamic dimension: the attention takes the keys by an index
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
 On the CPU, in bf16 and fp32, that attention is one call of ``pd.engine.cpu_attention``'s C++
-kernel inside the graph (inductor's own fused loops ran 1.4x slower in bf16 at ~700 keys, and
-in fp32 a step of 32 rows of 145 keys took 116 instead of 105 ms); otherwise inductor
-compiles ``attention.paged_decode_attention``.
+kernel inside the graph (faster than inductor's own fused loops: BENCHMARKS.md, "Compiled decode
+steps"); otherwise inductor compiles ``attention.paged_decode_attention``.
 
 A deterministic runner (``EngineConfig.deterministic``) gives the graph nothing to rewrite:
 the norms, the rotary embedding and the gated SiLU are ``pd.model.fixed_ops``' opaque

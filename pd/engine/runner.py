@@ -83,14 +83,12 @@ class ModelRunner:
 
     @property
     def extend_attention_dtype(self) -> torch.dtype | None:
-        """The dtype long prefill chunks attend in, if not the model's: bf16 for int4 and int8
-        weights in an fp32 model on a CPU. From ``DEQUANT_MIN_TOKENS`` new tokens on, their
-        linears multiply bf16 weights by bf16 activations, and so does attention then
-        (torch's bf16 SDPA: 2.6 ms a layer of SmolLM2 at 640 tokens against 7.1 ms in fp32,
-        AMX); shorter chunks stay as close to fp32 as before (BENCHMARKS.md, "OpenMP threads
-        that share the cores, and int4's prefill attention"). Not on a CPU without oneDNN's bf16
-        path (AVX2 only), whose bf16 SDPA is slower than fp32's (8.2 against 6.6 ms, AMD EPYC)
-        and whose int4 copy is fp32 (``dense_dtype``)."""
+        """The dtype long prefill chunks attend in, if not the model's (never when
+        deterministic): bf16 for int4 and int8 weights in an fp32 model on a CPU with oneDNN's
+        bf16 path, whose linears multiply bf16 weights by bf16 activations from
+        ``DEQUANT_MIN_TOKENS`` new tokens on (bf16 SDPA is faster there, slower on an AVX2-only
+        CPU: BENCHMARKS.md, "OpenMP threads that share the cores, and int4's prefill
+        attention")."""
         quantized = self.quantization in ("int4", "int8")
         if self.deterministic:
             return None

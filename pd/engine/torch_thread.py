@@ -2,9 +2,9 @@
 
 OpenMP keeps a team of worker threads for each OS thread that runs parallel torch ops. Once a
 process holds more of them than it has cores, libgomp stops spinning between parallel regions
-and every op pays a futex wake: on 2 cores, a model loaded on the main thread and stepped on
-another decoded 2.4x slower at batch 1 (40 vs 17 ms per token, int4). So a loop that steps a
-model on a thread of its own builds the model on that thread too:
+and every op pays a futex wake (on 2 cores a model loaded on one thread and stepped on another
+decoded at less than half its speed). So a loop that steps a model on a thread of its own
+builds the model on that thread too:
 
     t = TorchThread("pd-engine")
     engine = t.run(lambda: Engine(cfg))   # built on t's thread; what build raises, raised here

@@ -1,13 +1,9 @@
-"""int4 matmul by pd's own kernel (``torch.ops.pd.int4_mm``): AVX2, and AVX-512 VNNI where the CPU has it.
+"""int4 matmul by pd's own kernel (``torch.ops.pd.int4_mm``): AVX2, and AVX-512 VNNI where
+the CPU has it.
 
-torch's int4 op (``aten._weight_int4pack_mm_for_cpu``) has its vectorized kernel for AVX-512
-only. On an AVX2-only CPU it runs generic code on bf16 inputs: 4-5 GB/s of packed weights, so
-SmolLM2's 120 int4 linears took 10.2-14.2 ms a decode step (batch 1, 2 threads, AMD EPYC
-without AVX-512, every layer's weights in turn as in a step, on two days), and int4 decoded a
-single stream at 0.70x llama.cpp's speed there. This kernel takes 4.6 ms for the same linears
-where torch's op took 10.2 (7.7 against 13.2 ms at 4 rows, 13.9 against 24.0 at 8), and a
-compiled int4 step at batch 1 decodes faster than llama.cpp there (BENCHMARKS.md, "int4's
-kernel as a torch operator").
+torch's int4 op (``aten._weight_int4pack_mm_for_cpu``) is vectorized for AVX-512 only (generic
+code elsewhere, about half this kernel's speed) and rounds inputs to bf16; this kernel keeps
+16 bits of each input and runs on AVX2 too (BENCHMARKS.md, "int4's kernel as a torch operator").
 
 The arithmetic is llama.cpp's for its AVX2 path, with 16-bit activations instead of 8-bit:
 each group of 32 inputs of a row of ``x`` is scaled to int16 (``x ~ d * xq``, ``d`` = the
@@ -33,11 +29,11 @@ row count, prefill included.
 
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
-alone: as a Python operator calling ctypes it cost ~30 us more a call, a third of the step.
+alone (a Python operator calling ctypes would cost tens of microseconds a call).
 ``torch.ops.pd.int4_mm(x, weight, scale, zero)``: x [M, K] and ``pack``'s three tensors -> x @
 W^T, [M, N] fp32; ValueError, with the numbers, for inputs off the weight's shape. ``available``
-builds and registers it; ``preferred`` says whether ``Int4Linear`` should use it: where it
-builds and torch runs without AVX-512.
+builds and registers it; ``preferred`` says whether ``Int4Linear`` should use it (wherever it
+builds).
 """
 
 from __future__ import annotations

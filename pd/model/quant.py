@@ -1,52 +1,31 @@
 """CPU linears packed once at load and swapped in for a model's ``nn.Linear``s.
 
-Every format runs torch's own CPU matmul op on weights packed at load, except int4 on a CPU
-without AVX-512 (below). Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN
-where torch has it (``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout,
-matmuls by oneDNN's AVX-512 kernels with fp32 accumulation. On an AMD CPU torch's default GEMM
-(MKL) runs its AVX2 code; with oneDNN SmolLM2 decoded 1.5x (batch 1) and 2.0x (batch 16) faster
-and prefilled 1.8x faster, at fp32's precision (``scripts/bench_quant.py``, ``-aten`` rows); on
-an Intel Xeon, where MKL runs AVX-512, oneDNN was 0.78x at batch 1 and 1.11x at batch 16.
-
-The quantized methods are weight-only. Per linear ``y = x W^T + b`` with ``W: [N, K]``:
+Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN where torch has it
+(``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout (faster than
+torch's default GEMM on an AMD CPU, about even on an Intel Xeon: BENCHMARKS.md, "CPU weight
+formats"). The quantized methods are weight-only. Per linear ``y = x W^T + b``, ``W: [N, K]``:
 
     method  weight                                   matmul op                         x
     int8    int8 [N, K], a scale per output row      aten._weight_int8pack_mm          bf16
-    int4    uint4 packed, a scale and a zero per     aten._weight_int4pack_mm_for_cpu  bf16
-            row and group of 32 inputs               or pd::int4_mm (below)            fp32
+    int4    uint4 packed, a scale and a zero per     pd::int4_mm                       fp32
+            row and group of 32 inputs               (or aten._weight_int4pack_mm_for_cpu, bf16)
     fp16    fp16 in fbgemm's packed layout           quantized.linear_dynamic_fp16     fp32
 
-torch's int4 op is vectorized for AVX-512 only. Where torch runs without it (an AVX2-only CPU),
-int4 multiplies by pd's own kernel (``pd.model.int4_kernel``, ``INT4_KERNELS``, the
-``PD_INT4_KERNEL`` setting): the same weights, inputs scaled to 16 bits per group instead of
-rounded to bf16. Measured there (AMD EPYC, 2 threads, ``scripts/bench_quant.py``): decode at
-batch 1 31.4 against 32.5 ms a token eagerly and 13.1 against 23.4 ms in a compiled step, batch
-16 1.22x torch's tokens/s, and greedy output closer to fp32 (89.5% of tokens and 12 of 16
-prompts identical, against 78.9% and 8).
+int4 multiplies by pd's own kernel (``pd.model.int4_kernel``; ``PD_INT4_KERNEL=torch`` for
+torch's): inputs scaled to 16 bits per group rather than rounded to bf16, closer to fp32's
+greedy output, and faster where torch's op has no AVX-512 path. torch's int8 op takes a slow
+scalar path for fp32 inputs, so its input is cast to bf16 and its output back. The LM head is
+fp16 in every method (``quantize_linears``). Speed and quality of each beside fp32:
+``scripts/bench_quant.py``, BENCHMARKS.md "CPU weight formats".
 
-torch's int8 and int4 ops take a scalar path for fp32 inputs (10x slower on an AVX2 CPU), so the
-input is cast to bf16 and the output back. Both ops are built for few rows: from
-``DEQUANT_MIN_TOKENS`` rows on (prefill) the weight is multiplied as a dense GEMM instead. int8
-dequantizes it on each such call. int4 keeps it dequantized once at load, in bf16 (2 bytes a
-weight beside the kernel's half byte), and multiplies by oneDNN's bf16 GEMM (AMX where the CPU
-has it): the same weights and bf16 activations as before, without dequantizing 120 weights on
-every prefill chunk (512 tokens: 1.15x fp32's speed that way, 1.75x and 2.19x with the copy,
-Intel Xeon, ``scripts/bench_quant.py``). On a CPU without oneDNN's bf16 path (AVX2 only:
-``onednn_has_bf16``) a bf16 GEMM is 7x slower than fp32's (640 x 576 x 1536: 69 against 10 ms,
-AMD EPYC, 2 threads), so the copy holds the same weights in fp32 and the activations stay fp32
-(``dense_dtype``). Below the threshold the kernel stays. At 16 to 64 rows
-it is 3x slower than the dense GEMM, but it is closer to fp32: with the threshold at 8 rows,
-greedy output of 16 short chat prompts agreed with fp32 on 74.5% of tokens (8 prompts
-identical), against 90.7% (12) with the prompts through the kernel, in the same session. Each
-method's speed and quality beside fp32 is measured by ``scripts/bench_quant.py``. The LM head is
-fp16 in every method (see ``quantize_linears``).
-
-The dense copy makes a row's result depend on how many rows came with it (a prompt's KV on how
-it was chunked and batched, and on whether its tokens were prefilled or decoded). A
-deterministic model (``quantize_linears(..., deterministic=True)``, the engine's default) has
-none: its int8 and int4 linears multiply by their kernel at every row count, each row's output
-its own (pd's int4 kernel takes 16 rows a vector with AVX-512 VNNI for prefill), and oneDNN's
-are called so that a row's bits do not depend on the others' (``OneDNNLinear``).
+Deterministic (``quantize_linears(..., deterministic=True)``, the engine's default): a row's
+output never depends on the other rows: the int8 and int4 kernels at every row count, oneDNN
+called as ``OneDNNLinear`` says. Without it, from ``DEQUANT_MIN_TOKENS`` rows on (prefill) the
+quantized weight is multiplied as a dense GEMM: int4 keeps a copy dequantized once at load (in
+bf16 where oneDNN has its bf16 path, AMX on an Intel Xeon; in fp32 on an AVX2-only CPU, where
+bf16 GEMMs are slow: ``dense_dtype``), int8 dequantizes on each call. Faster prefill, but a
+prompt's KV then depends on how it was chunked and batched (BENCHMARKS.md, "Deterministic
+inference").
 """
 
 from __future__ import annotations
@@ -64,8 +43,8 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "fp16")
 LINEAR_BACKENDS = ("auto", "onednn", "aten")  # for unquantized weights on cpu
 INT4_GROUP_SIZE = 32
 INT4_KERNELS = ("pd", "torch")  # pd.model.int4_kernel, aten._weight_int4pack_mm_for_cpu
-# From this many tokens on (prefill), a dense GEMM replaces the int8 and int4 kernels (int8,
-# AMD: 2x at 512 tokens, the kernel 1.4x ahead at 16; int4: see above), unless deterministic.
+# From this many tokens on (prefill), a dense GEMM replaces the int8 and int4 kernels, unless
+# deterministic (the module's docstring).
 DEQUANT_MIN_TOKENS = 128
 # oneDNN's bf16 GEMM gives a row the same bits at 1 to this many rows (AMX, Intel Xeon; past
 # it another kernel): deterministic bf16 linears multiply in blocks of this many rows. Its fp32
@@ -311,8 +290,8 @@ def quantize_linears(
     count (no dense copy), oneDNN as ``OneDNNLinear`` says.
 
     With a quantized method the LM head (children named ``head_name``) is packed as fp16, where
-    fbgemm exists: for SmolLM2's 49152x576 head it is as fast as int4 and 1.4x faster than
-    int8 here, with 60x less error than int8 (the GGUF stores it as Q8_0, finer than int4 or
+    fbgemm exists: for SmolLM2's 49152x576 head as fast as int4, faster than int8 and far
+    closer to the weights (the GGUF stores it as Q8_0, finer than int4 or
     per-row int8). A head tied to the embedding is packed from the shared weight into a
     separate copy; the embedding itself stays exact.
     """

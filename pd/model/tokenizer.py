@@ -80,8 +80,8 @@ def eos_token_ids(
 def tokenizer_eos_id(model: str | os.PathLike[str] | None) -> int | None:
     """``load_tokenizer(model).eos_token_id``, read in milliseconds where the files say it
     plainly: the ``eos_token`` of ``tokenizer_config.json``, looked up in ``tokenizer.json`` by
-    the tokenizers library. A node generates token ids only; transformers' import and
-    ``AutoTokenizer`` took 3.5 s of its start (of 7.4 s for SmolLM2's engine, AMD EPYC). Where
+    the tokenizers library. A node generates token ids only, and transformers' import and
+    ``AutoTokenizer`` were half its start (BENCHMARKS.md, "Node start-up"). Where
     the files are otherwise (no ``tokenizer.json``, a ``special_tokens_map.json``, no eos token
     named, one not in the vocabulary), the tokenizer is loaded after all."""
     model_dir = resolve_model(model)
