@@ -1,9 +1,8 @@
-"""Attention backends behind ``pd.core.attention.BaseAttentionBackend``. ``torch`` (SDPA) is the
-reference on CPU and GPU; ``PagedDecodeAttention`` is the one a compiled decode step traces.
-
-On the CPU both run a batch's one-token decode rows through ``pd.engine.cpu_attention``'s C++
-kernel where it builds (bf16 and fp32), and torch's ops otherwise; deterministic, every row,
-prefill rows too (``every_row_on_kernel``)."""
+"""Attention backends behind ``pd.core.attention.BaseAttentionBackend``: ``KernelAttentionBackend``
+(every row on ``pd.engine.cpu_attention``'s C++ kernel: the CPU's deterministic path),
+``TorchAttentionBackend`` (SDPA, the reference on CPU and GPU, with a batch's one-token decode
+rows on the C++ kernel where it builds) and ``PagedDecodeAttention`` (what a compiled decode step
+traces)."""
 
 from __future__ import annotations
 
@@ -70,18 +69,38 @@ def row_meta(batch: ForwardBatch) -> _RowMeta:
     )
 
 
+class KernelAttentionBackend(BaseAttentionBackend):
+    """Every row of a batch, prefill and decode alike, by ``pd.engine.cpu_attention``'s ragged
+    op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32)."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = row_meta(batch)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        pool.write(layer, batch.out_slots, k, v)
+        rows: _RowMeta = batch.attn_metadata
+        return torch.ops.pd.paged_attention(
+            q, pool.k[layer], pool.v[layer], rows.slots, rows.starts, rows.lens
+        )
+
+
 class TorchAttentionBackend(BaseAttentionBackend):
     """One padded SDPA per layer for the batch's decode rows (the C++ kernel where it runs),
-    one SDPA per extend request; or, ``every_row_on_kernel``, every row by the kernel's
-    ragged op, each row computed as it would be alone (``pd.engine.cpu_attention``): the
-    deterministic path."""
+    one SDPA per extend request."""
 
     def __init__(
         self,
         kernel: bool = True,
         extend_dtype: torch.dtype | None = None,
         extend_min_tokens: int = 1,
-        every_row_on_kernel: bool = False,
     ) -> None:
         # whether decode rows may run on the kernel; None: decided at the first decode rows,
         # from their dtype and heads
@@ -91,12 +110,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         # the model's
         self.extend_dtype = extend_dtype
         self.extend_min_tokens = extend_min_tokens
-        self.every_row_on_kernel = every_row_on_kernel
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if self.every_row_on_kernel:
-            batch.attn_metadata = row_meta(batch)
-            return
         nd = 0
         while nd < batch.num_reqs and batch.extend_lens[nd] == 1:
             nd += 1
@@ -144,11 +159,6 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pool: KVPool,
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
-        if self.every_row_on_kernel:
-            rows: _RowMeta = batch.attn_metadata
-            return torch.ops.pd.paged_attention(
-                q, pool.k[layer], pool.v[layer], rows.slots, rows.starts, rows.lens
-            )
         meta: _Meta = batch.attn_metadata
         if meta.decode is not None and meta.num_decode == q.shape[0]:
             return self._decode(q, layer, pool, meta.decode)
@@ -265,9 +275,9 @@ def make_attention_backend(
     """``auto``: SDPA, decode rows on the C++ kernel where it runs; ``torch``: SDPA alone.
     ``extend_dtype``: the dtype a request's prefill or extend rows attend in, if not the
     model's, where it has at least ``extend_min_tokens`` of them. ``every_row_on_kernel``
-    (``auto`` only): every row on the kernel, none on SDPA (the deterministic path)."""
+    (``auto`` only): every row on the kernel (``KernelAttentionBackend``, deterministic)."""
+    if name == "auto" and every_row_on_kernel:
+        return KernelAttentionBackend()
     if name in ("auto", "torch"):
-        return TorchAttentionBackend(
-            name == "auto", extend_dtype, extend_min_tokens, name == "auto" and every_row_on_kernel
-        )
+        return TorchAttentionBackend(name == "auto", extend_dtype, extend_min_tokens)
     raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
