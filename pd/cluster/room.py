@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from pd.cluster.coordinator import NoCapacityError
+from pd.cluster.policy import NoCapacityError
 
 T = TypeVar("T")
 

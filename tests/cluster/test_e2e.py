@@ -329,14 +329,14 @@ def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
     deadline = time.monotonic() + 10  # both rates measured (the stats of that request)
     while coordinator.costs.estimate(1) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    pick = coordinator._pick_prefill
+    pick = coordinator.policy._pick_prefill
 
     def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
         node_id, _ = pick(members, prompt_len, match)
         other = next(n for n in coordinator.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
-    monkeypatch.setattr(coordinator, "_pick_prefill", elsewhere)
+    monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)
     second = encode_prompt(tokenizer, f"{context}\nQuestion two: what is note7?")
     body = {"input_ids": second, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     got = httpx.post(f"{live.url}/generate", json=body, timeout=120).json()

@@ -100,8 +100,8 @@ def _spy_routes(coordinator: Any, monkeypatch: pytest.MonkeyPatch, local: bool) 
     monkeypatch.setattr(
         coordinator, "route", lambda *a, **k: routes.append(route(*a, **k)) or routes[-1]
     )
-    monkeypatch.setattr(coordinator, "_is_local", lambda *a, **k: local)
-    monkeypatch.setattr(coordinator, "_is_sooner_local", lambda *a, **k: local)
+    monkeypatch.setattr(coordinator.policy, "_is_local", lambda *a, **k: local)
+    monkeypatch.setattr(coordinator.policy, "_is_sooner_local", lambda *a, **k: local)
     return routes
 
 
@@ -139,14 +139,14 @@ def test_a_prefix_pulled_from_another_node_answers_as_computed(
     name = "notes-1"
     _answers(live, [prompts[name]], cold="pulled")  # computed where it is routed on its own
     holder = routes[-1].prefill
-    pick = coordinator._pick_prefill
+    pick = coordinator.policy._pick_prefill
 
     def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
         pick(members, prompt_len, match)
         other = next(n for n in coordinator.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
-    monkeypatch.setattr(coordinator, "_pick_prefill", elsewhere)
+    monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)
     assert _answers(live, [prompts[name]], cold="pulled") == [reference[name]]
     d = coordinator.pulls.decisions[-1]
     assert d.choice == "pull" and d.node != holder and routes[-1].pull is not None, d
