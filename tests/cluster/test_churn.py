@@ -152,7 +152,7 @@ def _fds() -> int:
 
 def _snapshot(local: LocalCluster, keep: list[str]) -> dict[str, Any]:
     deadline = time.monotonic() + 20
-    while any(local.nodes[n].num_unfinished() for n in keep) or local.client._flights:
+    while any(local.nodes[n].num_unfinished() for n in keep) or local.client.flights:
         assert time.monotonic() < deadline, "requests still in flight"
         time.sleep(0.02)
     time.sleep(0.3)  # closed pairs' threads finish exiting
@@ -168,7 +168,7 @@ def _snapshot(local: LocalCluster, keep: list[str]) -> dict[str, Any]:
         "threads": threading.active_count(),
         "pair_threads": pair_threads,
         "fds": _fds(),
-        "client_sockets": len(local.client._push),
+        "client_sockets": local.client.sockets.num_push_sockets,
     }
 
 

@@ -233,19 +233,19 @@ async def test_reader_survives_any_message_and_keeps_streaming(monkeypatch) -> N
         d.tokens("r1", [6, 7], finished=True)
         await h.wait_done("r1")
         assert "r1" not in h.errors and h.tokens_of("r1") == [5, 6, 7]
-        assert h.client.num_bad_msgs == 3  # malformed, unknown tag, the raising handler
+        assert h.client.sockets.num_bad_msgs == 3  # malformed, unknown tag, the raising handler
         metrics = ServerMetrics()
         metrics.update_stats(h.client.stats())
         assert "pd_server_dropped_messages 3.0" in metrics.render().decode()
-        assert h.client.num_reader_restarts == 0 and await h.client.is_ready()
+        assert h.client.sockets.num_reader_restarts == 0 and await h.client.is_ready()
 
 
 async def test_reader_restarts_and_health_is_unready_until_it_reads_again(monkeypatch) -> None:
     async with _harness() as h:
         p, _ = h.add("prefill-0"), h.add("decode-0")
-        await _until(lambda: h.client._reader_ok)
+        await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.is_ready()
-        reader = h.client._reader
+        reader = h.client.sockets._reader
         assert reader is not None
         real_read = reader.read
         calls = {"n": 0}
@@ -258,10 +258,10 @@ async def test_reader_restarts_and_health_is_unready_until_it_reads_again(monkey
 
         monkeypatch.setattr(reader, "read", read)
         p.beat()  # wakes the reader: its first read() now raises
-        await _until(lambda: h.client.num_reader_restarts == 1)
+        await _until(lambda: h.client.sockets.num_reader_restarts == 1)
         assert not await h.client.is_ready()
         p.beat()
-        await _until(lambda: h.client._reader_ok)
+        await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.is_ready()
         assert h.client.stats().num_reader_restarts == 1
 
@@ -323,7 +323,7 @@ async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed
         survivor.tokens("waiting~1", [8, 9], finished=True)
         await h.wait_done("waiting")
         assert h.tokens_of("waiting") == [8, 9] and "waiting" not in h.errors
-        assert h.client.num_rerouted == 1 and h.client.stats().num_failed_nodes == 1
+        assert h.client.flights.num_rerouted == 1 and h.client.stats().num_failed_nodes == 1
 
 
 async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_alone() -> None:
@@ -393,7 +393,7 @@ async def test_a_silent_node_is_dead_after_the_heartbeat_timeout() -> None:
 async def test_while_a_replacement_starts_the_cluster_is_ready_and_requests_wait() -> None:
     async with _harness() as h:
         h.add("prefill-0"), h.add("decode-0")
-        await _until(lambda: h.client._reader_ok)
+        await _until(lambda: h.client.sockets.is_reading)
         h.client.fail_node("decode-0", "gone")
         assert not await h.client.is_ready()
         h.client.begin_start("decode")
@@ -413,7 +413,7 @@ async def test_readiness_says_which_pool_has_no_live_node_while_its_replacement_
     async with _harness() as h:
         assert await h.client.readiness() is not None  # nothing read yet
         h.add("prefill-0")
-        await _until(lambda: h.client._reader_ok)
+        await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.readiness() == "no live decode node"
         h.add("decode-0")
         assert await h.client.readiness() is None
@@ -434,7 +434,7 @@ async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -
     async with _harness() as h:
         h.client.coordinator.decode_only = True
         d = h.add("decode-0")
-        await _until(lambda: h.client._reader_ok)
+        await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.readiness() is None and await h.client.is_ready()
         h.request("r")
         assert (await d.recv_until(LocalReqMsg)).request_id == "r"
@@ -500,7 +500,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         transfer_failed(d, "r")
         assert await p.recv_until(AbortMsg) == AbortMsg(request_id="r")
         assert (await p.recv_until(PrefillReqMsg)).request_id == "r~1"
-        assert h.client.num_rerouted == 1
+        assert h.client.flights.num_rerouted == 1
         transfer_failed(p, "r~1")  # no re-route is left
         await h.wait_done("r")
         assert "KV transfer failed on prefill-0 (re-routed 1 time(s) before: no more)" in str(
@@ -511,7 +511,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         p.fails("own-error", "sampling failed")
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
-        assert h.client.num_rerouted == 1
+        assert h.client.flights.num_rerouted == 1
 
 
 async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:

@@ -156,7 +156,7 @@ def test_bad_input_is_a_4xx_in_openai_shape_and_queues_nothing(live, body, statu
     err = r.json()["error"]
     assert err["message"] and "type" in err
     client = live.cluster.client
-    assert not client._flights and client.coordinator.load(client.coordinator.prefill_nodes[0]) == 0
+    assert not client.flights and client.coordinator.load(client.coordinator.prefill_nodes[0]) == 0
 
 
 def test_client_disconnect_aborts_and_frees(live):

@@ -175,7 +175,7 @@ def test_prefill_node_killed_mid_prefill(live, reference) -> None:
     os.kill(_pid(live, victim), signal.SIGKILL)
     join()
     _check(out, reference, streams_may_fail=False)
-    assert victim in client.dead_nodes and client.num_rerouted >= 2
+    assert victim in client.dead_nodes and client.flights.num_rerouted >= 2
     _check(load.stop(), reference, streams_may_fail=False)
     _clean(live)
 
@@ -219,7 +219,7 @@ def test_decode_node_killed_mid_stream(live, reference) -> None:
     def streaming() -> str | None:
         # started = the server has their tokens (a node's stats may count a request whose
         # first token is still in its socket: frozen there, it is re-routed, not failed)
-        flights = list(client._by_wire.values())
+        flights = list(client.flights._by_wire.values())
         for n in _on(live, "decode"):
             if sum(f.decode == n and f.num_received > 0 for f in flights) >= 2:
                 return n

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from pd.cluster.client import READ_BUDGET, ClusterClient
+from pd.cluster.client import ClusterClient
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.sockets import READ_BUDGET
 from pd.core.messages import CacheEventMsg, NodeInfo
 from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import random_frames, run_stranger
@@ -57,7 +58,7 @@ async def _scenario() -> None:
                 break
             await asyncio.sleep(0.01)
         assert "prefill-0" in client.node_stats  # the reader is alive after all of them
-        assert (client.num_rejected_msgs, client.num_bad_msgs) == (1, 2)
+        assert (client.num_rejected_msgs, client.sockets.num_bad_msgs) == (1, 2)
         stats = client.stats()
         assert (stats.num_rejected_msgs, stats.num_dropped_msgs) == (1, 2)
     finally:
@@ -81,7 +82,7 @@ async def _flood_scenario() -> None:
     await client.start()
     # Each frame costs what it did in the issue (~30 us: 50,000 held the loop 1.6 s), so the
     # reader is slower than the socket refills and only the budget makes it yield.
-    opener_open = client._opener.open
+    opener_open = client.sockets._opener.open
 
     def slow_open(frame: Any) -> bytes | None:
         end = time.perf_counter() + 30e-6
@@ -89,7 +90,7 @@ async def _flood_scenario() -> None:
             pass
         return opener_open(frame)
 
-    client._opener.open = slow_open  # type: ignore[method-assign]
+    client.sockets._opener.open = slow_open  # type: ignore[method-assign]
     turns: list[tuple[float, int]] = []  # (time, frames refused so far) at turns of the loop
 
     async def tick() -> None:  # what HTTP handlers and the watchdog need: turns of the loop
@@ -127,7 +128,7 @@ async def _flood_scenario() -> None:
         assert per_turn <= 2 * READ_BUDGET.max_frames, f"{per_turn} frames in one turn"
         gap = max(b[0] - a[0] for a, b in pairs)
         assert gap < 0.25, f"the event loop stalled {gap:.3f} s"
-        assert not client._reader_ok and not await client.is_ready()  # junk is not reading
+        assert not client.sockets.is_reading and not await client.is_ready()  # junk is not reading
         assert client.stats().rejected_by_peer == {"127.0.0.1": num_sent}
     finally:
         ticker.cancel()
@@ -157,11 +158,11 @@ async def _age_scenario() -> None:
             ahead = Sealer(secret, client.addr, clock=lambda: time.time() + 5.0)  # 5 s off
             push.send(ahead.seal(msgspec.msgpack.encode(make_node_stats("prefill-0", "prefill"))))
             for _ in range(300):
-                if client.num_rejected_msgs or client._reader_ok:
+                if client.num_rejected_msgs or client.sockets.is_reading:
                     break
                 await asyncio.sleep(0.01)
-        assert (strict.num_rejected_msgs, strict._opener.drops.num_stale) == (1, 1)
-        assert (lax.num_rejected_msgs, lax._reader_ok) == (0, True)  # 5 s is within 300 s
+        assert (strict.num_rejected_msgs, strict.sockets._opener.drops.num_stale) == (1, 1)
+        assert (lax.num_rejected_msgs, lax.sockets.is_reading) == (0, True)  # 5 s is within 300 s
     finally:
         ctx.destroy(linger=0)
         await strict.close()

@@ -197,9 +197,9 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         assert (client.num_rejected_msgs, p.num_rejected_msgs, d.num_rejected_msgs) == (
             7, want_p, want_d
         )  # fmt: skip
-        assert client._opener.drops.num_replayed == 1
+        assert client.sockets._opener.drops.num_replayed == 1
         assert p.inbox.drops.num_replayed == 1 and d.inbox.drops.num_replayed == 1
-        assert client.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0
+        assert client.sockets.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0
         assert p.transfer.num_dropped_msgs == d.transfer.num_dropped_msgs == 0
         assert client.coordinator.index("prefill-0").num_cached_tokens > 0  # no forged reset
         await _wait(lambda: client.node_stats["decode-0"].num_rejected_msgs == want_d, 10,

@@ -1,0 +1,269 @@
+"""``Flights``: the requests in flight in the cluster client, and each one's attempts.
+
+The table of flights (``pd.cluster.flight``: one status and one mailbox per request), by
+request id and by the wire id of each one's current attempt. A request's attempts, in the order
+of the client's request life (``pd.cluster.client``, steps 1-6):
+
+- ``dispatch``: a new wire id; book the nodes with the coordinator, waiting in FIFO order for
+  room (``RoomQueue``) until the deadline, then send the request to them (``NodeSockets``).
+- ``on_tokens`` (the reader, for each ``TokenMsg``): tokens, a finish or an error into the
+  flight's mailbox; a failed KV transfer of an attempt that streamed nothing is re-routed after
+  ``retry_delay_s`` (``_retry_later``), unless a node death moves it first.
+- ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
+  (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere.
+- ``abort``, ``end`` (the stream stopped early), or the last tokens: the attempt is over. Its
+  booking is released, the next waiting request woken, and unless it finished its nodes are
+  told to forget it (``_end_attempt``, the one place an attempt ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import zmq
+
+from pd.cluster.coordinator import Coordinator, Route
+from pd.cluster.event_loop import TaskSet
+from pd.cluster.flight import Flight, FlightEvent, FlightStatus
+from pd.cluster.pulls import Pull
+from pd.cluster.room import RoomQueue
+from pd.cluster.sockets import NodeSockets
+from pd.core.messages import (
+    AbortMsg,
+    DecodeReqMsg,
+    LocalReqMsg,
+    NodeInfo,
+    PrefillReqMsg,
+    PullFrom,
+    TokenMsg,
+)
+
+if TYPE_CHECKING:
+    from pd.cluster.client import ClientConfig
+
+
+class ClusterError(RuntimeError):
+    """A request failed inside the cluster (a node rejected it or a transfer failed)."""
+
+
+class Flights:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        sockets: NodeSockets,
+        nodes: Mapping[str, NodeInfo],
+        cfg: ClientConfig,
+        tasks: TaskSet,
+    ) -> None:
+        """``nodes``: the client's registered nodes (read here: their addresses); ``tasks``:
+        where a retry waits."""
+        self.coordinator = coordinator
+        self.cfg = cfg
+        self._sockets = sockets
+        self._nodes = nodes
+        self._tasks = tasks
+        self._by_id: dict[str, Flight] = {}
+        self._by_wire: dict[str, Flight] = {}  # by the wire id of its current attempt
+        self._room = RoomQueue()
+        self.num_rerouted = 0
+
+    def __len__(self) -> int:
+        """Requests in flight."""
+        return len(self._by_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a node with room."""
+        return self._room.num_waiting
+
+    def wake(self) -> None:
+        """Room may have appeared (a node joined): the first waiting request tries again."""
+        self._room.wake()
+
+    def num_routed_to(self, node_id: str) -> int:
+        """Requests in flight that this node serves (or is about to receive)."""
+        return sum(node_id in (f.prefill, f.decode) for f in self._by_id.values())
+
+    def admit(self, flight: Flight) -> None:
+        """Into the table, before anything is booked; ValueError when its request id is
+        running already, or when its sampling parameters cannot be sent (nothing is kept)."""
+        if flight.request_id in self._by_id:
+            raise ValueError(f"request id {flight.request_id!r} is already running")
+        self._sockets.check_sendable(flight.params, "sampling parameters")
+        self._by_id[flight.request_id] = flight
+
+    def leave(self, flight: Flight) -> None:
+        """Out of the table: its stream has ended."""
+        self._by_id.pop(flight.request_id, None)
+
+    async def dispatch(self, flight: Flight) -> None:
+        """Book nodes for the next attempt, waiting in FIFO order while none has room (until
+        the deadline), and send the request to them."""
+        if flight.status is FlightStatus.ABORTED:  # while re-routing: ABORT is next
+            return
+        wire = flight.begin_attempt()
+        prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
+        try:
+            route = await self._room.wait(
+                lambda: self.coordinator.route(
+                    wire, prompt, p.max_tokens, ns, allow_local=not flight.is_warmup
+                ),
+                flight.deadline,
+                flight.ticket,
+                first=flight.num_attempts > 1,  # a re-routed request came before those waiting
+            )
+        except TimeoutError as e:
+            limit = self.cfg.request_timeout_s
+            raise TimeoutError(f"request {flight.request_id}: {e} ({limit} s)") from None
+        if route is None:  # aborted while waiting: ABORT is in its mailbox
+            return
+        flight.route(route.prefill, route.decode)
+        self._by_wire[wire] = flight
+        try:
+            self._send_attempt(flight, wire, route)
+        except zmq.ZMQError as e:
+            raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
+
+    async def next_event(self, flight: Flight) -> FlightEvent:
+        """The next event in its mailbox; TimeoutError at its deadline."""
+        if not flight.mailbox.empty():
+            return flight.mailbox.get_nowait()
+        left = flight.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(flight.mailbox.get(), max(left, 0.0))
+        except TimeoutError:
+            raise TimeoutError(
+                f"request {flight.request_id} passed its deadline ({self.cfg.request_timeout_s} s)"
+            ) from None
+
+    def abort(self, request_id: str) -> None:
+        """Its stream ends with an empty last output (finish reason "abort")."""
+        flight = self._by_id.get(request_id)
+        if flight is None or flight.is_over:
+            return
+        self._end_attempt(flight, FlightStatus.ABORTED, abort_nodes=True)
+        flight.mailbox.put_nowait(FlightEvent.abort())
+        flight.ticket.cancel()  # stop waiting for room
+
+    def end(self, flight: Flight, status: FlightStatus) -> None:
+        """Its stream ends before the flight is over (``status``: failed or aborted): its
+        nodes drop the attempt."""
+        if not flight.is_over:
+            self._end_attempt(flight, status, abort_nodes=True)
+
+    def on_tokens(self, msg: TokenMsg) -> None:
+        """Tokens, a finish or an error of an attempt, into its flight's mailbox."""
+        wire = msg.request_id
+        flight = self._by_wire.get(wire)
+        if flight is None or msg.node_id not in (flight.prefill, flight.decode):
+            return  # an attempt that was given up, or a node that was dropped
+        if msg.can_retry and flight.can_reroute(self.cfg.max_reroutes):
+            if flight.status is not FlightStatus.RETRY_PENDING:  # each side may report it
+                flight.set_status(FlightStatus.RETRY_PENDING)
+                self._tasks.spawn(self._retry_later(flight, wire, msg.error or ""))
+            return
+        flight.receive(len(msg.token_ids))
+        if msg.error is not None:
+            self.coordinator.on_prefilled(wire)
+            retried = msg.can_retry  # retryable, but not again
+            self._fail(flight, flight.out_of_reroutes(msg.error) if retried else msg.error)
+            return
+        event = FlightEvent.tokens(
+            msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens
+        )
+        flight.mailbox.put_nowait(event)  # first: the caller gets its tokens whatever follows
+        self.coordinator.on_prefilled(wire)
+        if msg.finished:
+            self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
+
+    def on_node_lost(self, node_id: str, why: str) -> None:
+        """``node_id`` is gone (dead or removed): each flight it served moves off it."""
+        for flight in list(self._by_id.values()):
+            if node_id in (flight.prefill, flight.decode):
+                self._lose(flight, node_id, why)
+
+    # -- an attempt -------------------------------------------------------------------------
+
+    def _send_attempt(self, flight: Flight, wire: str, route: Route) -> None:
+        """Tell the decode node what to expect, the prefill node what to compute; or the
+        decode node alone to prefill it."""
+        prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
+        d = self._nodes[route.decode]
+        if route.prefill is None:
+            msg = LocalReqMsg(request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns)
+            self._sockets.send(route.decode, msg)
+            return
+        self._sockets.send(
+            route.decode,
+            DecodeReqMsg(
+                request_id=wire,
+                prompt_ids=prompt,
+                sampling=p,
+                namespace=ns,
+                prefill_node=route.prefill,
+            ),
+        )
+        msg = PrefillReqMsg(
+            request_id=wire,
+            prompt_ids=prompt,
+            sampling=p,
+            namespace=ns,
+            decode_node=route.decode,
+            decode_addr=d.addr,
+            decode_transfer_addr=d.transfer_addr,
+            pull=self._pull_from(route.pull),
+        )
+        self._sockets.send(route.prefill, msg)
+
+    def _pull_from(self, pull: Pull | None) -> PullFrom | None:
+        holder = None if pull is None else self._nodes.get(pull.holder)
+        if pull is None or holder is None:
+            return None
+        return PullFrom(
+            node_id=pull.holder,
+            addr=holder.addr,
+            transfer_addr=holder.transfer_addr,
+            num_tokens=pull.num_tokens,
+            timeout_s=pull.timeout_s,
+        )
+
+    def _end_attempt(self, flight: Flight, status: FlightStatus, abort_nodes: bool) -> None:
+        """Move the flight to ``status`` (re-routing, or over). The attempt it held (if any)
+        is over: forget its wire id and its booking, and (``abort_nodes``) tell its nodes to
+        drop it."""
+        attempt = flight.end_attempt(status)
+        if attempt is None:
+            return
+        self._by_wire.pop(attempt.wire_id, None)
+        if abort_nodes:
+            for node_id in (attempt.prefill, attempt.decode):
+                self._sockets.tell(node_id, AbortMsg(request_id=attempt.wire_id))
+        self.coordinator.on_finished(attempt.wire_id)
+        self._room.wake()
+
+    def _reroute(self, flight: Flight, why: str) -> None:
+        self._end_attempt(flight, FlightStatus.REROUTING, abort_nodes=True)  # the live ones
+        self.num_rerouted += 1
+        flight.mailbox.put_nowait(FlightEvent.reroute(why))
+
+    def _fail(self, flight: Flight, error: str) -> None:
+        """It failed in the cluster: its stream raises ``ClusterError(error)``, and its nodes
+        (the partner may still hold it) drop the attempt."""
+        flight.mailbox.put_nowait(FlightEvent.error(error))
+        self._end_attempt(flight, FlightStatus.FAILED, abort_nodes=True)
+
+    async def _retry_later(self, flight: Flight, wire_id: str, error: str) -> None:
+        await asyncio.sleep(self.cfg.retry_delay_s)
+        # no node death moved it meanwhile, and it is not over
+        if flight.status is FlightStatus.RETRY_PENDING and flight.wire_id == wire_id:
+            self._reroute(flight, error)
+
+    def _lose(self, flight: Flight, node_id: str, why: str) -> None:
+        if flight.can_reroute(self.cfg.max_reroutes):
+            self._reroute(flight, f"node {node_id}: {why}")
+        elif flight.status is not FlightStatus.STREAMING or node_id == flight.decode:
+            self._fail(flight, flight.out_of_reroutes(f"node {node_id} failed: {why}"))
+        # else it decodes on a live node that has its KV already: leave it be
