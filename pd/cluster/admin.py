@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
 from pd.cluster.launcher import Cluster
+from pd.cluster.pools import NodeState
 from pd.core.messages import NodeInfo, NodeStatsMsg
 
 if TYPE_CHECKING:
     from pd.cluster.autoscaler import Autoscaler
 
-STATES = ("starting", "ready", "draining")
+STATES = ("starting", "ready", "draining")  # the NodeState values a view shows
 
 
 class NodeView(NamedTuple):
@@ -91,12 +92,13 @@ class ClusterAdmin:
         return [r._asdict() for r in self.client.coordinator.routes.of(request_id)]
 
     def nodes(self) -> list[NodeView]:
-        cluster, stats = self.cluster, self.client.node_stats
-        views = [_view(n, role, "starting", None, None) for n, role in cluster.starting.items()]
-        for node_id, info in self.client.nodes.items():
-            state = "draining" if node_id in cluster.draining else "ready"
+        pools, stats = self.cluster.pools, self.client.node_stats
+        starting = pools.nodes(NodeState.STARTING)
+        views = [_view(n.node_id, n.role, n.state.value, None, None) for n in starting]
+        for node_id, info in self.client.nodes.items():  # ready or draining
+            state = pools[node_id].state.value
             views.append(_view(node_id, info.role, state, info, stats.get(node_id)))
-        return sorted(views, key=lambda v: (ROLES.index(v.role), cluster.launched[v.id].index))
+        return sorted(views, key=lambda v: (ROLES.index(v.role), pools[v.id].index))
 
     def check_capacity(
         self, prefill: int | None = None, decode: int | None = None

@@ -1,7 +1,7 @@
 """How many nodes of a pool the Ray cluster can hold, so that ``/admin/scale`` refuses a size
 that could never fill (409, with the numbers) instead of starting a pool that waits forever.
 
-A node asks Ray for what ``Cluster._start_actor`` gives it: with GPUs, a CPU and its GPUs;
+A node asks Ray for what ``NodeActors.start`` gives it: with GPUs, a CPU and its GPUs;
 its role's custom resources (``--prefill-resources``) either way. A CPU node without custom
 resources asks Ray for nothing (Ray would place any number of them, and CPU nodes share cores:
 ``pd serve --prefill 2 --decode 2`` runs on two), so what bounds them is memory: such a node is

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from pd.cluster.client import ClientConfig
+from pd.cluster.pools import NodeState
 from pd.server import ServerConfig
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
 
@@ -76,7 +77,7 @@ def test_draining_one_of_three_prefill_nodes_drains_exactly_one(live: LiveCluste
     url = f"{live.url}/admin/nodes/prefill-1/drain"
     assert httpx.post(url, headers=TENANT, timeout=10).status_code == 403
     assert httpx.post(url, timeout=10).status_code == 401
-    assert cluster.target["prefill"] == 3 and not cluster.draining
+    assert cluster.target["prefill"] == 3 and not cluster.pools.nodes(NodeState.DRAINING)
     r = httpx.post(url, headers=ADMIN, timeout=10)
     assert r.status_code == 202, r.text
     assert r.json()["target"] == {"prefill": 2, "decode": 1}
@@ -91,8 +92,12 @@ def test_draining_one_of_three_prefill_nodes_drains_exactly_one(live: LiveCluste
     assert [(n["id"], n["state"]) for n in pools["nodes"]] == [
         ("prefill-0", "ready"), ("prefill-2", "ready"), ("decode-0", "ready"),
     ]  # fmt: skip
-    assert sorted(cluster.launched) == ["decode-0", "prefill-0", "prefill-1", "prefill-2"]
-    assert not cluster.starting and not cluster.draining
+    launched = sorted(n.node_id for n in cluster.pools.nodes())
+    assert launched == ["decode-0", "prefill-0", "prefill-1", "prefill-2"]
+    pending = [
+        n for n in cluster.pools.nodes() if n.state in (NodeState.STARTING, NodeState.DRAINING)
+    ]
+    assert not pending, pending
     assert len(_generate(live)) == 4
     wait_idle_and_check(live)
 
@@ -121,7 +126,8 @@ def test_scaling_past_what_the_cluster_can_place_is_409_with_the_numbers(
     expected = (total_gib - held_gib) / node_gib
     assert held_gib == node_gib and abs(most - expected) <= 0.02 * expected + 1, (most, expected)
     assert err["param"] == "prefill" and err["code"] == "insufficient_capacity"
-    assert cluster.target == {"prefill": 2, "decode": 1} and not cluster.starting
+    assert cluster.target == {"prefill": 2, "decode": 1}
+    assert not cluster.pools.nodes(NodeState.STARTING)
     r = httpx.post(f"{live.url}/admin/scale", json={"prefill": 2}, headers=ADMIN, timeout=30)
     assert r.status_code == 202  # keeping (or shrinking) a size is always possible
 
@@ -162,7 +168,8 @@ def test_readiness_is_503_while_a_pool_has_no_live_node_and_health_stays_200(
         stop.set()
         prober.join(timeout=15)
     assert to_503 <= HEARTBEAT_S + 1.0, f"/ready said 503 {to_503:.1f} s after the kill"
-    assert cluster.replacements == ["decode-1"] and "decode-1" in cluster.client.nodes
+    replacements = [n.node_id for n in cluster.pools.nodes() if n.is_replacement]
+    assert replacements == ["decode-1"] and "decode-1" in cluster.client.nodes
     assert health and all(h == (200, {"status": "ok"}) for h in health), health[:5]
     print(f"/ready: 503 {to_503:.2f} s after the kill, 200 again after {back:.1f} s")
     assert len(_generate(live)) == 4

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig, LaunchedNode
+from pd.cluster.launcher import Cluster, ClusterConfig
+from pd.cluster.pools import NodeState, PoolNode
 from pd.engine.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -23,14 +24,11 @@ def test_reconciles_before_a_start_has_run_start_each_missing_node_once() -> Non
         started: list[str] = []
         never: asyncio.Future[object] = asyncio.get_running_loop().create_future()
 
-        def fake_start_actor(role: str) -> tuple[str, asyncio.Future[object]]:
-            node = LaunchedNode(role, len(started))
-            started.append(role)
-            cluster.launched[node.node_id] = node
-            cluster.starting[node.node_id] = role
-            return node.node_id, never  # never up: the start stays under way
+        def fake_start(node: PoolNode, *args: object) -> asyncio.Future[object]:
+            started.append(node.role)
+            return never  # never up: the start stays under way
 
-        cluster._start_actor = fake_start_actor  # type: ignore[method-assign]
+        cluster.actors.start = fake_start  # type: ignore[method-assign,assignment]
         cluster._reconcile()
         cluster._reconcile()  # before the loop has run anything the first one asked for
         for _ in range(5):
@@ -38,10 +36,9 @@ def test_reconciles_before_a_start_has_run_start_each_missing_node_once() -> Non
         cluster.scale(decode=2)  # the same targets again: nothing more to start
         for _ in range(5):
             await asyncio.sleep(0)
-        assert sorted(cluster.starting.values()) == ["decode", "decode", "prefill"]
-        for task in list(cluster._tasks):
-            task.cancel()
-        await asyncio.gather(*cluster._tasks, return_exceptions=True)
+        starting = cluster.pools.nodes(NodeState.STARTING)
+        assert sorted(n.role for n in starting) == ["decode", "decode", "prefill"]
+        await cluster._tasks.cancel_all()
         return started
 
     assert sorted(asyncio.run(main())) == ["decode", "decode", "prefill"]

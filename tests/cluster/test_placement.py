@@ -84,7 +84,8 @@ def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
         num_threads: int | None, threads_per_node: int | None = None, num_decode: int = 3
     ) -> int | None:
         cfg = ClusterConfig(num_prefill=1, num_decode=num_decode, threads_per_node=threads_per_node)
-        return Cluster(EngineConfig(num_threads=num_threads), cfg, CoordinatorConfig())._threads()
+        cluster = Cluster(EngineConfig(num_threads=num_threads), cfg, CoordinatorConfig())
+        return cluster.actors.threads(cluster.engine_cfg)
 
     assert threads(None) == 2  # 8 cores over the 3 decode nodes: a prefill node shares them
     assert threads(None, num_decode=1) == 8  # 1 prefill + 1 decode: all the cores each

@@ -57,7 +57,7 @@ def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
         for t in threads:
             t.join(timeout=120)
         assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-        assert coordinator.prefill_nodes == ["prefill-0"] and new not in cluster.actors
+        assert coordinator.prefill_nodes == ["prefill-0"] and cluster.pools[new].actor is None
         assert _complete(live.url, "After removal:").status_code == 200
         wait_idle_and_check(live)
     finally:
