@@ -4,11 +4,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from pd.core.batch import ForwardBatch
 from pd.core.kv_pool import KVPool
+
+
+class AttentionSpec(NamedTuple):
+    """How one layer attends: scores times ``scale``, then ``tanh(s / softcap) * softcap``
+    where ``softcap`` > 0 (Gemma 2), over the last ``window`` positions up to the query's own
+    where ``window`` > 0 (a sliding-window layer), else over all of them."""
+
+    scale: float
+    softcap: float = 0.0
+    window: int = 0
 
 
 class BaseAttentionBackend(ABC):

@@ -96,7 +96,7 @@ class DecodeBatch(NamedTuple):
     out_slots: torch.Tensor  # [num_rows] int64: where each row's new K/V is written
     kv_idx: torch.Tensor  # [num_rows, L] int64: the slot of each key, padded with scratch_slot
     kv_mask: torch.Tensor  # [num_rows, L] bool: True where the key is the row's own
-    # what ``LlamaForCausalLM.forward`` reads of a ForwardBatch: no per-layer hook, all logits
+    # what ``DecoderLM.forward`` reads of a ForwardBatch: no per-layer hook, all logits
     on_layer_done: None = None
     logits_indices: None = None
 

@@ -6,12 +6,13 @@ traces)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from pd.core.attention import BaseAttentionBackend
+from pd.core.attention import AttentionSpec, BaseAttentionBackend
 from pd.core.batch import DecodeBatch, ForwardBatch
 from pd.core.kv_pool import KVPool
 from pd.engine import cpu_attention
@@ -69,9 +70,16 @@ def row_meta(batch: ForwardBatch) -> _RowMeta:
     )
 
 
+_FULL = AttentionSpec(0.0)  # the op's defaults: 1 / sqrt(head dim), no cap, every key
+
+
 class KernelAttentionBackend(BaseAttentionBackend):
     """Every row of a batch, prefill and decode alike, by ``pd.engine.cpu_attention``'s ragged
-    op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32)."""
+    op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32).
+    ``specs``: each layer's scale, score cap and window (none: every layer the defaults)."""
+
+    def __init__(self, specs: Sequence[AttentionSpec] = ()) -> None:
+        self.specs = list(specs)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = row_meta(batch)
@@ -87,21 +95,25 @@ class KernelAttentionBackend(BaseAttentionBackend):
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
         rows: _RowMeta = batch.attn_metadata
+        spec = self.specs[layer] if self.specs else _FULL
         return torch.ops.pd.paged_attention(
-            q, pool.k[layer], pool.v[layer], rows.slots, rows.starts, rows.lens
+            q, pool.k[layer], pool.v[layer], rows.slots, rows.starts, rows.lens, *spec
         )
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
     """One padded SDPA per layer for the batch's decode rows (the C++ kernel where it runs),
-    one SDPA per extend request."""
+    one SDPA per extend request; a layer with a sliding window attends under an explicit mask,
+    one with capped scores by plain torch math (SDPA caps nothing)."""
 
     def __init__(
         self,
         kernel: bool = True,
         extend_dtype: torch.dtype | None = None,
         extend_min_tokens: int = 1,
+        specs: Sequence[AttentionSpec] = (),
     ) -> None:
+        self.specs = list(specs)
         # whether decode rows may run on the kernel; None: decided at the first decode rows,
         # from their dtype and heads
         self._kernel: bool | None = None if kernel else False
@@ -131,7 +143,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 masks.append(None)
             else:
                 # query i sits at position prefix + i and sees keys [0, prefix + i]
-                masks.append(torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(prefix))
+                masks.append(_causal(n, seq_len, device))
         extend = _ExtendMeta(bounds, masks, pads, batch.kv_slots[nd:])
         batch.attn_metadata = _Meta(nd, decode, extend)
 
@@ -160,14 +172,20 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
         meta: _Meta = batch.attn_metadata
+        spec = self.specs[layer] if self.specs else _FULL
         if meta.decode is not None and meta.num_decode == q.shape[0]:
-            return self._decode(q, layer, pool, meta.decode)
+            return self._decode(q, layer, pool, meta.decode, spec)
         out = torch.empty_like(q)
         if meta.decode is not None:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], layer, pool, meta.decode)
+            decode = self._decode(q[: meta.num_decode], layer, pool, meta.decode, spec)
+            out[: meta.num_decode] = decode
         ext = meta.extend
         for (start, end), mask, pad, slots in zip(ext.q_bounds, ext.masks, ext.pads, ext.kv_slots):
             qr = q[start:end]
+            if spec.window:  # the band of keys each row sees: an explicit mask, no padding
+                seq_len, n = slots.shape[0], end - start
+                mask = _causal(n, seq_len, q.device, spec.window)
+                pad = 0
             if mask is None and not pad:  # cold prefill: the keys are this batch's new tokens
                 kr, vr = k[start:end], v[start:end]
             else:
@@ -176,39 +194,73 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 qr = torch.cat((qr.new_zeros(pad, *qr.shape[1:]), qr))
             if self.extend_dtype is not None and end - start >= self.extend_min_tokens:
                 qr, kr, vr = (t.to(self.extend_dtype) for t in (qr, kr, vr))
-            o = F.scaled_dot_product_attention(
-                qr.transpose(0, 1)[None],  # [1, H, rows, D]
-                kr.transpose(0, 1)[None],
-                vr.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=True,
-            )
-            out[start:end] = o[0, :, pad:].transpose(0, 1)
+            o = _attend(qr.transpose(0, 1)[None], kr.transpose(0, 1)[None],  # [1, H, rows, D]
+                        vr.transpose(0, 1)[None], mask, spec)  # fmt: skip
+            out[start:end] = o[0, :, pad:].transpose(0, 1).to(out.dtype)
         return out
 
-    def _decode(self, q: torch.Tensor, layer: int, pool: KVPool, meta: _DecodeMeta) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        pool: KVPool,
+        meta: _DecodeMeta,
+        spec: AttentionSpec = _FULL,
+    ) -> torch.Tensor:
         k_cache, v_cache = pool.k[layer], pool.v[layer]
         if self._kernel is None:
             self._kernel = cpu_attention.available(
                 q.dtype, q.device, q.shape[1], *k_cache.shape[1:]
             )
+        mask = meta.mask if meta.mask is not None else torch.ones_like(meta.idx, dtype=torch.bool)
         if self._kernel:
-            mask = (
-                meta.mask if meta.mask is not None else torch.ones_like(meta.idx, dtype=torch.bool)
-            )
-            return torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, meta.idx, mask)
+            return torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, meta.idx, mask, *spec)
         # q: [B, H, D] -> [B, H, 1, D]; keys: [B, KVH, max_len, D]. index_select: ~5x faster
         # than advanced indexing on CPU
         shape = (*meta.idx.shape, *pool.k[layer].shape[1:])
         flat_idx = meta.idx.view(-1)
         keys = pool.k[layer].index_select(0, flat_idx).view(shape).transpose(1, 2)
         values = pool.v[layer].index_select(0, flat_idx).view(shape).transpose(1, 2)
-        mask = None if meta.mask is None else meta.mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
+        if spec.window:  # the last ``window`` of each row's keys
+            lens = mask.sum(-1, keepdim=True)
+            mask = mask & (torch.arange(mask.shape[1], device=mask.device) >= lens - spec.window)
+        full = meta.mask is None and not spec.window
+        out = _attend(
+            q[:, :, None, :], keys, values, None if full else mask[:, None, None, :], spec
         )
-        return out[:, :, 0, :]
+        return out[:, :, 0, :].to(q.dtype)
+
+
+def _causal(n: int, seq_len: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """[n, seq_len] bool: the last n of seq_len positions each see the keys up to their own
+    (only the last ``window`` of them where ``window`` > 0)."""
+    prefix = seq_len - n
+    mask = torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(prefix)
+    return mask.triu(prefix - window + 1) if window else mask
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    spec: AttentionSpec,
+) -> torch.Tensor:
+    """SDPA over [B, H, rows, D] (``mask`` None: causal), with ``spec``'s scale; capped scores
+    (which SDPA cannot do) by plain torch math in fp32."""
+    scale = spec.scale or None
+    if not spec.softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = q.float() @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if mask is None:
+        mask = _causal(q.shape[-2], k.shape[-2], q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v).to(q.dtype)
 
 
 def paged_decode_attention(
@@ -217,14 +269,18 @@ def paged_decode_attention(
     v_cache: torch.Tensor,
     idx: torch.Tensor,
     mask: torch.Tensor,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query per row over its keys in the pool, written as plain gathers, products and
     sums so that inductor fuses the gather, the scores, the softmax and the weighted sum into a
     few loops (no [B, L] copy of the keys, no SDPA call: on CPU, SDPA with one query ran 4-8x
     slower, and in bf16 it ran in a slow path). Scores and softmax are fp32 in every dtype.
 
-    q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D]; idx, mask: [B, L]; -> [B, H, D].
-    Eager, this materialises [B, L, KVH, G, D] products: only compiled code should call it.
+    q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D]; idx, mask: [B, L]; -> [B, H, D];
+    ``scale``, ``softcap``, ``window`` as ``AttentionSpec``'s (0: the defaults). Eager, this
+    materialises [B, L, KVH, G, D] products: only compiled code should call it.
     """
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -232,7 +288,12 @@ def paged_decode_attention(
     keys = k_cache[idx][:, :, :, None, :]  # [B, L, KVH, 1, D]
     values = v_cache[idx][:, :, :, None, :]
     query = q.view(b, 1, num_kv_heads, group, head_dim).float()
-    scores = (query * keys.float()).sum(-1) * head_dim**-0.5  # [B, L, KVH, G]
+    scores = (query * keys.float()).sum(-1) * (scale or head_dim**-0.5)  # [B, L, KVH, G]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if window:  # the last ``window`` of each row's keys
+        lens = mask.sum(-1, keepdim=True)
+        mask = mask & (torch.arange(mask.shape[1], device=mask.device) >= lens - window)
     scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1)
     out = (probs[..., None] * values.float()).sum(1)  # [B, KVH, G, D]
@@ -245,8 +306,9 @@ class PagedDecodeAttention(BaseAttentionBackend):
     metadata to build. ``kernel``: call ``pd.engine.cpu_attention``'s op (an opaque call in
     the graph) instead of tracing ``paged_decode_attention``."""
 
-    def __init__(self, kernel: bool = False) -> None:
+    def __init__(self, kernel: bool = False, specs: Sequence[AttentionSpec] = ()) -> None:
         self.kernel = kernel
+        self.specs = list(specs)
 
     def init_forward_metadata(self, batch: DecodeBatch) -> None:  # type: ignore[override]
         pass
@@ -262,7 +324,8 @@ class PagedDecodeAttention(BaseAttentionBackend):
     ) -> torch.Tensor:
         pool.write(layer, batch.out_slots, k, v)
         attend = torch.ops.pd.paged_decode_attention if self.kernel else paged_decode_attention
-        return attend(q, pool.k[layer], pool.v[layer], batch.kv_idx, batch.kv_mask)
+        spec = self.specs[layer] if self.specs else _FULL
+        return attend(q, pool.k[layer], pool.v[layer], batch.kv_idx, batch.kv_mask, *spec)
 
 
 def make_attention_backend(
@@ -271,13 +334,15 @@ def make_attention_backend(
     extend_dtype: torch.dtype | None = None,
     extend_min_tokens: int = 1,
     every_row_on_kernel: bool = False,
+    specs: Sequence[AttentionSpec] = (),
 ) -> BaseAttentionBackend:
     """``auto``: SDPA, decode rows on the C++ kernel where it runs; ``torch``: SDPA alone.
     ``extend_dtype``: the dtype a request's prefill or extend rows attend in, if not the
     model's, where it has at least ``extend_min_tokens`` of them. ``every_row_on_kernel``
-    (``auto`` only): every row on the kernel (``KernelAttentionBackend``, deterministic)."""
+    (``auto`` only): every row on the kernel (``KernelAttentionBackend``, deterministic).
+    ``specs``: each layer's scale, score cap and window."""
     if name == "auto" and every_row_on_kernel:
-        return KernelAttentionBackend()
+        return KernelAttentionBackend(specs)
     if name in ("auto", "torch"):
-        return TorchAttentionBackend(name == "auto", extend_dtype, extend_min_tokens)
+        return TorchAttentionBackend(name == "auto", extend_dtype, extend_min_tokens, specs)
     raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

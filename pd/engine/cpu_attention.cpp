@@ -101,6 +101,8 @@ struct Heads {
   const T* vc;
   int64_t KVH, S, G, D;
   float scale;
+  float softcap;  // > 0: scores -> tanh(s / softcap) * softcap
+  int64_t window;  // > 0: a row sees its last this many keys only
 };
 
 // A block of query rows that share their keys: rows [r0, r1), the keys slots[0, n_r) of each
@@ -299,8 +301,12 @@ static int64_t attend(const Heads<T>& a, const T* q, const Block& b, int64_t h, 
     }
     tops[i] = lowest;
   }
+  // a row sees keys [lo, n): lo > 0 in a sliding window; the block's first row has the
+  // smallest n, so the smallest lo; the passes start at its block of keys
+  auto lo_of = [&](int64_t n) { return a.window > 0 && n > a.window ? n - a.window : 0; };
+  const int64_t start = lo_of(b.lens[0]) / kLanes * kLanes;
   // pass 1: the scores, kLanes keys at a time
-  for (int64_t l0 = 0; l0 < n_max; l0 += kLanes) {
+  for (int64_t l0 = start; l0 < n_max; l0 += kLanes) {
     block_rows(a, b, h, l0, n_max, offsets, valid + l0);
     if (l0 + kLanes < n_max)  // the next block's first rows
       for (int64_t j = 0; j < 4 && l0 + kLanes + j < n_max; ++j) {
@@ -319,21 +325,24 @@ static int64_t attend(const Heads<T>& a, const T* q, const Block& b, int64_t h, 
         if (l0 < b.lens[i / G]) qs[m++] = qf + i * D;
       if (m == 0) continue;
       block_scores(qs, m, kt, D, s4);
+      if (a.softcap > 0.0f)
+        for (int64_t j = 0; j < m * kLanes; ++j) s4[j] = std::tanh(s4[j] / a.softcap) * a.softcap;
       int64_t k = 0;
       for (int64_t i = i0; i < RG && i < i0 + 4; ++i) {
-        const int64_t n = b.lens[i / G];
+        const int64_t n = b.lens[i / G], lo = lo_of(n);
         if (l0 >= n) continue;
         const float* s = s4 + (k++) * kLanes;
         float* si = scores + i * n16 + l0;
 #if defined(__AVX512F__)
-        const __mmask16 there = n - l0 >= kLanes ? mask : mask & ((1u << (n - l0)) - 1u);
+        __mmask16 there = n - l0 >= kLanes ? mask : mask & ((1u << (n - l0)) - 1u);
+        if (lo > l0) there &= lo - l0 >= kLanes ? 0u : 0xFFFFu << (lo - l0);
         const __m512 x = _mm512_mask_blend_ps(there, _mm512_set1_ps(lowest), _mm512_loadu_ps(s));
         _mm512_storeu_ps(si, x);
         tops[i] = std::max(tops[i], _mm512_reduce_max_ps(x));
 #else
         float top = tops[i];
         for (int64_t j = 0; j < kLanes; ++j) {
-          const bool there = l0 + j < n && valid[l0 + j];
+          const bool there = l0 + j >= lo && l0 + j < n && valid[l0 + j];
           si[j] = there ? s[j] : lowest;
           top = std::max(top, si[j]);
         }
@@ -342,17 +351,18 @@ static int64_t attend(const Heads<T>& a, const T* q, const Block& b, int64_t h, 
       }
     }
   }
-  // pass 2: softmax numerators, in place (0 past the row's keys), and their sums
+  // pass 2: softmax numerators, in place (0 past the row's keys), and their sums (from the
+  // first block read: the keys before it would add zeros, and start keeps the lanes)
   for (int64_t i = 0; i < RG; ++i) {
     const int64_t n = b.lens[i / G];
     const int64_t n16_row = (n + kLanes - 1) / kLanes * kLanes;
     float* si = scores + i * n16;
-    exp_row(si, n, tops[i] == lowest ? 0.0f : tops[i]);
+    exp_row(si + start, n - start, tops[i] == lowest ? 0.0f : tops[i]);
     std::fill(si + n, si + n16, 0.0f);  // past the row's keys (lane_sum and the values' pass)
-    sums[i] = lane_sum(si, n16_row);
+    sums[i] = lane_sum(si + start, n16_row - start);
   }
   // pass 3: the values, in key order (the blocks' keys read again, now as rows)
-  for (int64_t l0 = 0; l0 < n_max; l0 += kLanes) {
+  for (int64_t l0 = start; l0 < n_max; l0 += kLanes) {
     block_rows(a, b, h, l0, n_max, offsets, valid + l0);
     load_values(a, offsets, valid + l0, vt);
     for (int64_t i0 = 0; i0 < RG; i0 += 4) {
@@ -423,20 +433,26 @@ static void check_common(const at::Tensor& q, const at::Tensor& k_cache,
 
 // Runs ``attention`` over ``blocks`` in q's dtype -> [T, H, D] in q's dtype.
 static at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const std::vector<Block>& blocks, int64_t total_keys) {
+                      const std::vector<Block>& blocks, int64_t total_keys, double scale_in,
+                      double softcap_in, int64_t window) {
   const at::Tensor q = q_in.contiguous();
   const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   at::Tensor out = at::empty({T_, H, D}, q.options().dtype(at::kFloat));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  TORCH_CHECK_VALUE(scale_in >= 0 && softcap_in >= 0 && window >= 0, "attention: scale ",
+                    scale_in, ", softcap ", softcap_in, " and window ", window,
+                    " must be >= 0 (0: the default, none, none)");
+  const float scale = scale_in > 0 ? static_cast<float>(scale_in)
+                                   : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const float softcap = static_cast<float>(softcap_in);
   int64_t bad;
   if (q.scalar_type() == at::kFloat) {
     Heads<float> a{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), KVH, k_cache.size(0),
-                   H / KVH, D, scale};
+                   H / KVH, D, scale, softcap, window};
     bad = attention(a, q.data_ptr<float>(), out.data_ptr<float>(), blocks, total_keys);
   } else {
     Heads<uint16_t> a{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                       reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), KVH,
-                      k_cache.size(0), H / KVH, D, scale};
+                      k_cache.size(0), H / KVH, D, scale, softcap, window};
     bad = attention(a, reinterpret_cast<const uint16_t*>(q.data_ptr()), out.data_ptr<float>(),
                     blocks, total_keys);
   }
@@ -445,10 +461,12 @@ static at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const a
 }
 
 // q: [B, H, D]; k_cache, v_cache: [S, KVH, D]; idx: [B, L] slots; mask: [B, L] bool, True
-// where the key is the row's -> [B, H, D] in q's dtype. Each row is a block of its own.
+// where the key is the row's (a prefix of the row) -> [B, H, D] in q's dtype. Each row is a
+// block of its own, its keys up to its last one in the mask.
 static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache,
                                              const at::Tensor& v_cache, const at::Tensor& idx_in,
-                                             const at::Tensor& mask_in) {
+                                             const at::Tensor& mask_in, double scale,
+                                             double softcap, int64_t window) {
   check_common(q_in, k_cache, v_cache);
   TORCH_CHECK_VALUE(idx_in.dim() == 2 && idx_in.sizes() == mask_in.sizes() &&
                         idx_in.size(0) == q_in.size(0),
@@ -460,10 +478,16 @@ static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::T
   const int64_t L = idx.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const auto* mp = reinterpret_cast<const uint8_t*>(mask.data_ptr());
+  std::vector<int64_t> lens(B);  // each row's keys: up to its last one in the mask
   std::vector<Block> blocks;
   blocks.reserve(B);
-  for (int64_t t = 0; t < B; ++t) blocks.push_back(Block{t, t + 1, ip + t * L, mp + t * L, &L});
-  return run(q_in, k_cache, v_cache, blocks, B * L);
+  for (int64_t t = 0; t < B; ++t) {
+    int64_t n = L;
+    while (n > 0 && !mp[t * L + n - 1]) --n;
+    lens[t] = n;
+    blocks.push_back(Block{t, t + 1, ip + t * L, mp + t * L, &lens[t]});
+  }
+  return run(q_in, k_cache, v_cache, blocks, B * L, scale, softcap, window);
 }
 
 // q: [T, H, D]; k_cache, v_cache: [S, KVH, D]; slots: [N] int64; starts, lens: [T] int64:
@@ -471,7 +495,8 @@ static at::Tensor paged_decode_attention_cpu(const at::Tensor& q_in, const at::T
 // in a run with the same start and growing lens (one request's prefill rows) share blocks.
 static at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& slots_in,
-                                      const at::Tensor& starts_in, const at::Tensor& lens_in) {
+                                      const at::Tensor& starts_in, const at::Tensor& lens_in,
+                                      double scale, double softcap, int64_t window) {
   check_common(q_in, k_cache, v_cache);
   TORCH_CHECK_VALUE(slots_in.dim() == 1 && starts_in.dim() == 1 &&
                         starts_in.sizes() == lens_in.sizes() && starts_in.size(0) == q_in.size(0),
@@ -497,14 +522,15 @@ static at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& 
       blocks.push_back(Block{t, t + 1, sp + st[t], nullptr, ln + t});
     }
   }
-  return run(q_in, k_cache, v_cache, blocks, total);
+  return run(q_in, k_cache, v_cache, blocks, total, scale, softcap, window);
 }
 
 TORCH_LIBRARY_FRAGMENT(pd, m) {
+  // scale 0: 1 / sqrt(head dim); softcap 0: none; window 0: every key (AttentionSpec)
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor idx, "
-        "Tensor mask) -> Tensor");
+        "Tensor mask, float scale=0., float softcap=0., int window=0) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "Tensor starts, Tensor lens) -> Tensor");
+        "Tensor starts, Tensor lens, float scale=0., float softcap=0., int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pd, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention_cpu);

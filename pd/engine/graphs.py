@@ -41,7 +41,7 @@ from pd.core.batch import DecodeBatch, SeqInput
 from pd.core.kv_pool import KVPool
 from pd.engine import cpu_attention
 from pd.engine.attention import PagedDecodeAttention
-from pd.model.llama import LlamaForCausalLM
+from pd.model.decoder import DecoderLM
 from pd.model.quant import Fp16Linear
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderLM,
         pool: KVPool,
         buckets: Sequence[int],
         scratch_slot: int,
@@ -87,7 +87,8 @@ class DecodeGraphs:
             kernel=kernel
             and cpu_attention.available(
                 pool.dtype, pool.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            )
+            ),
+            specs=cfg.attention_specs(),
         )
         # fp16 weights are packed in an object the tracer cannot enter: such a head (every
         # quantized format has one) runs eagerly after the graph
@@ -102,7 +103,9 @@ class DecodeGraphs:
         seconds each took. A bucket that fails stays eager."""
         for bucket in self.buckets:
             t0 = time.perf_counter()
-            step = torch.compile(self._forward, fullgraph=True, dynamic=None)
+            # a mixture of experts routes by data: its blocks run eagerly between the graphs
+            full = not self.model.has_moe
+            step = torch.compile(self._forward, fullgraph=full, dynamic=None)
             try:
                 # freezing: the weights become constants of the graph (packed for its matmuls).
                 # Every bucket of every engine in the process is one more entry of this code

@@ -24,7 +24,7 @@ from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify
 from pd.model import fixed_ops
 from pd.model.config import ModelConfig
-from pd.model.llama import LlamaForCausalLM
+from pd.model.decoder import DecoderLM
 from pd.model.loader import load_config, load_weights, resolve_model
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
@@ -71,6 +71,7 @@ class ModelRunner:
             self.extend_attention_dtype,
             DEQUANT_MIN_TOKENS,
             every_row_on_kernel=self.deterministic,
+            specs=mc.attention_specs(),
         )
         self.graphs = DecodeGraphs(
             self.model,
@@ -120,13 +121,13 @@ class ModelRunner:
                 "--no-deterministic"
             )
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
-        check_deterministic(self.quantization, backend)
+        check_deterministic(self.quantization, backend, has_router=bool(mc.num_experts))
         return True
 
-    def _load_model(self) -> LlamaForCausalLM:
+    def _load_model(self) -> DecoderLM:
         mc = self.model_config
         with torch.device("meta"):  # no memory, no init: the checkpoint's tensors replace them
-            model = LlamaForCausalLM(mc)
+            model = DecoderLM(mc)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
         if self.deterministic:

@@ -1,4 +1,5 @@
-"""Model hyper-parameters read from an HF ``config.json``."""
+"""Model hyper-parameters read from an HF ``config.json``: the shared decoder's shape, and the
+knobs by which a family differs from Llama (``pd.model.families`` reads each family's)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pd.core.attention import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,28 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    # -- how a family differs from Llama (pd.model.families) --------------------------------
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3)
+    norm_offset: float = 0.0  # norms scale by (offset + weight): Gemma's are 1 + weight
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
+    sandwich_norms: bool = False  # a norm after attention and around the MLP too (Gemma)
+    query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> tanh(scores / cap) * cap (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    # per layer: the last this many positions attended to (0: all; sliding-window layers)
+    layer_windows: tuple[int, ...] = ()
+    # per layer, where a family's local and global layers rotate differently (Gemma 3): the
+    # rope theta of sliding-window layers (None: rope_theta)
+    local_rope_theta: float | None = None
+    rotary_dim: int = 0  # dims of a head that rotate (0: all; Phi-3's partial rotary)
+    # mixture of experts: each of these layers routes a token to num_experts_per_tok of
+    # num_experts gated MLPs of moe_intermediate_size (empty: every layer a dense MLP)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -34,47 +57,42 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"{self.num_experts_per_tok} experts a token of {self.num_experts}")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        if cfg.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        num_heads = cfg["num_attention_heads"]
-        # transformers >= 5 nests theta and scaling in rope_parameters; older configs don't.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-        )
+        """The config of an HF ``config.json``; ValueError naming what pd does not serve (an
+        architecture, with the list it does; a rope scaling; a family's unsupported option)."""
+        from pd.model.families import read_config  # the families build ModelConfigs
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """Inverse RoPE frequencies, ``[head_dim // 2]`` float32, with any scaling applied."""
-        dim = self.head_dim
-        inv_freq = 1.0 / (
-            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+        return read_config(cfg)
+
+    @property
+    def window_of(self) -> tuple[int, ...]:
+        """Each layer's window (0: every position), whatever the family."""
+        return self.layer_windows or (0,) * self.num_layers
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Each layer's scale, score cap and window (what an attention backend is built with)."""
+        scale = self.head_dim**-0.5 if self.query_scale is None else self.query_scale
+        return [AttentionSpec(scale, self.attn_softcap or 0.0, w) for w in self.window_of]
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def rope_inv_freq(self, theta: float | None = None) -> torch.Tensor:
+        """Inverse RoPE frequencies, ``[rotary_dim // 2]`` float32, with any scaling applied;
+        ``theta``: another base than ``rope_theta`` (a family's local layers)."""
+        dim = self.rotary_dim or self.head_dim
+        base = self.rope_theta if theta is None else theta
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = self.rope_scaling
-        if scaling is None:
+        if scaling is None or theta is not None:  # a local theta rotates unscaled (Gemma 3)
             return inv_freq
         kind = scaling["rope_type"]
         if kind == "linear":

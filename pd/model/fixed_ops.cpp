@@ -111,15 +111,25 @@ static at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// gate_up: [rows, 2I] -> gelu_tanh(gate) * up (Gemma's GeGLU): torch's own tanh-GELU.
+static at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  at::Tensor y = at::gelu(halves[0], "tanh");
+  y.mul_(halves[1]);
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(pd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pd, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
 }
 
 extern "C" int pd_fixed_ops_loaded() { return 1; }

@@ -13,7 +13,8 @@ out: the same bits on any x86 CPU.
 ``torch.ops.pd.rms_norm(x, weight, eps)``: RMSNorm over the last dim (the squares summed in a
 fixed order); ``torch.ops.pd.rotary(x, cos, sin)``: ``fma(x, cos, roll(x, half) * sin)`` (the
 neox rotation with ``Rotary``'s signed sin); ``torch.ops.pd.silu_mul(gate_up)``: ``silu(gate)
-* up`` of the two halves of the last dim (torch's silu). Built by ``pd.core.cpp.load_torch_ops`` (``available`` is False where
+* up`` of the two halves of the last dim (torch's silu), and ``torch.ops.pd.gelu_tanh_mul`` the
+same with torch's tanh-GELU (Gemma's GeGLU). Built by ``pd.core.cpp.load_torch_ops`` (``available`` is False where
 it cannot be; the model then calls torch's ops directly).
 """
 
@@ -40,5 +41,10 @@ def _fake_half(gate_up: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def available() -> bool:
     """Whether the operators are built and registered (logged once where they cannot be)."""
-    fakes = {"pd::rms_norm": _fake_same, "pd::rotary": _fake_same, "pd::silu_mul": _fake_half}
+    fakes = {
+        "pd::rms_norm": _fake_same,
+        "pd::rotary": _fake_same,
+        "pd::silu_mul": _fake_half,
+        "pd::gelu_tanh_mul": _fake_half,
+    }
     return cpp.load_torch_ops("fixed_ops", _SOURCE, fakes) is not None

@@ -52,6 +52,9 @@ DEQUANT_MIN_TOKENS = 128
 # up): a deterministic fp32 linear multiplies a lone row as two. Checked on each machine by
 # tests/model/test_deterministic.py.
 ONEDNN_BF16_INVARIANT_ROWS = 32
+# a mixture of experts' router (``pd.model.decoder.MoE.gate``): kept unquantized, its choices
+# are the experts'
+ROUTER_NAME = "gate"
 
 
 class QuantLinear(nn.Module):
@@ -289,7 +292,9 @@ def quantize_linears(
     (``check_deterministic`` says which settings can): the int8 and int4 kernels at every row
     count (no dense copy), oneDNN as ``OneDNNLinear`` says.
 
-    With a quantized method the LM head (children named ``head_name``) is packed as fp16, where
+    With a quantized method a mixture of experts' router (``ROUTER_NAME``) keeps the model's
+    precision (packed for oneDNN where ``linear_backend`` is it), and the LM head (children
+    named ``head_name``) is packed as fp16, where
     fbgemm exists: for SmolLM2's 49152x576 head as fast as int4, faster than int8 and far
     closer to the weights (the GGUF stores it as Q8_0, finer than int4 or
     per-row int8). A head tied to the embedding is packed from the shared weight into a
@@ -299,6 +304,10 @@ def quantize_linears(
         return model
     if method == "none":
         return _replace_linears(model, lambda name, lin: OneDNNLinear(lin, deterministic))
+
+    def router(lin: nn.Linear) -> QuantLinear | nn.Linear:  # kept at the model's precision
+        return OneDNNLinear(lin, deterministic) if linear_backend == "onednn" else lin
+
     dense = None if deterministic else DEQUANT_MIN_TOKENS
     make: Callable[[nn.Linear], QuantLinear] = (
         (lambda lin: Int4Linear(lin, dense_min_tokens=dense))
@@ -308,14 +317,15 @@ def quantize_linears(
         else _LINEARS[method]
     )
     head = Fp16Linear if _has_fbgemm() else make
-    return _replace_linears(model, lambda name, lin: (head if name == head_name else make)(lin))
+    by_name = {head_name: head, ROUTER_NAME: router}
+    return _replace_linears(model, lambda name, lin: by_name.get(name, make)(lin))
 
 
-def check_deterministic(method: str, linear_backend: str) -> None:
+def check_deterministic(method: str, linear_backend: str, has_router: bool = False) -> None:
     """Raise (saying what to change) where ``quantize_linears(..., deterministic=True)`` cannot
     keep a row's bits independent of the batch on a cpu: torch's own GEMM (MKL) gives a row
-    other bits at other row counts."""
-    if method == "none" and linear_backend == "aten":
+    other bits at other row counts (the unquantized weights', or a router's)."""
+    if (method == "none" or has_router) and linear_backend == "aten":
         raise ValueError(
             "deterministic inference needs oneDNN's matmuls for unquantized weights (torch's own "
             "GEMM gives a row other bits in a batch of another size); use --linear-backend "

@@ -16,7 +16,7 @@ from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.core.request import ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
-from pd.model.llama import DecoderLayer
+from pd.model.decoder import DecoderLayer
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import PROMPTS, SECRET, Server, assert_idle, run_until, send_request
