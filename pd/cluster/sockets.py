@@ -48,7 +48,7 @@ class _Link:
     """A node's PUSH socket (made at its first message) and what its inbox takes."""
 
     addr: str
-    max_frame_bytes: int
+    max_model_len: int  # of its requests: what its inbox is sized for
     sock: zmq.asyncio.Socket | None = None
     sealer: Sealer | None = None
 
@@ -83,9 +83,13 @@ class NodeSockets:
         return sum(link.sock is not None for link in self._links.values())
 
     def add_node(self, info: NodeInfo) -> None:
+        """Link ``info``'s node; one registered again at the same address keeps its socket."""
+        link = self._links.get(info.node_id)
+        if link is not None and link.addr == info.addr:
+            link.max_model_len = info.max_model_len
+            return
         self.remove_node(info.node_id)
-        limit = inbound.max_frame_bytes(info.max_model_len)  # what its inbox takes
-        self._links[info.node_id] = _Link(info.addr, limit)
+        self._links[info.node_id] = _Link(info.addr, info.max_model_len)
 
     def remove_node(self, node_id: str) -> None:
         link = self._links.pop(node_id, None)
@@ -156,10 +160,9 @@ class NodeSockets:
             link.sealer = Sealer(self._secret, link.addr)
         assert link.sealer is not None
         frame = link.sealer.seal(self._encoder.encode(msg))
-        if len(frame) > link.max_frame_bytes:  # it would drop it unread: say so instead
-            raise ValueError(
-                f"a {len(frame)}-byte message is over {node_id}'s limit {link.max_frame_bytes}"
-            )
+        limit = inbound.max_frame_bytes(link.max_model_len)  # what its inbox takes
+        if len(frame) > limit:  # it would drop it unread: say so instead
+            raise ValueError(f"a {len(frame)}-byte message is over {node_id}'s limit {limit}")
         link.sock.send(frame, flags=zmq.NOBLOCK)
 
     def tell(self, node_id: str, msg: Any) -> None:
