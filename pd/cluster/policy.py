@@ -37,10 +37,10 @@ compute plus those of the local prefills it has queued are fewer, by more than
 prompt, after any pull), so a burst of cold prompts is prefilled on both sides at
 once. Balance computes again at most ``local_prefill_tokens`` of what the prefill node holds:
 cold chat prompts share their template's opening (a system prompt), which alone must not keep
-a burst off the idle decode node. The last two apply only while the
-decode node decodes nothing: a long prefill there would stretch every running stream's TPOT
-(measured: 1.9 s instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV moves and no second
-hop is paid; decode nodes prefill in chunks between their decode steps.
+a burst off the idle decode node. The last two apply only while the decode node decodes
+nothing: a long prefill there would stretch every running stream's TPOT (measured: 1.9 s
+instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV
+moves and no second hop is paid; decode nodes prefill in chunks between their decode steps.
 A cluster whose prefill pool is empty by choice (``decode_only``, ``pd serve --prefill 0``: the
 default on one CPU machine) routes every request so, warm-ups included, whatever these rules
 and ``local_prefill_tokens=-1`` say: its decode nodes are then aggregated engines behind
