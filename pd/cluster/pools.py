@@ -90,9 +90,8 @@ class Pools:
 
     def nodes(self, state: NodeState | None = None, role: str | None = None) -> list[PoolNode]:
         """The nodes in ``state`` of ``role`` (None: any), in the order they started."""
-        return [
-            n for n in self._nodes.values() if state in (None, n.state) and role in (None, n.role)
-        ]
+        every = list(self._nodes.values())  # in one step: check_integrity reads from a thread
+        return [n for n in every if state in (None, n.state) and role in (None, n.role)]
 
     def ready(self, role: str) -> list[str]:
         """The ids of the ``role`` nodes that take requests: registered and not draining."""
