@@ -1,8 +1,9 @@
 """``Flights``: the requests in flight in the cluster client, and each one's attempts.
 
 The table of flights (``pd.cluster.flight``: one status and one mailbox per request), by
-request id and by the wire id of each one's current attempt. A request's attempts, in the order
-of the client's request life (``pd.cluster.client``, steps 1-6):
+request id (``admit`` when its stream starts, ``leave`` when it ends) and by the wire id of each
+one's current attempt. A request's attempts, in the order of the client's request life
+(``pd.cluster.client``, steps 1-6):
 
 - ``dispatch``: a new wire id; book the nodes with the coordinator, waiting in FIFO order for
   room (``RoomQueue``) until the deadline, then send the request to them (``NodeSockets``).
