@@ -22,7 +22,8 @@ The status, and the only moves ``Flight`` allows (each checked where it is made)
 nodes and the coordinator know); leaving them gives it up (``end_attempt``).
 
 The mailbox carries ``FlightEvent``s to the request's stream, in order: ``TOKENS`` (made from a
-node's ``TokenMsg`` by the reader), ``REROUTE``, ``ABORT`` (a last, empty output) and ``ERROR``.
+node's ``TokenMsg`` by ``Flights.on_tokens``), ``REROUTE``, ``ABORT`` (a last, empty output) and
+``ERROR``; ``Flights`` (``pd.cluster.flights``) makes every move of a flight but ``NEW``.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ were lost: the node's bounded queue overflowed, or a frame was dropped), it list
 ``nodes_to_resync``; a server that attaches to running nodes has no mirror of them at all. In
 both cases the node is asked to ``resync_cache``: it sends its whole cache down its event stream
 (a ``reset``, then ``inserted`` paths), so the events published before the snapshot are
-superseded and those after it apply in order. The reader reports each ``reset`` it applies
-(``on_reset``); a request unanswered for ``retry_s`` is sent again. ``request(node_id)`` returns
-how many events the node sent (0: it keeps no prefix cache, so there is nothing to wait for).
+superseded and those after it apply in order. The client reports each ``reset`` the
+coordinator applies (``on_reset``); a request unanswered for ``retry_s`` is sent again.
+``request(node_id)`` returns how many events the node sent (0: it keeps no prefix cache, so
+there is nothing to wait for).
 """
 
 from __future__ import annotations
