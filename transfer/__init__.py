@@ -12,9 +12,12 @@ The life of a transfer (P = prefill node, sending; D = decode node, receiving):
    sealed ``PairKeyMsg``s both ways on the control plane (``rendezvous.py``).
    State BOOTSTRAPPING.
 2. D checks the layout and asks its ``BaseSlotOwner.reserve`` for slots (it may already hold
-   a prefix: ``num_cached_tokens``). No room -> ``NoRoomMsg``; P asks again every
-   ``retry_interval_s`` until ``handshake_timeout_s``. Room -> ``TransferReadyMsg(slots,
-   num_cached_tokens)``; both sides are WAITING, D's deadline ``timeout_s`` starts.
+   a prefix: ``num_cached_tokens``). A request for an id the owner does not know yet
+   (``knows``: D's own announcement of the request is still on the way) is held, not refused,
+   and answered once the owner knows it (bounded: ``receiver.py``). No room -> ``NoRoomMsg``;
+   P asks again every ``retry_interval_s`` until ``handshake_timeout_s`` (``num_retries``).
+   Room -> ``TransferReadyMsg(slots, num_cached_tokens)``; both sides are WAITING, D's
+   deadline ``timeout_s`` starts.
 3. P calls ``sender.send(src_slots)`` (before or after step 2; ``num_ready_layers`` +
    ``set_ready_layers`` let it start while later layers are still being computed). Once
    ready, P sends ``TransferStartMsg`` and queues the data on the pair: TRANSFERRING.
@@ -23,7 +26,7 @@ The life of a transfer (P = prefill node, sending; D = decode node, receiving):
    ``TransferStartMsg``): a side whose slots form few runs moves them straight from/into its
    pool, else it gathers/scatters through staging buffers on a copy thread. One pair moves
    one transfer at a time, so concurrent transfers never interleave.
-5. D's data is in place: D is SUCCESS (the slots are now the owner's) and sends
+5. D's data is in place: D is SUCCESS (the slots are now the owner's: ``landed``) and sends
    ``TransferDoneMsg``; P is SUCCESS on the ack and may unlock its source slots.
 6. Any error, timeout or ``abort()`` makes that side FAILED and sends ``TransferAbortMsg``;
    D releases its reserved slots through the slot owner as soon as no worker can write into

@@ -89,6 +89,17 @@ class TransferAgent:
         return self._ctrl.rejects
 
     @property
+    def num_retries(self) -> int:
+        """Transfer requests this agent sent again after a "no room" answer (since it started)."""
+        return self._sender.num_retries
+
+    @property
+    def num_held_requests(self) -> int:
+        """Transfer requests this agent held because its slot owner did not know their id yet
+        (``BaseSlotOwner.knows``), instead of answering "no room" (since it started)."""
+        return self._receiver.num_held
+
+    @property
     def num_rendezvous(self) -> int:
         """Pair groups whose rendezvous is under way."""
         return self._rendezvous.num_open
@@ -121,6 +132,11 @@ class TransferAgent:
     def receiver(self, transfer_id: str) -> KVReceiver:
         """The incoming transfer ``transfer_id``, whether its request came yet or not."""
         return KVReceiver(self._receiver, self._receiver.get(transfer_id), self.progress)
+
+    def answer_held(self, transfer_id: str) -> None:
+        """The slot owner knows ``transfer_id`` now: a request held for it (``receiver.py``,
+        HELD) is answered at once, not at the next ``progress()``. Nothing if none is held."""
+        self._receiver.answer_held(transfer_id)
 
     def poll(self, transfer_id: str) -> KVPoll | None:
         """State of a transfer this agent sends or receives (None if unknown here)."""

@@ -1,9 +1,12 @@
 """The receiving side (decode node): one record per transfer id, driven by ``progress()``.
 
 BOOTSTRAPPING (no request yet; only when the owner asked about the id first)
+  -> HELD (a request came before the slot owner knew its id: kept, not refused, until the owner
+     does; bounded: ``max_held_requests`` at once, each for half the handshake timeout, after
+     which it is answered "no room" and back to BOOTSTRAPPING, so the sender asks again)
   -> WAITING (request accepted, slots reserved, ready sent; deadline = now + timeout_s)
   -> TRANSFERRING (start message seen; the pair worker receives and scatters)
-  -> SUCCESS (done sent; the slots are now the owner's)
+  -> SUCCESS (done sent; the slots are now the owner's: ``landed``)
 
 Any status before SUCCESS -> FAILED (slots released), but a failure while the worker runs the
 job goes through FAILING (polls as FAILED) until the job's result, so slots are released only
@@ -54,6 +57,7 @@ class RecvStatus(enum.Enum):
     """Where one incoming transfer is; ``RecvRecord.state`` is what ``poll()`` shows of it."""
 
     BOOTSTRAPPING = enum.auto()  # the owner asked about the id; no request yet
+    HELD = enum.auto()  # a request the owner could not place yet: answered once it can
     WAITING = enum.auto()  # slots reserved, ready sent; the job is built, not yet submitted
     TRANSFERRING = enum.auto()  # the job is on the pair: its worker may write into the slots
     SUCCESS = enum.auto()  # KV in place, done sent; the slots are the owner's
@@ -62,11 +66,16 @@ class RecvStatus(enum.Enum):
 
     @property
     def poll(self) -> KVPoll:
+        if self == RecvStatus.HELD:
+            return KVPoll.BOOTSTRAPPING
         return KVPoll.FAILED if self == RecvStatus.FAILING else KVPoll[self.name]
 
 
 _NEXT_STATUS: dict[RecvStatus, frozenset[RecvStatus]] = {
-    RecvStatus.BOOTSTRAPPING: frozenset({RecvStatus.WAITING, RecvStatus.FAILED}),
+    RecvStatus.BOOTSTRAPPING: frozenset({RecvStatus.HELD, RecvStatus.WAITING, RecvStatus.FAILED}),
+    RecvStatus.HELD: frozenset(
+        {RecvStatus.WAITING, RecvStatus.BOOTSTRAPPING, RecvStatus.FAILED}  # BOOTSTRAPPING: no room
+    ),
     RecvStatus.WAITING: frozenset({RecvStatus.TRANSFERRING, RecvStatus.FAILED}),
     RecvStatus.TRANSFERRING: frozenset(
         {RecvStatus.SUCCESS, RecvStatus.FAILING, RecvStatus.FAILED}  # FAILED: job not started
@@ -81,9 +90,10 @@ _NEXT_STATUS: dict[RecvStatus, frozenset[RecvStatus]] = {
 class RecvRecord:
     transfer_id: str
     status: RecvStatus = RecvStatus.BOOTSTRAPPING  # changed only by ``move_to``
-    deadline: float = math.inf  # no deadline until a request arrives
+    deadline: float = math.inf  # no deadline until a request arrives (HELD: until when)
     identity: bytes | None = None
     prefix: str = ""
+    request: TransferRequestMsg | None = None  # HELD: the request to answer
     reservation: SlotReservation | None = None
     job: DataJob | None = None
     failure: str | None = None
@@ -98,6 +108,18 @@ class RecvRecord:
             f"receive {self.transfer_id}: {self.status.name} -> {status.name}"
         )
         self.status = status
+
+    def hold(self, identity: bytes, request: TransferRequestMsg, deadline: float) -> None:
+        """-> HELD: ``request`` waits here (until ``deadline``) for the owner to know its id."""
+        self.move_to(RecvStatus.HELD)
+        self.identity, self.prefix, self.request = identity, request.group_prefix, request
+        self.deadline = deadline
+
+    def unhold(self) -> None:
+        """HELD -> BOOTSTRAPPING: answered "no room", the sender asks again (the identity and
+        group stay known, so an abort either way still reaches the other side)."""
+        self.move_to(RecvStatus.BOOTSTRAPPING)
+        self.request, self.deadline = None, math.inf
 
 
 class KVReceiver(TransferHandle["ReceiverSide", RecvRecord]):
@@ -139,6 +161,7 @@ class ReceiverSide:
         self._newest_of_sender: dict[str, str] = {}  # a sender agent -> its newest group
         self._closed: dict[str, float] = {}  # sender_root -> until when its requests are refused
         self.records: dict[str, RecvRecord] = {}
+        self.num_held = 0  # requests held (HELD) since the start, instead of refused
 
     def get(self, transfer_id: str) -> RecvRecord:
         if (rec := self.records.get(transfer_id)) is None:
@@ -182,8 +205,9 @@ class ReceiverSide:
         if res.error is None and rec.status == RecvStatus.TRANSFERRING:
             rec.move_to(RecvStatus.SUCCESS)
             rec.finished_at = time.monotonic()
-            assert rec.identity is not None
+            assert rec.identity is not None and self._owner is not None
             self._ctrl.reply(rec.identity, TransferDoneMsg(transfer_id=rec.transfer_id))
+            self._owner.landed(rec.transfer_id)
         elif not rec.state.is_final:
             self.fail(rec, res.error or "cancelled")
             self._release_after_job(rec)
@@ -201,6 +225,8 @@ class ReceiverSide:
             if rec.state.is_final:
                 if rec.status != RecvStatus.FAILING and now - rec.finished_at > self._cfg.linger_s:
                     del self.records[rec.transfer_id]
+            elif rec.status == RecvStatus.HELD:
+                self._serve_held(rec, now)
             elif now > rec.deadline:
                 why = f"{rec.state.name.lower()} for over {self._cfg.timeout_s} s"
                 if rec.status == RecvStatus.TRANSFERRING:  # the stream is stuck: drop the pair
@@ -217,6 +243,11 @@ class ReceiverSide:
         """Transfers not yet final, and final ones whose slots still wait for a worker."""
         done = (RecvStatus.SUCCESS, RecvStatus.FAILED)
         return sum(r.status not in done for r in self.records.values())
+
+    def answer_held(self, transfer_id: str) -> None:
+        rec = self.records.get(transfer_id)
+        if rec is not None and rec.status == RecvStatus.HELD:
+            self._serve_held(rec, time.monotonic())
 
     def close_peer(self, endpoint: str) -> None:
         """The sender at ``endpoint`` is gone: fail its transfers (their slots are released once
@@ -248,34 +279,68 @@ class ReceiverSide:
             elif rec.identity == identity and rec.status == RecvStatus.WAITING:
                 assert rec.reservation is not None  # a repeated request: answer the same
                 self._reply_ready(identity, msg.transfer_id, rec.reservation)
-            return
+            return  # HELD: answered once the owner knows the id
         if (why := self._refused(msg)) is not None:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
             self._reply_abort(identity, msg.transfer_id, why)
             return
         self._worker_for(identity, msg)  # start the rendezvous now, off the critical path
+        if self._owner is not None and not self._owner.knows(msg.transfer_id):
+            self._hold(identity, msg)
+        else:
+            self._reserve(identity, msg, None)
+
+    def _hold(self, identity: bytes, msg: TransferRequestMsg) -> None:
+        """The owner does not know the id yet: keep the request (``tick`` answers it), unless
+        ``max_held_requests`` are held already (then "no room": the sender asks again)."""
+        num_held = sum(r.status == RecvStatus.HELD for r in self.records.values())
+        if num_held >= self._cfg.max_held_requests:
+            self._ctrl.reply(identity, NoRoomMsg(transfer_id=msg.transfer_id))
+            return
+        # the sender hears an answer before its handshake timeout, so it never gives up the pair
+        deadline = time.monotonic() + self._cfg.handshake_timeout_s / 2
+        self.get(msg.transfer_id).hold(identity, msg, deadline)
+        self.num_held += 1
+
+    def _serve_held(self, rec: RecvRecord, now: float) -> None:
+        """A HELD request: reserve once the owner knows its id; past its deadline, "no room"."""
+        assert rec.identity is not None and rec.request is not None and self._owner is not None
+        if self._owner.knows(rec.transfer_id):
+            self._reserve(rec.identity, rec.request, rec)
+        elif now > rec.deadline:
+            rec.unhold()
+            self._ctrl.reply(rec.identity, NoRoomMsg(transfer_id=rec.transfer_id))
+
+    def _reserve(self, identity: bytes, msg: TransferRequestMsg, held: RecvRecord | None) -> None:
+        """Ask the owner for slots and answer the sender (``held``: the request's HELD record)."""
         try:
             res = (
                 self._owner.reserve(msg.transfer_id, msg.num_tokens, msg.token_ids)
                 if self._owner
                 else None
             )
+            why = None if res is None else self._bad_reservation(msg, res)
         except Exception as e:  # the owner failed this transfer alone: say so, keep going
             log.exception("slot owner failed to reserve for %s", msg.transfer_id)
-            self._reply_abort(identity, msg.transfer_id, f"reserve failed: {e}")
+            res, why = None, f"reserve failed: {e}"
+        if why is not None:
+            if res is not None:  # nothing writes into these slots yet: give them back
+                assert self._owner is not None
+                self._owner.release(msg.transfer_id, res)
+            if held is None:
+                self._reply_abort(identity, msg.transfer_id, why)
+            else:  # failed: a repeat of the request is refused the same
+                self.fail(held, why)
             return
         if res is None:
+            if held is not None:
+                held.unhold()
             self._ctrl.reply(identity, NoRoomMsg(transfer_id=msg.transfer_id))
             return
-        if (why := self._bad_reservation(msg, res)) is not None:
-            assert self._owner is not None  # nothing writes into these slots yet: give them back
-            self._owner.release(msg.transfer_id, res)
-            self._reply_abort(identity, msg.transfer_id, why)
-            return
-        rec = self.get(msg.transfer_id)
+        rec = held if held is not None else self.get(msg.transfer_id)
         rec.move_to(RecvStatus.WAITING)
         rec.identity, rec.prefix, rec.reservation = identity, msg.group_prefix, res
-        rec.deadline = time.monotonic() + self._cfg.timeout_s
+        rec.request, rec.deadline = None, time.monotonic() + self._cfg.timeout_s
         slots = torch.tensor(res.slots, dtype=torch.int64, device=self._layout.device)
         # its place in the stream (seq) and wire plan come with the start message
         rec.job = DataJob(transfer_id=msg.transfer_id, slots=slots, deadline=rec.deadline)
@@ -384,7 +449,7 @@ class ReceiverSide:
         if (worker := self._workers.pop(prefix, None)) is not None:
             worker.close()
         for rec in self.records.values():
-            if rec.prefix == prefix and rec.status == RecvStatus.WAITING:
+            if rec.prefix == prefix and rec.status in (RecvStatus.WAITING, RecvStatus.HELD):
                 self.fail(rec, reason)
 
 

@@ -92,6 +92,7 @@ class SenderSide:
         self._workers: dict[str, tuple[PairWorker, str]] = {}  # peer -> current pair
         self._closed: dict[str, float] = {}  # peer -> until when new transfers to it fail
         self.records: dict[str, SendRecord] = {}
+        self.num_retries = 0  # requests sent again after a "no room" answer, since the start
 
     # -- owner calls
 
@@ -224,6 +225,7 @@ class SenderSide:
                 if not rec.num_no_room:
                     self._retire(rec.worker)  # the peer is silent: build afresh next time
             elif rec.state == KVPoll.BOOTSTRAPPING and 0 < rec.next_request_at <= now:
+                self.num_retries += 1
                 self._request(rec)
             elif rec.state == KVPoll.TRANSFERRING and now > rec.deadline:
                 # The pair is stuck (peer gone, or still in its rendezvous): drop it now rather

@@ -38,6 +38,9 @@ class TransferConfig:
         default=10.0, metadata={"help": "KV transfer: request -> slots reserved, retries included"}
     )
     retry_interval_s: float = 0.02  # between requests after a "no room" answer
+    # requests for ids the receiver's slot owner does not know yet, held until it does (each
+    # for at most half the handshake timeout; beyond this many: "no room", and the sender retries)
+    max_held_requests: int = 1024
     timeout_s: float = field(
         default=30.0, metadata={"help": "KV transfer: slots reserved -> KV in place (each side)"}
     )
@@ -65,6 +68,8 @@ class TransferConfig:
             raise ValueError(
                 f"max_frame_bytes must be >= {inbound.FRAME_MARGIN_BYTES}, got {self.max_frame_bytes}"
             )
+        if self.max_held_requests < 0:
+            raise ValueError(f"max_held_requests must be >= 0, got {self.max_held_requests}")
         if self.retry_interval_s < 0 or self.linger_s < 0:
             raise ValueError(
                 f"retry_interval_s ({self.retry_interval_s}) and linger_s ({self.linger_s}) "
@@ -114,9 +119,17 @@ class SlotReservation(NamedTuple):
 class BaseSlotOwner(ABC):
     """The receiving node's slot allocator (and cache), as the transfer agent sees it.
 
-    Both methods are called on the thread that calls ``TransferAgent.progress()``, so a plain
-    non-thread-safe allocator is fine.
+    Every method is called on the thread that calls ``TransferAgent.progress()``, so a plain
+    non-thread-safe allocator is fine. Each reservation ends in exactly one ``landed`` or one
+    ``release``.
     """
+
+    def knows(self, transfer_id: str) -> bool:
+        """False: no request for ``transfer_id`` has reached the owner yet (its own message is
+        still on the way), so a transfer request for it is held (at most
+        ``TransferConfig.max_held_requests`` of them, each for half the handshake timeout) and
+        ``reserve`` is asked once this turns True; never refused for it. True by default."""
+        return True
 
     @abstractmethod
     def reserve(
@@ -131,6 +144,12 @@ class BaseSlotOwner(ABC):
         """The transfer failed or was aborted: free ``reservation.slots`` (and unlock a prefix).
         Called exactly once per failed reservation, and only when no data thread can still
         write into those slots. Never called after SUCCESS: the slots then belong to the owner."""
+
+    def landed(self, transfer_id: str) -> None:
+        """The transfer succeeded: the KV is in the reserved slots, which are the owner's from
+        now on (no data thread writes them any more). Called once, instead of ``release``.
+        Nothing by default (an owner may poll instead)."""
+        return None
 
 
 class CallbackSlotOwner(BaseSlotOwner):
