@@ -1,2 +1,3 @@
-"""The decode role (layer 6): ``DecodeRole`` and ``IncomingKV`` (``node.py``) and
-``DecodeScheduler`` (``scheduler.py``). It never imports ``prefill``."""
+"""The decode role (layer 6): ``DecodeRole`` (``node.py``), ``DecodeScheduler``
+(``scheduler.py``) and its ``IncomingQueue`` (``incoming.py``: requests whose KV comes from a
+prefill node). It never imports ``prefill``."""

@@ -1,2 +1,3 @@
-"""The prefill role (layer 6): ``PrefillRole`` (``node.py``) and ``PrefillScheduler``
-(``scheduler.py``). It never imports ``decode``."""
+"""The prefill role (layer 6): ``PrefillRole`` (``node.py``), ``PrefillScheduler``
+(``scheduler.py``) and its ``OutgoingQueue`` (``outgoing.py``: each request on its way to a
+decode node). It never imports ``decode``."""

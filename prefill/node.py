@@ -1,6 +1,8 @@
 """``PrefillRole``: a prefill node prefills only what its RadixCache does not hold, then sends the KV.
 
-The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
+The life of a request on a prefill node (its scheduler is ``PrefillScheduler``). From arrival
+to end it has one record in one owner, the scheduler's ``OutgoingQueue`` (``prefill.outgoing``:
+the request, whose status says where it is, its route and its transfer):
 
 1. ``PrefillReqMsg`` arrives -> the scheduler's ``waiting`` queue (a request that can never
    run is answered with an error at once). One with ``pull`` set is first held by the
@@ -14,15 +16,16 @@ The life of a request on a prefill node (its scheduler is ``PrefillScheduler``):
    by the time the first token is sampled most of the KV is already across.
 4. The first token is sampled. A request that ends there is answered to the server, released,
    its transfer aborted and its decode node told to forget it.
-5. ``transferring``: on success the decode node gets ``PrefilledMsg`` and streams the first
-   token itself, so a request has streamed nothing until it decodes (the server may re-route it
-   if a node dies before); on failure the server gets an error it may retry. A success is
-   announced as soon as the loop sees it, between the layers of the next forward if one runs
+5. ``SENDING``: when its transfer ends, ``_announce`` (the one place that does it) tells the
+   decode node on success (``PrefilledMsg``: it streams the first token itself, so a request
+   has streamed nothing until it decodes and the server may re-route it if a node dies
+   before), or the server on failure (an error it may retry). A success is announced as soon
+   as the loop sees it, between the layers of the next forward if one runs
    (``between_layers``): the first tokens of a burst's first batch do not wait for the second
    batch's forward; between those layers the transfer agent moves on too, so a new pair
    group's rendezvous, handshakes and acknowledgements never wait for a forward of seconds.
-   Either way the scheduler releases the request (``finish_sending``, after the step): the
-   prompt goes into the cache, unlocked, and its cache events go to the server.
+   Either way the slots go back after the step (``release_ended``): the prompt goes into the
+   cache, unlocked, and its cache events go to the server.
 6. The decode node dies or leaves (``PeerGoneMsg``): every request routed to it is aborted
    here and failed to the server (which may re-route it).
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from pd.core.messages import (
     AbortMsg,
@@ -45,22 +48,11 @@ from pd.core.request import Req
 from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.scheduler import ScheduledBatch, StepResult
 from pd.node import BaseRole, NodeParts
-from pd.node.links import ServerLink
+from pd.node.links import PeerLinks, ServerLink
 from pd.node.pulls import PullSink
+from prefill.outgoing import Outgoing, OutgoingQueue, Route
 from prefill.scheduler import PrefillScheduler
 from transfer import KVPoll, KVSender
-
-
-class _Route(NamedTuple):
-    decode_addr: str
-    decode_transfer_addr: str
-
-
-class _Transfer(NamedTuple):
-    req: Req
-    sender: KVSender
-    started: float
-    computed: float = 0.0  # when its last layer's KV was in the pool (0: not yet)
 
 
 class PrefillRole(BaseRole):
@@ -69,8 +61,10 @@ class PrefillRole(BaseRole):
     decodes = False  # a request leaves after its first token
 
     @classmethod
-    def make_slot_owner(cls, core: EngineCore, server: ServerLink) -> PullSink:
-        return PullSink(core, server)  # what a pull's KV lands in
+    def make_slot_owner(
+        cls, core: EngineCore, server: ServerLink, peers: PeerLinks, addr: str
+    ) -> PullSink:
+        return PullSink(core, server, peers, addr)  # what a pull's KV lands in
 
     def __init__(self, parts: NodeParts) -> None:
         self.parts = parts
@@ -78,13 +72,10 @@ class PrefillRole(BaseRole):
         assert isinstance(self.core.scheduler, PrefillScheduler)
         assert isinstance(parts.slot_owner, PullSink)
         self.scheduler: PrefillScheduler = self.core.scheduler
+        self.outgoing: OutgoingQueue = self.scheduler.outgoing
+        self.transfer = parts.transfer
         self.server = parts.server
         self.pulls: PullSink = parts.slot_owner
-        self.pulls.bind(parts.node_id, parts.addr, parts.transfer, parts.peers)
-        self._routes: dict[str, _Route] = {}
-        self._transfers: dict[str, _Transfer] = {}
-        # announced to their decode node during a forward; their slots go back after it
-        self._announced: list[str] = []
         self._counters = TransferCounters()  # finished transfers
 
     def handle(self, msg: NodeMsg) -> None:
@@ -103,22 +94,19 @@ class PrefillRole(BaseRole):
             if msg.pull is None:
                 self.scheduler.add(req)
             else:  # scheduled once its prefix came, or will not (pd.node.pulls)
-                self.pulls.start(req, msg.pull)
+                self.pulls.start(req, msg.pull, self.transfer)
         except ValueError as e:
             self.server.report_error(msg.request_id, str(e))
             return
-        self._routes[msg.request_id] = _Route(msg.decode_addr, msg.decode_transfer_addr)
+        self.outgoing.add(req, Route(msg.decode_addr, msg.decode_transfer_addr))
 
     def abort(self, request_id: str) -> None:
-        if (t := self._transfers.pop(request_id, None)) is not None:
-            t.sender.abort("aborted by the server")
-        if not self.pulls.abort(request_id):
-            self.scheduler.abort(request_id)
-        self._routes.pop(request_id, None)
+        self.pulls.abort(request_id, self.transfer)  # held for its pull: the pull goes too
+        self.outgoing.abort(request_id)
 
     def forget_peer(self, msg: PeerGoneMsg) -> None:
         self.pulls.forget_holder(msg.node_id)  # its requests compute their prefix instead
-        for rid in [r for r, route in self._routes.items() if route.decode_addr == msg.addr]:
+        for rid in self.outgoing.ids(decode_addr=msg.addr):
             self.abort(rid)
             self.server.report_error(rid, f"decode node {msg.node_id} is gone", can_retry=True)
 
@@ -143,21 +131,21 @@ class PrefillRole(BaseRole):
         return on_layer_done
 
     def _start_transfer(self, req: Req) -> KVSender:
-        route = self._routes[req.request_id]
-        sender = self.parts.transfer.sender(
+        out = self.outgoing.get(req.request_id)
+        assert out is not None, req.request_id
+        route = out.route
+        sender = self.transfer.sender(
             req.request_id, route.decode_transfer_addr, req.num_prompt_tokens, req.prompt_ids
         )
-        self._transfers[req.request_id] = _Transfer(req, sender, time.monotonic())
+        self.outgoing.start(req, sender)
         sender.send(req.slots, num_ready_layers=0)
         return sender
 
     def after_step(self, result: StepResult) -> None:
         num_layers = self.core.runner.pool.num_layers
-        for req in self.scheduler.take_prefilled():
-            t = self._transfers.get(req.request_id)
-            if t is not None:
-                t.sender.set_ready_layers(num_layers)
-                self._transfers[req.request_id] = t._replace(computed=time.monotonic())
+        for out in self.outgoing.take_prefilled():
+            if out.sender is not None:
+                out.sender.set_ready_layers(num_layers)
         # what a finished request left in the cache goes out before its answer
         self.server.send_all(self.core.cache.take_events())
         # the others' first token goes with their KV: the decode node streams it
@@ -165,16 +153,16 @@ class PrefillRole(BaseRole):
         self.server.report_step(result._replace(produced=finished))
         for req in finished + result.failed:  # done at its first token: D can forget it
             self._forget(req.request_id, "finished at prefill")
-        self._progress()
-        for req in self.pulls.progress():  # its prefix came, or it computes it
+        if len(self.outgoing):
+            self.transfer.progress()
+            self._announce(self.outgoing.take_ended(mid_forward=False))
+        self.outgoing.release_ended()  # announced mid-forward too: no forward runs now
+        for req in self.pulls.progress(self.transfer):  # its prefix came, or it computes it
             with self.parts.guard(req.request_id):
                 self.scheduler.add(req)
 
     def _forget(self, request_id: str, why: str) -> None:
-        t = self._transfers.pop(request_id, None)
-        if t is not None:
-            t.sender.abort(why)
-        route = self._routes.pop(request_id, None)
+        route = self.outgoing.finish(request_id, why)
         if route is not None:
             self.parts.peers.send(route.decode_addr, AbortMsg(request_id=request_id, reason=why))
 
@@ -184,67 +172,50 @@ class PrefillRole(BaseRole):
         takes; handshakes; acknowledgements), and a transfer that ended since the step before
         is announced now (its first token to the decode node, which starts decoding it), not
         when this forward ends, seconds later on a CPU. Its slots go back after the step
-        (``_progress``): nothing the forward may use changes under it. Failures wait for the
-        step's end too."""
-        self.parts.transfer.progress()
-        if not any(t.computed for t in self._transfers.values()):
-            return  # only a previous step's requests have their first token
-        for rid, t in list(self._transfers.items()):
-            if t.computed and t.sender.poll() == KVPoll.SUCCESS:
-                del self._transfers[rid]
-                self._announced.append(rid)
-                with self.parts.guard(rid):
-                    self._finish_transfer(t, ok=True)
+        (``release_ended``): nothing the forward may use changes under it. Failures wait for
+        the step's end too."""
+        self.transfer.progress()
+        self._announce(self.outgoing.take_ended(mid_forward=True))
 
-    def _progress(self) -> None:
-        for rid in self._announced:  # gone from the scheduler already if aborted since
-            self.scheduler.finish_sending(rid)
-        self._announced.clear()
-        if not self._transfers:
-            return
-        self.parts.transfer.progress()
-        for rid, t in list(self._transfers.items()):
-            state = t.sender.poll()
-            if not state.is_final:
-                continue
-            del self._transfers[rid]
-            try:
-                with self.parts.guard(rid):
-                    self._finish_transfer(t, state == KVPoll.SUCCESS)
-            finally:  # whatever happened, the slots go back
-                self.scheduler.finish_sending(rid)
+    def _announce(self, ended: list[Outgoing]) -> None:
+        """Transfers that ended: on success the decode node gets the first token, on failure
+        the server an error it may retry."""
+        for out in ended:
+            with self.parts.guard(out.req.request_id):
+                self._announce_one(out)
 
-    def _finish_transfer(self, t: _Transfer, ok: bool) -> None:
-        rid = t.req.request_id
-        route = self._routes.pop(rid)
-        if not ok:
-            why = f"KV transfer to the decode node failed: {t.sender.failure}"
+    def _announce_one(self, out: Outgoing) -> None:
+        assert out.sender is not None
+        rid = out.req.request_id
+        if out.sender.poll() != KVPoll.SUCCESS:
+            why = f"KV transfer to the decode node failed: {out.sender.failure}"
             self.server.report_error(rid, why, can_retry=True)
             return
-        num_sent = t.req.num_prompt_tokens - t.sender.num_cached_tokens
-        c, pool = self._counters, self.core.runner.pool
+        num_sent = out.req.num_prompt_tokens - out.sender.num_cached_tokens
+        c, pool, now = self._counters, self.core.runner.pool, time.monotonic()
         self._counters = c._replace(
             num_bytes=c.num_bytes + num_sent * pool.num_bytes_per_token,
-            num_seconds=c.num_seconds + time.monotonic() - t.started,
-            num_wire_seconds=c.num_wire_seconds + time.monotonic() - (t.computed or t.started),
+            num_seconds=c.num_seconds + now - out.started,
+            num_wire_seconds=c.num_wire_seconds + now - (out.computed or out.started),
             num_done=c.num_done + 1,
         )
         first = PrefilledMsg(
             request_id=rid,
-            first_token=t.req.output_ids[0],
-            num_cached_tokens=t.req.num_cached_tokens,
+            first_token=out.req.output_ids[0],
+            num_cached_tokens=out.req.num_cached_tokens,
         )
-        self.parts.peers.send(route.decode_addr, first)
+        self.parts.peers.send(out.route.decode_addr, first)
 
     def transfer_counters(self) -> TransferCounters:
-        return self._counters._replace(num_transferring=len(self._transfers) + len(self.pulls))
+        num_transferring = self.outgoing.num_transferring + len(self.pulls)
+        return self._counters._replace(num_transferring=num_transferring)
 
     @property
     def num_expected(self) -> int:
         return len(self.pulls)  # held for their pull, not in the scheduler yet
 
     def held_request_ids(self) -> set[str]:
-        return set(self._routes)
+        return set(self.outgoing.ids())
 
     def stats_fields(self) -> dict[str, Any]:
         return self.pulls.stats_fields()

@@ -78,6 +78,16 @@ class NodeResources(NamedTuple):
     num_threads: int  # Python threads of the process (pair workers and copiers among them)
     num_transfers: int  # transfers not yet final
 
+    @classmethod
+    def measure(cls, transfer: TransferAgent, peers: PeerLinks) -> NodeResources:
+        """What a node with this transfer agent and these peer links holds open now."""
+        return cls(
+            num_pairs=transfer.num_pairs,
+            num_sockets=2 + len(peers) + transfer.num_sockets,
+            num_threads=threading.active_count(),
+            num_transfers=transfer.num_open_transfers,
+        )
+
 
 class Node:
     def __init__(
@@ -116,7 +126,7 @@ class Node:
             self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
         )
         self.peers = PeerLinks(self._ctx, secret)
-        slot_owner = role_cls.make_slot_owner(self.core, self.server)
+        slot_owner = role_cls.make_slot_owner(self.core, self.server, self.peers, self.inbox.addr)
         pool = self.core.runner.pool
         self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
             dataclasses.replace(node_cfg.transfer, host=addrs.host, max_frame_bytes=frame_limit),
@@ -323,7 +333,7 @@ class Node:
         counters = self.role.transfer_counters()._replace(
             num_dropped_msgs=self.inbox.num_bad_msgs + self.transfer.num_dropped_msgs
         )
-        res = self._resources()
+        res = NodeResources.measure(self.transfer, self.peers)
         stats = self.core.stats(self.role_name, counters)
         self.server.send(
             msgspec.structs.replace(
@@ -356,7 +366,7 @@ class Node:
         core = self.core
         core.scheduler.check_integrity()
         in_use = core.allocator.num_used_slots - core.cache.num_cached_tokens
-        res = self._resources()
+        res = NodeResources.measure(self.transfer, self.peers)
         return {
             "total": core.allocator.num_slots,
             "free": core.allocator.num_free_slots,
@@ -370,11 +380,3 @@ class Node:
             "transfers": res.num_transfers,
             "pulls_serving": len(self.pull_source),
         }
-
-    def _resources(self) -> NodeResources:
-        return NodeResources(
-            num_pairs=self.transfer.num_pairs,
-            num_sockets=2 + len(self.peers) + self.transfer.num_sockets,
-            num_threads=threading.active_count(),
-            num_transfers=self.transfer.num_open_transfers,
-        )

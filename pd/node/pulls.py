@@ -68,24 +68,20 @@ class _Landing:
 
 class PullSink(BaseSlotOwner):
     """The requesting side, on a prefill node: requests waiting for their prefix, and the slot
-    owner the node's transfer agent asks when a holder's KV comes."""
+    owner the node's transfer agent asks when a holder's KV comes. The agent is built with this
+    owner, so the calls that use the agent are handed it."""
 
-    def __init__(self, core: EngineCore, server: ServerLink) -> None:
+    def __init__(self, core: EngineCore, server: ServerLink, peers: PeerLinks, addr: str) -> None:
         self.core = core
         self.server = server
+        self._peers = peers
+        self._addr = addr  # the node's inbox, where a holder answers
         self._pulls: dict[str, _Pull] = {}  # by pull id
         self._landing: dict[str, _Landing] = {}  # by pull id
-        self._transfer: TransferAgent | None = None
-        self._peers: PeerLinks | None = None
-        self._node_id = self._addr = ""
         self.num_pulls = 0
         self.num_failed = 0
         self.num_pulled_tokens = 0
         self.pull_seconds = 0.0
-
-    def bind(self, node_id: str, addr: str, transfer: TransferAgent, peers: PeerLinks) -> None:
-        """The node's parts, once they exist (the agent is built with this slot owner)."""
-        self._node_id, self._addr, self._transfer, self._peers = node_id, addr, transfer, peers
 
     def __len__(self) -> int:
         return len(self._pulls)
@@ -95,18 +91,17 @@ class PullSink(BaseSlotOwner):
 
     # -- the node's loop --------------------------------------------------------------------
 
-    def start(self, req: Req, src: PullFrom) -> None:
-        """Hold ``req`` and ask ``src``'s holder for its prefix."""
-        assert self._transfer is not None and self._peers is not None
+    def start(self, req: Req, src: PullFrom, transfer: TransferAgent) -> None:
+        """Hold ``req`` and ask ``src``'s holder for its prefix (into ``transfer``'s pool)."""
         pid = pull_id(req.request_id)
         now = time.monotonic()
         ask = PullReqMsg(
             pull_id=pid,
             namespace=req.namespace,
             token_ids=req.prompt_ids[: src.num_tokens],
-            requester=self._node_id,
+            requester=self.core.node_id,
             requester_addr=self._addr,
-            requester_transfer_addr=self._transfer.endpoint,
+            requester_transfer_addr=transfer.endpoint,
         )
         self._peers.send(src.addr, ask)  # if this raises, nothing is held for the request
         self._pulls[pid] = _Pull(req, src, now, now + src.timeout_s)
@@ -122,26 +117,25 @@ class PullSink(BaseSlotOwner):
             if p.src.node_id == node_id and p.why_not is None:
                 p.why_not = f"holder {node_id} is gone"
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, transfer: TransferAgent) -> bool:
         """Drop a held request (its pull is aborted); False if none is held here."""
         p = self._pulls.pop(pull_id(request_id), None)
         if p is None:
             return False
-        self._end_transfer(pull_id(request_id), "the request was aborted")
+        self._end_transfer(pull_id(request_id), "the request was aborted", transfer)
         p.req.finish("abort")
         return True
 
-    def progress(self) -> list[Req]:
+    def progress(self, transfer: TransferAgent) -> list[Req]:
         """Requests whose pull ended (their prefix cached here, or to be computed): the node
         schedules them."""
-        assert self._transfer is not None
         if not self._pulls:
             return []
-        self._transfer.progress()
+        transfer.progress()
         ready: list[Req] = []
         now = time.monotonic()
         for pid, p in list(self._pulls.items()):
-            state = self._transfer.poll(pid)
+            state = transfer.poll(pid)
             if state == KVPoll.SUCCESS:
                 num_pulled = self._land(pid)
                 self._report(p, num_pulled, None)
@@ -151,7 +145,7 @@ class PullSink(BaseSlotOwner):
                     if state == KVPoll.FAILED
                     else f"not in {p.src.timeout_s} s"
                 )
-                self._end_transfer(pid, why)
+                self._end_transfer(pid, why, transfer)
                 self._report(p, 0, why)
             else:
                 continue
@@ -167,13 +161,12 @@ class PullSink(BaseSlotOwner):
         self.core.cache.cache_finished(land.tokens, slots, land.node, land.namespace)
         return len(land.slots)
 
-    def _end_transfer(self, pid: str, why: str) -> None:
+    def _end_transfer(self, pid: str, why: str, transfer: TransferAgent) -> None:
         """Abort the pull's transfer unless it is final; a late request for it is refused (the
         agent keeps a failed record), and reserved slots go back through ``release``."""
-        assert self._transfer is not None
-        state = self._transfer.poll(pid)
+        state = transfer.poll(pid)
         if state is None or not state.is_final:
-            self._transfer.receiver(pid).abort(why)
+            transfer.receiver(pid).abort(why)
         elif state == KVPoll.SUCCESS:  # came just now, after all: keep it for the next one
             if pid in self._landing:
                 self._land(pid)
@@ -187,7 +180,7 @@ class PullSink(BaseSlotOwner):
             self.num_failed += 1
         self.server.send(
             PullDoneMsg(
-                node_id=self._node_id,
+                node_id=self.core.node_id,
                 request_id=p.req.request_id,
                 holder=p.src.node_id,
                 num_tokens=p.src.num_tokens,

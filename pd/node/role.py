@@ -39,9 +39,12 @@ class BaseRole(ABC):
     decodes: ClassVar[bool] = True  # False: no compiled decode steps nor speculation here
 
     @classmethod
-    def make_slot_owner(cls, core: EngineCore, server: ServerLink) -> BaseSlotOwner | None:
+    def make_slot_owner(
+        cls, core: EngineCore, server: ServerLink, peers: PeerLinks, addr: str
+    ) -> BaseSlotOwner | None:
         """What owns the slots that received KV lands in (the transfer agent is built with
-        it); None for a role that receives no KV."""
+        it, so it is built before the agent, from the node's other parts; ``addr``: the node's
+        inbox); None for a role that receives no KV."""
         return None
 
     @abstractmethod

@@ -15,7 +15,9 @@ from pd.core.request import Req, ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.engine.sampler import SampledRow
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
+from prefill.outgoing import Route
 from prefill.scheduler import PrefillScheduler
+from transfer import SlotReservation
 
 EOS = 2
 pytestmark = pytest.mark.timeout(10)
@@ -224,32 +226,46 @@ def test_counters_count_prompt_and_cached_tokens() -> None:
     _assert_idle_and_whole(s)
 
 
+_ROUTE = Route("tcp://127.0.0.1:9", "tcp://127.0.0.1:9")
+
+
+def _add_routed(s: PrefillScheduler, req: Req) -> None:
+    """As a prefill node adds a request: its outgoing record, then the scheduler's queue."""
+    s.outgoing.add(req, _ROUTE)
+    s.add(req)
+
+
 def test_prefill_role_reserves_the_prompt_and_hands_off_after_the_first_token() -> None:
     s = _make_scheduler(PrefillScheduler, num_slots=32, page_size=4)
     assert isinstance(s, PrefillScheduler)
-    s.add(_req("a", 14, max_tokens=400))  # max_tokens costs a prefill node nothing
-    s.add(_req("once", 6, max_tokens=1, base=500))
+    _add_routed(s, _req("a", 14, max_tokens=400))  # max_tokens costs a prefill node nothing
+    _add_routed(s, _req("once", 6, max_tokens=1, base=500))
     _, result = _run(s)
     assert {r.request_id for r in result.produced} == {"a", "once"}
-    sent = s.take_prefilled()
-    assert [r.request_id for r in sent] == ["a"] and s.take_prefilled() == []
-    assert s.running == [] and s.num_sending == 1 and s.num_unfinished == 1
+    sent = [o.req for o in s.outgoing.take_prefilled()]
+    assert [r.request_id for r in sent] == ["a"] and s.outgoing.take_prefilled() == []
+    assert s.running == [] and len(s.outgoing.sending()) == 1 and s.num_unfinished == 1
     # a's KV may be on the wire: its slots stay its own until the transfer ends
     assert s.cache.num_cached_tokens == 4  # "once" finished: its aligned prompt is cached
     assert s.allocator.num_used_slots == 16 + 4
     s.check_integrity()
-    assert s.finish_sending("a") is sent[0] and s.finish_sending("a") is None
+    s.outgoing.finish("once", "finished at prefill")  # the node forgets it
+    out = s.outgoing.finish_sending("a")
+    assert out is sent[0] and s.outgoing.finish_sending("a") is None
     _assert_idle_and_whole(s)
+    assert len(s.outgoing) == 0
     assert s.cache.num_cached_tokens == 16  # the prompt stays cached, unlocked
 
 
 def test_prefill_role_abort_while_sending() -> None:
     s = _make_scheduler(PrefillScheduler)
-    s.add(_req("a", 10))
+    assert isinstance(s, PrefillScheduler)
+    req = _req("a", 10)
+    _add_routed(s, req)
     _run(s)
-    req = s.abort("a")
-    assert req is not None and req.finish_reason == "abort"
-    assert s.take_prefilled() == []
+    assert s.outgoing.abort("a") and not s.outgoing.abort("a")
+    assert req.finish_reason == "abort"
+    assert s.outgoing.take_prefilled() == [] and len(s.outgoing) == 0
     _assert_idle_and_whole(s)
 
 
@@ -259,35 +275,47 @@ def test_decode_role_reserves_incoming_kv_and_decodes_it() -> None:
     s.add(_req("warm", 13, max_tokens=1))  # leaves 12 prompt tokens cached
     _drain(s)
     a = _req("a", 13, max_tokens=20)
-    s.expect(a)
-    res = s.reserve_incoming(a, 13)
+    s.incoming.expect(a, "prefill-0")
+    res = s.incoming.reserve("a", 13, None)
     assert res is not None and res.num_cached_tokens == 12 and len(res.slots) == 1
-    assert s.num_incoming == 1 and s.num_unfinished == 1
+    assert len(s.incoming) == 1 and s.num_unfinished == 1
     # a's 32 slots (prompt 13 + 19 to decode, in pages) are promised: b cannot fit beside it
     b = _req("b", 30, max_tokens=8, base=400)
-    s.expect(b)
-    assert s.reserve_incoming(b, 30) is None
+    s.incoming.expect(b, "prefill-0")
+    assert s.incoming.reserve("b", 30, None) is None
     assert s.cache.num_protected_tokens == 12, "a refused reservation must lock nothing"
     s.check_integrity()
-    assert s.admit_prefilled("a", 11) is a and a.output_ids == [11]
-    assert s.admit_prefilled("a", 11) is None
+    assert s.incoming.admit("a", 11) is None  # its KV has not landed yet
+    s.incoming.landed("a")
+    assert s.incoming.admit("a", 11) is a and a.output_ids == [11]
+    assert s.incoming.admit("a", 11) is None
+    assert s.incoming.ids() == ["b"] and s.incoming.forget_peer("prefill-0") == ["b"]
     assert _drain(s) == ["a"] and len(a.output_ids) == 20
     _assert_idle_and_whole(s)
 
 
 def test_decode_role_releases_a_reservation_whose_kv_never_comes() -> None:
     s = _make_scheduler(DecodeScheduler)
+    assert isinstance(s, DecodeScheduler)
     a = _req("a", 10)
-    with pytest.raises(ValueError, match="'a' is new, not expected"):
-        s.reserve_incoming(a, 10)
-    s.expect(a)
-    assert s.reserve_incoming(a, 10) is not None
+    assert not s.incoming.knows("a")
+    with pytest.raises(ValueError, match="'a' is not expected here"):
+        s.incoming.reserve("a", 10, None)
+    s.incoming.expect(a, "prefill-0")
+    assert s.incoming.knows("a") and s.incoming.reserve("a", 10, None) is not None
+    with pytest.raises(ValueError, match="'a' is not expected here"):
+        s.incoming.reserve("a", 10, None)
     with pytest.raises(ValueError, match="already has a reservation"):
         s.reserve_incoming(a, 10)
+    b = _req("b", 10)
+    s.incoming.expect(b, "prefill-0")
     with pytest.raises(ValueError, match="transfer of 9 tokens for a 10-token prompt"):
-        s.reserve_incoming(_req("b", 10), 9)
-    assert s.release_incoming("a") is a and s.release_incoming("a") is None
+        s.incoming.reserve("b", 9, None)
+    assert b.status is ReqStatus.FINISHED and not s.incoming.knows("b")  # failed alone
+    assert [f.request_id for f in s.incoming.take_failed()] == ["b"]
+    s.incoming.release("a", SlotReservation(a.slots, 0))
     assert a.status is ReqStatus.FINISHED and a.finish_reason == "abort"
+    assert [f.can_retry for f in s.incoming.take_failed()] == [True]  # the server may retry it
     _assert_idle_and_whole(s)
 
 
@@ -413,17 +441,18 @@ def test_another_namespace_neither_waits_nor_matches() -> None:
 
 def test_prefill_role_defers_to_a_prompt_being_sent_until_its_transfer_ends() -> None:
     s = _make_scheduler(PrefillScheduler, budget=512)
+    assert isinstance(s, PrefillScheduler)
     leader = _req("a", 100)
-    s.add(leader)
+    _add_routed(s, leader)
     _run(s)
-    assert [r.request_id for r in s.take_prefilled()] == ["a"]
-    s.add(_sharing("b", leader, 80, 20))
+    assert [o.req.request_id for o in s.outgoing.take_prefilled()] == ["a"]
+    _add_routed(s, _sharing("b", leader, 80, 20))
     assert s.schedule() is None  # a's slots may be on the wire: not cached, b waits
     assert [r.request_id for r in s.waiting] == ["b"]
-    s.finish_sending("a")
+    s.outgoing.finish_sending("a")
     batch, _ = _run(s)
     assert [r.request_id for r in batch.reqs] == ["b"] and batch.reqs[0].num_cached_tokens == 80
-    s.finish_sending("b")
+    s.outgoing.finish_sending("b")
     _assert_idle_and_whole(s)
 
 
@@ -431,10 +460,11 @@ def test_decode_role_caches_a_transferred_prompt_when_it_is_admitted() -> None:
     s = _make_scheduler(DecodeScheduler, num_slots=64, page_size=4)
     assert isinstance(s, DecodeScheduler)
     a = _req("a", 14, max_tokens=6)
-    s.expect(a)
-    assert s.reserve_incoming(a, 14) is not None
+    s.incoming.expect(a, "prefill-0")
+    assert s.incoming.reserve("a", 14, None) is not None
     assert s.cache.num_cached_tokens == 0
-    s.admit_prefilled("a", 7)
+    s.incoming.landed("a")
+    s.incoming.admit("a", 7)
     assert s.cache.num_cached_tokens == 12 and s.cache.num_evictable_tokens == 0
     s.add(_sharing("b", a, 14, 3))
     batch, _ = _run(s)

@@ -1,15 +1,22 @@
-"""Fixtures of the in-process node tests: the tiny model's config and the server's sockets."""
+"""Fixtures of the in-process node tests: the tiny model's config, the server's sockets, and
+fresh prefill + decode node pairs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
 
+from decode.node import DecodeRole
 from pd.engine.config import EngineConfig
-from tests.node.harness import Server
+from pd.node import Node, NodeConfig
+from prefill.node import PrefillRole
+from tests.node.harness import SECRET, Server
+from transfer import TransferConfig
+
+Pair = tuple[Node, Node]
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +32,23 @@ def server() -> Iterator[Server]:
     yield Server(ctx, pull, f"tcp://127.0.0.1:{port}")
     pull.close(linger=0)
     ctx.term()
+
+
+@pytest.fixture
+def make_pair(engine_cfg: EngineConfig, server: Server) -> Iterator[Callable[..., Pair]]:
+    """``make_pair(**transfer)``: a new prefill node and decode node over the fake transfer
+    backend (``TransferConfig`` fields as keywords), shut down after the test."""
+    made: list[Node] = []
+
+    def make(**transfer: Any) -> Pair:
+        cfg = TransferConfig(backend="fake", secret=SECRET, **{"timeout_s": 5.0, **transfer})
+        n = len(made)
+        p = Node(engine_cfg, NodeConfig(f"prefill-{n}", server.addr, transfer=cfg), PrefillRole)
+        d = Node(engine_cfg, NodeConfig(f"decode-{n}", server.addr, transfer=cfg), DecodeRole)
+        made.extend((p, d))
+        return p, d
+
+    yield make
+    server.close()
+    for node in made:
+        node.shutdown()

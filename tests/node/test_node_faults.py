@@ -6,45 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from decode.node import DecodeRole
 from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
 from pd.core.request import ReqStatus
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.model.decoder import DecoderLayer
-from pd.node import Node, NodeConfig
-from prefill.node import PrefillRole
-from tests.node.harness import PROMPTS, SECRET, Server, assert_idle, run_until, send_request
-from transfer import KVPoll, TransferConfig
+from pd.node import Node
+from tests.node.harness import PROMPTS, assert_idle, run_until, send_request
+from transfer import KVPoll
 from transfer.backend import FakeTransferBackend
 
 pytestmark = pytest.mark.timeout(60)
 LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-
-Pair = tuple[Node, Node]
-
-
-@pytest.fixture
-def make_pair(engine_cfg: EngineConfig, server: Server) -> Iterator[Callable[..., Pair]]:
-    made: list[Node] = []
-
-    def make(**transfer: Any) -> Pair:
-        cfg = TransferConfig(backend="fake", secret=SECRET, **{"timeout_s": 5.0, **transfer})
-        n = len(made)
-        p = Node(engine_cfg, NodeConfig(f"prefill-{n}", server.addr, transfer=cfg), PrefillRole)
-        d = Node(engine_cfg, NodeConfig(f"decode-{n}", server.addr, transfer=cfg), DecodeRole)
-        made.extend((p, d))
-        return p, d
-
-    yield make
-    server.close()
-    for node in made:
-        node.shutdown()
 
 
 def _gone(node: Node) -> PeerGoneMsg:

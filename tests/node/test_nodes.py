@@ -80,7 +80,7 @@ def test_a_transfer_that_ends_during_a_forward_is_announced_before_the_forward_e
     p, d = nodes
     send_request(server, p, d, "first", PROMPTS[0])
     # only the prefill node runs: "first" is prefilled; its transfer waits for the decode node
-    run_until(server, (p,), lambda: p.core.scheduler.num_sending == 1)
+    run_until(server, (p,), lambda: len(p.role.outgoing.sending()) == 1)
     # done at its first token: no transfer of its own, so its forward's layers send nothing
     one = SamplingParams(max_tokens=1, temperature=0.0)
     send_request(server, p, d, "second", PROMPTS[1], one)
