@@ -215,6 +215,10 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     pull_bytes: int = 0
     pull_seconds: float = 0.0  # of the pulls that came
     num_pulls_served: int = 0  # prefixes this node sent to a requester
+    # KV transfer handshakes: requests sent again after a "no room" answer (as the sender), and
+    # requests held until this node knew their request instead of refused (as the receiver)
+    num_transfer_retries: int = 0
+    num_held_transfers: int = 0
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -345,6 +345,8 @@ class Node:
                 num_threads=res.num_threads,
                 rss_bytes=_resident_bytes(),
                 num_pulls_served=self.pull_source.num_served,
+                num_transfer_retries=self.transfer.num_retries,
+                num_held_transfers=self.transfer.num_held_requests,
                 **self.role.stats_fields(),
             )
         )

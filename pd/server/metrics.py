@@ -75,6 +75,14 @@ _NODE_COUNTERS = {
     "pull_bytes": ("pull_bytes", "KV bytes that came by pulls"),
     "pull_seconds": ("pull_seconds", "time from ask to cached, of the pulls that came"),
     "num_pulls_served": ("pulls_served", "prefixes it sent to another node that pulled them"),
+    "num_transfer_retries": (
+        "transfer_retries",
+        'KV transfer requests it sent again after a "no room" answer',
+    ),
+    "num_held_transfers": (
+        "held_transfers",
+        "KV transfer requests it held until their request reached it, instead of refusing them",
+    ),
 }
 # ClusterStats field -> (metric name, help) of the server side
 _SERVER_COUNTERS = {
