@@ -116,7 +116,8 @@ class OutgoingQueue:
     def release_ended(self) -> None:
         """After a step: the requests whose transfer ended give their slots back."""
         for rid in [rid for rid, o in self._records.items() if o.is_ended]:
-            self.finish_sending(rid)
+            if self.finish_sending(rid) is None:  # not sending (it failed before its first token)
+                del self._records[rid]
 
     def finish_sending(self, request_id: str) -> Req | None:
         """The request's transfer is over: its slots go back, its record ends. None if it is
