@@ -126,9 +126,10 @@ class BaseSlotOwner(ABC):
 
     def knows(self, transfer_id: str) -> bool:
         """False: no request for ``transfer_id`` has reached the owner yet (its own message is
-        still on the way), so a transfer request for it is held (at most
-        ``TransferConfig.max_held_requests`` of them, each for half the handshake timeout) and
-        ``reserve`` is asked once this turns True; never refused for it. True by default."""
+        still on the way), so a transfer request for it is held, not refused, and ``reserve``
+        is asked once this turns True. Bounded: past ``TransferConfig.max_held_requests`` held
+        at once, or half the handshake timeout, it is answered "no room" (the sender asks
+        again). True by default."""
         return True
 
     @abstractmethod
