@@ -12,7 +12,7 @@ import torch
 
 from pd.core.batch import ForwardBatch, SeqInput
 from pd.core.kv_pool import KVPool
-from pd.engine.attention import TorchAttentionBackend
+from pd.engine.attention import KernelAttentionBackend, TorchAttentionBackend
 from pd.engine.config import EngineConfig
 from pd.engine.runner import ModelRunner
 from pd.model import quant
@@ -66,6 +66,9 @@ def test_quantized_fp32_runners_prefill_in_bf16(tiny_llama_dir, kw, expected):
     kw = {"deterministic": False, **kw}
     runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=256, **kw))
     assert runner.extend_attention_dtype == expected
+    if kw["deterministic"]:  # the C++ kernel attends every row in fp32, in a fixed order
+        assert isinstance(runner.attn, KernelAttentionBackend)
+        return
     assert runner.attn.extend_dtype == expected  # type: ignore[attr-defined]
     assert runner.attn.extend_min_tokens == DEQUANT_MIN_TOKENS  # type: ignore[attr-defined]
 
