@@ -173,6 +173,17 @@ def tiny_model_factory(
 
 
 @pytest.fixture(scope="session")
+def family_dir(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Callable[[str], Path]:
+    """``make(family) -> dir``: a tiny random checkpoint of a model family (tests/families.py),
+    written once per session per family."""
+    from tests.families import make_family_dir
+
+    return make_family_dir(tmp_path_factory, smollm2_dir, _TOKENIZER_GLOBS)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
     """Llama, GQA 4/2 heads, head_dim 16, 3 layers, untied embeddings."""
     return tiny_model_factory("llama")

@@ -6,8 +6,6 @@ sliding-window model's prefix hits, chunks and batches give a cold prompt's bits
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,90 +16,8 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.model.families import SUPPORTED_ARCHITECTURES
-from tests.conftest import _TOKENIZER_GLOBS
 from tests.engine.test_deterministic import SCHEDULES, _Probe
-
-VOCAB = 1024
-WINDOW = 8
-_DIMS = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
-)  # fmt: skip
-_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
-
-
-def _configs() -> dict[str, Callable[[], Any]]:
-    import transformers as tf
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    return {
-        "llama": lambda: tf.LlamaConfig(tie_word_embeddings=False, **_DIMS),
-        "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **_DIMS),
-        "qwen2": lambda: tf.Qwen2Config(tie_word_embeddings=False, **_DIMS),
-        "qwen3": lambda: tf.Qwen3Config(tie_word_embeddings=False, **_DIMS),
-        "gemma2": lambda: tf.Gemma2Config(
-            sliding_window=WINDOW, query_pre_attn_scalar=24, layer_types=_SLIDING, **_DIMS
-        ),
-        "gemma3": lambda: tf.Gemma3TextConfig(
-            sliding_window=WINDOW,
-            query_pre_attn_scalar=24,
-            layer_types=_SLIDING,
-            final_logit_softcapping=30.0,
-            rope_parameters={"sliding_attention": rope, "full_attention": {**rope, "rope_theta": 1e5}},
-            **_DIMS,
-        ),
-        "phi3": lambda: tf.Phi3Config(
-            sliding_window=WINDOW, rope_parameters={**rope, "partial_rotary_factor": 0.5}, **_DIMS
-        ),
-        "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_DIMS),
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-            mlp_only_layers=[1], **_DIMS,
-        ),
-    }  # fmt: skip
-
-
-FAMILIES = list(_configs())
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Norm weights and biases drawn too (HF starts them at 1 or 0, which would hide a norm
-    pd forgot)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.3, 0.5) if "gemma" in type(model).__name__.lower() else p.uniform_(
-                    0.5, 1.5
-                )
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.2)
-
-
-@pytest.fixture(scope="session")
-def family_dir(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
-) -> Callable[[str], Path]:
-    """``make(family) -> dir``: a tiny random checkpoint of that family with SmolLM2's
-    tokenizer files, written once per session."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in made:
-            out = tmp_path_factory.mktemp(f"family_{family}")
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_configs()[family](), dtype=torch.float32)
-            _randomize(model)
-            model.save_pretrained(str(out), safe_serialization=True)
-            for pattern in _TOKENIZER_GLOBS:
-                for path in smollm2_dir.glob(pattern):
-                    shutil.copy(path, out / path.name)
-            made[family] = out
-        return made[family]
-
-    return make
+from tests.families import FAMILIES, VOCAB, WINDOW
 
 
 def _hf(model_dir: Path) -> Any:
@@ -193,3 +109,24 @@ def test_a_warm_answer_equals_the_cold_one_past_the_window(family_dir) -> None:
     assert again.num_cached_tokens >= 200 and first.token_ids == again.token_ids
     theirs, logits = _hf_greedy(_hf(model_dir), system + [5, 6, 7], 10)
     _assert_same_or_tied(first.token_ids, theirs, logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_compiled_steps_and_speculation_give_the_same_tokens(family: str, family_dir) -> None:
+    """Gemma 2's capped scores and windows in a compiled step, Qwen3-MoE's experts run
+    eagerly between its graphs: the tokens of eager steps, with speculation on too."""
+    model_dir = str(family_dir(family))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = {"model": model_dir, "max_total_tokens": 4096, "quantization": "int4"}
+    # a prompt that repeats itself, so drafts are proposed and some accepted
+    prompts = [_prompt(20, 3) * 3, _prompt(41, 4), _prompt(9, 5)]
+    want = [r.token_ids for r in Engine(EngineConfig(**base)).generate(prompts, params)]
+    compiled = Engine(EngineConfig(**base, compile_buckets="1,2"))
+    assert set(compiled.runner.graphs.compile_seconds) == {1, 2}
+    assert [r.token_ids for r in compiled.generate(prompts, params)] == want
+    assert [r.token_ids for r in compiled.generate(prompts[:1], params)] == want[:1]
+    assert sum(compiled.runner.graphs.num_runs.values()) > 0
+    spec = Engine(EngineConfig(**base, speculative_tokens=4))
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    assert spec.stats().num_spec_steps > 0
