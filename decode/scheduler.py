@@ -32,7 +32,7 @@ from transfer import SlotReservation
 
 class DecodeScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, num_promised=lambda: self.incoming.num_promised, **kwargs)
         self.incoming = IncomingQueue(self)  # requests whose KV comes from a prefill node
 
     @property
@@ -48,12 +48,11 @@ class DecodeScheduler(Scheduler):
             )
         if req.slots:
             raise ValueError(f"request {req.request_id!r} already has a reservation")
-        expected = self._expected_len(req)
+        expected = self.slots.expected_len(req)
         if not self._lock_prefix(req, expected):
             return None
+        self.slots.grow(req, num_tokens)
         page = self.allocator.page_size
-        self.cache.make_room(self.allocator.num_new_pages(req.slots, num_tokens) * page)
-        self.allocator.extend(req.slots, num_tokens)
         total = self.allocator.num_pages_for(expected) * page
         promised = total - self.allocator.num_pages_for(num_tokens) * page
         return SlotReservation(req.slots[req.num_cached_tokens :], req.num_cached_tokens), promised
@@ -63,7 +62,7 @@ class DecodeScheduler(Scheduler):
         req.output_ids = [first_token]
         req.set_status(ReqStatus.RUNNING)
         self.running.append(req)
-        self._cache_prompt(req)  # the transfer is over: no one writes these slots any more
+        self.slots.cache_prompt(req)  # the transfer is over: no one writes these slots any more
 
     def release_incoming(self, req: Req) -> None:
         """Free a reservation whose KV will never arrive (no data thread writes it)."""
@@ -73,6 +72,3 @@ class DecodeScheduler(Scheduler):
 
     def held_slots(self) -> list[HeldSlots]:
         return super().held_slots() + self.incoming.held_slots()
-
-    def _num_promised(self) -> int:
-        return self.incoming.num_promised

@@ -27,7 +27,7 @@ from prefill.outgoing import OutgoingQueue
 
 class PrefillScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, prompt_only=True, **kwargs)  # it never decodes
         self.outgoing = OutgoingQueue(self)  # every request, on its way to its decode node
 
     @property
@@ -36,17 +36,11 @@ class PrefillScheduler(Scheduler):
 
     def release_sent(self, req: Req) -> None:
         """``req`` left ``SENDING`` (its transfer is over, or it was aborted): release it."""
-        self._release(req)
+        self.slots.release(req)
 
     def held_slots(self) -> list[HeldSlots]:
         sending = [(r.slots, r.cache_node) for r in self.outgoing.sending()]
         return super().held_slots() + sending
-
-    def _max_len(self, req: Req) -> int:
-        return req.num_prompt_tokens
-
-    def _expected_len(self, req: Req) -> int:
-        return req.num_prompt_tokens
 
     def _pending_prompts(self) -> list[tuple[str, list[int]]]:
         # a sent prompt is cached when its transfer ends

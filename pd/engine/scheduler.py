@@ -3,13 +3,13 @@
 The life of a request:
 
 1. ``waiting``: FIFO. Admitted when the running set has room and its KV is expected to fit:
-   the tokens it is expected to need (``_expected_len``: its prompt, plus ``new_token_ratio`` of
-   its max_tokens, less the cached prefix) must fit in free + evictable slots after what every
-   running request is expected to still take. Admission matches the prompt in the prefix cache
-   and locks the match, so those slots cannot be evicted under it. A request that shares at
-   least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt still being prefilled
-   here (``_pending_prompts``) waits, and others go ahead of it, until that prompt is cached:
-   it then computes only its own part instead of the shared one a second time.
+   the tokens it is expected to need (``SlotBudget.expected_len``: its prompt, plus
+   ``new_token_ratio`` of its max_tokens, less the cached prefix) must fit in free + evictable
+   slots after what every running request is expected to still take. Admission matches the
+   prompt in the prefix cache and locks the match, so those slots cannot be evicted under it. A
+   request that shares at least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt
+   still being prefilled here (``_pending_prompts``) waits, and others go ahead of it, until that
+   prompt is cached: it then computes only its own part instead of the shared one a second time.
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
@@ -28,17 +28,20 @@ is then its whole history). ``new_token_ratio`` decays while nothing is retracte
 when something is, as in SGLang. With ``new_token_ratio=1`` admission reserves the worst case and
 nothing is ever retracted.
 
+The scheduler decides who runs; its part ``slots`` (``pd.engine.slots.SlotBudget``) counts and
+moves the requests' KV slots: the estimates above, growing, caching and releasing.
+
 This class is the colocated engine's scheduler. The roles specialise it:
-``prefill.scheduler.PrefillScheduler`` reserves only the prompt and hands a request off after its
-first token; ``decode.scheduler.DecodeScheduler`` also takes requests whose prompt KV arrives from
-a prefill node. Nodes talk to a scheduler through its methods, never its fields.
+``prefill.scheduler.PrefillScheduler`` reserves only the prompt (``prompt_only``) and hands a
+request off after its first token; ``decode.scheduler.DecodeScheduler`` also takes requests whose
+prompt KV arrives from a prefill node (their promised slots count through ``num_promised``). Nodes
+talk to a scheduler through its methods, never its fields.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from pd.cache.base import BasePrefixCache
@@ -47,17 +50,11 @@ from pd.core.kv_pool import SlotAllocator
 from pd.core.request import Req, ReqStatus
 from pd.engine.drafter import Drafter
 from pd.engine.sampler import SampledRow
+from pd.engine.slots import SlotBudget
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
 
-# Admission estimates at most this many of a request's max_tokens (as SGLang): a chat request
-# without max_tokens may ask for the whole context but rarely uses it.
-CLIP_MAX_TOKENS_ESTIMATE = 4096
-# new_token_ratio decays from its initial value to MIN_RATIO_FACTOR times it over DECAY_STEPS
-# decode steps without a retraction.
-MIN_RATIO_FACTOR = 0.2
-DECAY_STEPS = 600
 # A waiting request defers to a prompt being prefilled when they share this many tokens that
 # the cache does not hold yet (SGLang's in-batch prefix check uses 32 too).
 MIN_DEFERRED_SHARED_TOKENS = 32
@@ -106,9 +103,16 @@ class Scheduler:
         new_token_ratio: float = 1.0,
         num_speculative_tokens: int = 0,
         max_speculative_batch: int = 4,
+        prompt_only: bool = False,
+        num_promised: Callable[[], int] | None = None,
     ) -> None:
-        if not 0.0 < new_token_ratio <= 1.0:
-            raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
+        self.slots = SlotBudget(
+            allocator,
+            cache,
+            new_token_ratio=new_token_ratio,
+            prompt_only=prompt_only,
+            num_promised=num_promised,
+        )
         self.allocator = allocator
         self.cache = cache
         self.max_running_requests = max_running_requests
@@ -118,12 +122,6 @@ class Scheduler:
         )
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.init_new_token_ratio = new_token_ratio
-        self.new_token_ratio = new_token_ratio
-        self._min_ratio = (
-            new_token_ratio if new_token_ratio == 1.0 else new_token_ratio * MIN_RATIO_FACTOR
-        )
-        self._ratio_decay = (new_token_ratio - self._min_ratio) / DECAY_STEPS
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the newest last
         self._num_admitted_tokens = 0
@@ -153,7 +151,7 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) = "
                 f"{n + req.params.max_tokens} exceeds the context length ({self.max_model_len})"
             )
-        pages = self.allocator.num_pages_for(self._max_len(req))
+        pages = self.allocator.num_pages_for(self.slots.max_len(req))
         if pages > self.allocator.num_pages:
             raise ValueError(
                 f"request needs {pages * self.allocator.page_size} KV slots, "
@@ -176,7 +174,7 @@ class Scheduler:
             if req.request_id == request_id:
                 self.running.remove(req)
                 req.finish("abort")
-                self._release(req)
+                self.slots.release(req)
                 return req
         return None
 
@@ -193,7 +191,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefilling]
         reqs, seqs = [], []
         for req in decoding:
-            self._grow(req, req.num_computed + 1)
+            self.slots.grow(req, req.num_computed + 1)
         drafts = self.drafter.drafts(decoding)
         for req, draft in zip(decoding, drafts):
             reqs.append(req)
@@ -209,7 +207,7 @@ class Scheduler:
             if budget <= 0:
                 break
             start = req.num_computed
-            n = self._grow_upto(req, min(req.fill_len, start + budget)) - start
+            n = self.slots.grow_upto(req, min(req.fill_len, start + budget)) - start
             if n <= 0:
                 continue
             reqs.append(req)
@@ -219,34 +217,8 @@ class Scheduler:
             self._retract_stalled()
             return None
         if decoding:
-            self.new_token_ratio = max(self._min_ratio, self.new_token_ratio - self._ratio_decay)
+            self.slots.decay_ratio()
         return ScheduledBatch(reqs, seqs, len(decoding), drafts if any(drafts) else ())
-
-    def num_available_tokens(self) -> int:
-        """Slots a new request could still be promised: free + evictable, less what running
-        requests (and any other promise of the role's) are expected to take yet."""
-        reserved = sum(self._outstanding(r) for r in self.running) + self._num_promised()
-        return self.allocator.num_free_slots + self.cache.num_evictable_tokens - reserved
-
-    def _max_len(self, req: Req) -> int:
-        """Tokens of KV the request may hold here at most."""
-        return req.max_len
-
-    def _expected_len(self, req: Req) -> int:
-        """Tokens of KV the request is expected to hold here at most (admission's estimate)."""
-        left = req.params.max_tokens - len(req.output_ids)
-        guess = math.ceil(min(left, CLIP_MAX_TOKENS_ESTIMATE) * self.new_token_ratio)
-        return min(self._max_len(req), max(req.fill_len, req.num_computed) + guess)
-
-    def _num_promised(self) -> int:
-        """Slots promised outside ``running`` (a role's reservations)."""
-        return 0
-
-    def _outstanding(self, req: Req) -> int:
-        return (
-            self.allocator.num_new_pages(req.slots, self._expected_len(req))
-            * self.allocator.page_size
-        )
 
     def _admit(self) -> None:
         deferred: list[Req] = []
@@ -255,7 +227,7 @@ class Scheduler:
             if self._should_defer(req):
                 deferred.append(self.waiting.popleft())
                 continue
-            if not self._lock_prefix(req, self._expected_len(req)):
+            if not self._lock_prefix(req, self.slots.expected_len(req)):
                 break
             self.waiting.popleft()
             req.set_status(ReqStatus.RUNNING)
@@ -289,7 +261,7 @@ class Scheduler:
         match = self.cache.match_prompt(tokens, req.namespace)
         self.cache.inc_lock_ref(match.last_node)
         need = self.allocator.num_pages_for(expected_len) * self.allocator.page_size
-        if need - match.num_tokens > self.num_available_tokens():
+        if need - match.num_tokens > self.slots.num_available_tokens(self.running):
             self.cache.dec_lock_ref(match.last_node)
             return False
         req.slots = list(match.slots)
@@ -301,35 +273,9 @@ class Scheduler:
             self._num_admitted_cached_tokens += match.num_tokens
         return True
 
-    def _grow(self, req: Req, new_len: int) -> None:
-        self.cache.make_room(
-            self.allocator.num_new_pages(req.slots, new_len) * self.allocator.page_size
-        )
-        self.allocator.extend(req.slots, new_len)
-
-    def _grow_upto(self, req: Req, new_len: int) -> int:
-        """Grow ``req.slots`` toward ``new_len`` as far as free + evictable slots allow."""
-        ps = self.allocator.page_size
-        room = self.allocator.num_free_slots + self.cache.num_evictable_tokens
-        own_tail = -len(req.slots) % ps  # free slots left in the request's last page
-        new_len = min(new_len, len(req.slots) + own_tail + room // ps * ps)
-        if new_len > len(req.slots):
-            self._grow(req, new_len)
-        return len(req.slots)
-
-    def _decode_need(self) -> int:
-        ps = self.allocator.page_size
-        return sum(
-            self.allocator.num_new_pages(r.slots, r.num_computed + 1) * ps
-            for r in self.running
-            if not r.is_prefilling
-        )
-
     def _retract_until_decodes_fit(self) -> None:
         """Retract the newest running requests until every decoding one can take a token."""
-        while self.running and self._decode_need() > (
-            self.allocator.num_free_slots + self.cache.num_evictable_tokens
-        ):
+        while self.running and not self.slots.can_decode(self.running):
             self._retract(self.running[-1])
 
     def _retract_stalled(self) -> None:
@@ -339,12 +285,12 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.slots.release(req)
         req.fill_len = len(req.all_ids)
         req.set_status(ReqStatus.WAITING)
         self.waiting.appendleft(req)
         self._num_retracted += 1
-        self.new_token_ratio = self.init_new_token_ratio
+        self.slots.reset_ratio()
 
     # -- postprocess ------------------------------------------------------------------------
 
@@ -362,7 +308,8 @@ class Scheduler:
             for token in (*row.accepted, row.token):
                 req.output_ids.append(token)
                 req.num_new_outputs += 1
-                if (reason := self._finish_reason(req, token)) is not None:
+                reason = _finish_reason(req, token, self.eos_token_ids, self.max_model_len)
+                if reason is not None:
                     break
             if draft:
                 self.drafter.verified(req, len(draft), len(row.accepted))
@@ -372,7 +319,7 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(req)
                 req.finish(reason)
-                self._release(req)
+                self.slots.release(req)
             elif len(req.output_ids) == 1:
                 self._on_first_token(req)
         return StepResult(produced, failed, len(batch.reqs))
@@ -386,32 +333,7 @@ class Scheduler:
     def _on_first_token(self, req: Req) -> None:
         """A running request sampled its first token: its prompt goes into the prefix cache
         now, not when it finishes (a role may hand the request off here instead)."""
-        self._cache_prompt(req)
-
-    def _cache_prompt(self, req: Req) -> None:
-        """Cache the request's computed tokens and keep running on the cache's slots for them
-        (pages another request cached first are freed: no one but this node reads them)."""
-        n = req.num_computed
-        match = self.cache.cache_unfinished(
-            req.all_ids[:n], req.slots, req.cache_node, req.namespace
-        )
-        req.slots, req.cache_node = match.slots, match.last_node
-
-    def _finish_reason(self, req: Req, token: int) -> str | None:
-        p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _release(self, req: Req) -> None:
-        """Hand a request's tokens and slots to the cache (it keeps what it can, frees the rest)."""
-        self.allocator.truncate(req.slots, len(req.all_ids))  # a draft's slots, if any
-        tokens = req.all_ids[: req.num_computed]
-        self.cache.cache_finished(tokens, req.slots, req.cache_node, req.namespace)
-        req.slots = []
-        req.cache_node = None
+        self.slots.cache_prompt(req)
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -437,6 +359,18 @@ class Scheduler:
         """Cache invariants, and every slot free, cached, or held by exactly one request."""
         self.cache.check_integrity()
         self.cache.check_slot_ownership(self.held_slots())
+
+
+def _finish_reason(
+    req: Req, token: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> str | None:
+    """Why ``req`` ends at ``token`` (just appended to its output), or None if it goes on."""
+    p = req.params
+    if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop"
+    if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= max_model_len:
+        return "length"
+    return None
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -87,7 +87,7 @@ def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
     s.add(_req("b", 10, max_tokens=30, base=200))
     _run(s)
     assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
-    assert s.num_available_tokens() == 64 - 39
+    assert s.slots.num_available_tokens(s.running) == 64 - 39
     assert _drain(s) == ["a", "b"]
     _assert_idle_and_whole(s)
 
@@ -322,7 +322,7 @@ def test_decode_role_releases_a_reservation_whose_kv_never_comes() -> None:
 def test_optimistic_admission_runs_more_requests_than_the_worst_case_allows() -> None:
     worst = _make_scheduler(num_slots=64, cache=False)
     optimistic = _make_scheduler(num_slots=64, cache=False)
-    optimistic.new_token_ratio = optimistic.init_new_token_ratio = 0.7
+    optimistic.slots.new_token_ratio = optimistic.slots.init_new_token_ratio = 0.7
     for s in (worst, optimistic):
         for i in range(3):
             s.add(_req(f"r{i}", 10, max_tokens=30, base=100 * (i + 1)))
@@ -333,7 +333,7 @@ def test_optimistic_admission_runs_more_requests_than_the_worst_case_allows() ->
 
 def test_a_pool_too_small_for_all_running_requests_retracts_and_resumes() -> None:
     s = _make_scheduler(num_slots=64, page_size=4)
-    s.new_token_ratio = s.init_new_token_ratio = 0.3
+    s.slots.new_token_ratio = s.slots.init_new_token_ratio = 0.3
     reqs = [_req(f"r{i}", 10, max_tokens=40, base=100 * (i + 1)) for i in range(3)]
     for r in reqs:
         s.add(r)
@@ -372,7 +372,7 @@ def test_a_request_without_max_tokens_does_not_lower_the_batch() -> None:
         s = _make_scheduler(
             num_slots=32768, cache=False, max_running=64, budget=16384, max_model_len=ctx
         )
-        s.new_token_ratio = s.init_new_token_ratio = ratio
+        s.slots.new_token_ratio = s.slots.init_new_token_ratio = ratio
         for i in range(n):
             s.add(_req(f"r{i}", prompt_len, max_tokens=max_tokens, base=1000 * (i + 1)))
         _run(s)
