@@ -18,7 +18,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not cluster and not multihost and not soak and not compile and not slow" $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check pd prefill decode transfer scripts tests
+	$(VENV)/bin/ruff check pd prefill decode transfer pdtools scripts tests
 
 bench: setup
 	$(PY) scripts/bench_engine.py

@@ -39,13 +39,13 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-from block_hash_cache import BlockHashCache  # scripts/ is on sys.path when run as a script
 
 from pd.cache.radix_cache import RadixCache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pdtools.block_hash_cache import BlockHashCache
 
 VOCAB = 49152  # SmolLM2's vocabulary
 

@@ -64,12 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace, flags: str) -> dict[str, object]:
     """Build the engine from ``flags`` and replay the load; -> the summary."""
-    from bench_workloads import make_chat
-
     from pd.cli import build_parser, engine_config
     from pd.core.sampling_params import SamplingParams
     from pd.engine.engine import Engine
     from pd.model.tokenizer import encode_chat
+    from pdtools.bench_workloads import make_chat
 
     t0 = time.perf_counter()
     engine = Engine(engine_config(build_parser().parse_args(["serve", *shlex.split(flags)])))

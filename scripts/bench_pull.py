@@ -22,56 +22,33 @@ same tokens measured in the same run (the prefill rate the nodes report).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_launch import Launch, launched  # noqa: E402
+from pdtools.bench_client import generate_ttft
+from pdtools.bench_launch import Launch, launched
 
 BASE = ["--prefill", "2", "--decode", "1", "--policy", "least_load", "--local-prefill-tokens", "-1"]
-
-
-def _ttft(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """Seconds to the first streamed token of a greedy /generate, and all the tokens."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
-        "stream": True,
-    }
-    start, first, tokens = time.perf_counter(), 0.0, []
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if event["output_ids"] and not first:
-                first = time.perf_counter() - start
-            tokens.extend(event["output_ids"])
-    return first, tokens
 
 
 def _run(label: str, extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)  # the same prompts in both runs
     turn2_ttft, answers = [], []
     with launched(Launch(label, BASE + extra)) as url:
-        _ttft(url, [rng.randrange(1000, 40000) for _ in range(200)], 4)  # measures the rates
+        warmup = [rng.randrange(1000, 40000) for _ in range(200)]
+        generate_ttft(url, warmup, 4)  # measures the rates
         time.sleep(1.0)  # the nodes' stats reach the coordinator a few times a second
         for _ in range(args.conversations):
             turn1 = [rng.randrange(1000, 40000) for _ in range(args.prefix_tokens + 16)]
-            _, out1 = _ttft(url, turn1, 8)
+            _, out1 = generate_ttft(url, turn1, 8)
             time.sleep(0.5)  # turn 1's cache events reach the coordinator
             turn2 = turn1 + out1 + [rng.randrange(1000, 40000) for _ in range(16)]
-            t, out2 = _ttft(url, turn2, 8)
+            t, out2 = generate_ttft(url, turn2, 8)
             turn2_ttft.append(t)
             answers.append(out2)
         time.sleep(1.0)

@@ -30,7 +30,6 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from bench_engine import pd_decode, pd_prefill
-from bench_launch import LLAMACPP_PYTHON
 
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
@@ -39,6 +38,7 @@ from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.model.loader import default_gguf_path
 from pd.model.tokenizer import encode_chat, encode_prompt
+from pdtools.bench_launch import LLAMACPP_PYTHON
 
 FORMATS = {  # name -> dtype, quantization, linear_backend
     "fp32": ("float32", "none", "auto"),

@@ -27,13 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_launch import Launch, launched  # noqa: E402
-from bench_pull import _ttft  # noqa: E402
+from pdtools.bench_client import generate_ttft
+from pdtools.bench_launch import Launch, launched
 
 
 def _prefill(url: str) -> dict:
@@ -72,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.defaults:
             extra += ["--local-prefill-tokens", "-1", "--pull-min-tokens", "-1"]
         with launched(Launch("replace", extra)) as url:
-            _ttft(url, ids(64), 2)  # the first request of a server pays for its warm-up
+            generate_ttft(url, ids(64), 2)  # the first request of a server pays for its warm-up
             for i in range(args.prefixes):
                 prefix = ids(args.prefix_tokens)
-                cold, _ = _ttft(url, prefix + ids(8), 4)
-                _ttft(url, prefix + ids(8), 4)  # reused: written through to disk
+                cold, _ = generate_ttft(url, prefix + ids(8), 4)
+                generate_ttft(url, prefix + ids(8), 4)  # reused: written through to disk
                 time.sleep(2.0)  # the disk writer thread
                 old = _prefill(url)
                 os.kill(old["pid"], signal.SIGKILL)
                 took = _wait_replaced(url, old["id"])
-                after, _ = _ttft(url, prefix + ids(8), 4)
-                baseline, _ = _ttft(url, ids(args.prefix_tokens + 8), 4)
+                after, _ = generate_ttft(url, prefix + ids(8), 4)
+                baseline, _ = generate_ttft(url, ids(args.prefix_tokens + 8), 4)
                 rows.append((cold, after, baseline, took))
                 print(
                     f"prefix {i}: cold {cold * 1000:.0f} ms; {old['id']} killed, replaced in "

@@ -59,11 +59,16 @@ from typing import Any
 
 import httpx
 
-# scripts/ is on sys.path when run as a script
-from bench_client import Result, one_request, scrape
-from bench_launch import SERVERS, check_launchable, launched, parse_launch
-from bench_report import compare_markdown, goodput_markdown, markdown, summarize, write_plots
-from bench_workloads import (
+from pdtools.bench_client import Result, one_request, scrape
+from pdtools.bench_launch import SERVERS, check_launchable, launched, parse_launch
+from pdtools.bench_report import (
+    compare_markdown,
+    goodput_markdown,
+    markdown,
+    summarize,
+    write_plots,
+)
+from pdtools.bench_workloads import (
     Request,
     make_cached_prefix,
     make_chat,
@@ -72,7 +77,7 @@ from bench_workloads import (
     make_prompts,
     make_trace_requests,
 )
-from make_trace import read_trace
+from pdtools.trace import read_trace
 
 __all__ = ["compare_markdown", "main"]
 WORKLOADS = ("shared-prefix", "fixed", "cached-prefix", "chat", "multiturn", "trace", "copy")

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from chaos_cluster import (
+
+from pdtools.chaos_cluster import (
     ROLES,
     Api,
     Monitor,
@@ -43,9 +44,9 @@ from chaos_cluster import (
     rss_mib,
     serve_flags,
 )
-from chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
-from chaos_load import Outcome, References, long_spec, make_specs, references, send
-from chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
+from pdtools.chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
+from pdtools.chaos_load import Outcome, References, long_spec, make_specs, references, send
+from pdtools.chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
 
 QUIET_S = 20.0  # steady load without faults before the checks
 SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2 s)

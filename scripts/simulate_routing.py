@@ -25,7 +25,7 @@ import argparse
 import gc
 import statistics
 
-from routing_model import (  # scripts/ is on sys.path
+from pdtools.routing_model import (
     TraceConfig,
     make_coordinator,
     mirror_bytes,

@@ -11,6 +11,8 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
     pd.cluster coordinator, cluster client, launcher, admin, autoscaler
     pd.server  the HTTP server
     pd.cli     the command line
+    pdtools    the libraries of scripts/ (benchmarks, the chaos soak, the netns harness): tools
+               over the runtime, which never imports them
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ LAYERS: list[tuple[str, int]] = [
     ("pd.cluster", 7),
     ("pd.server", 8),
     ("pd.cli", 9),
+    ("pdtools", 10),
 ]
 
 
@@ -87,7 +90,9 @@ def upward_imports(path: Path, module: str | None = None) -> list[str]:
 
 def source_files() -> list[Path]:
     return sorted(
-        p for d in ("pd", "prefill", "decode", "transfer") for p in (ROOT / d).rglob("*.py")
+        p
+        for d in ("pd", "prefill", "decode", "transfer", "pdtools")
+        for p in (ROOT / d).rglob("*.py")
     )
 
 
@@ -116,6 +121,8 @@ def test_imports_only_point_down() -> None:
         ("pd.engine.x", "from pd import node\n", True),
         ("pd.engine.x", "from pd.cache.base import BasePrefixCache\n", False),
         ("pd.cluster.x", "from prefill.node import PrefillRole\n", False),
+        ("pd.server.x", "from pdtools.bench_client import Result\n", True),
+        ("pdtools.x", "from pd.cluster.coordinator import Coordinator\n", False),
     ],
 )
 def test_the_check_sees_an_upward_import(

@@ -3,7 +3,7 @@ and every flag of ``pd serve`` is in them."""
 
 from __future__ import annotations
 
-from cli_flags import README, _serve_parser, readme_block, tables
+from scripts.cli_flags import README, _serve_parser, readme_block, tables
 
 
 def test_readmes_flag_tables_are_the_parsers() -> None:

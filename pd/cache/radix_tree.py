@@ -7,7 +7,7 @@ down the tree is one dict probe. Each namespace (tenant / LoRA id) has its own r
 never match across namespaces.
 
 A node may carry a value list aligned with its key (the RadixCache stores slot indices; a tree
-without values is the per-node mirror that ``scripts/routing_model.py`` measures as a baseline);
+without values is the per-node mirror that ``pdtools/routing_model.py`` measures as a baseline);
 values split with their keys. ``lock_ref`` and ``last_access`` live on the node so that a split
 copies them, but only the RadixCache gives them meaning. Nodes are never merged: a node object
 keeps its identity (and its path end) until it is removed, which is what lets a caller hold one

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import pytest
-from routing_model import SimPrefill
 
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.messages import CacheEventMsg
+from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
 BALANCE_ABS_TOKENS = 4096

@@ -1,5 +1,5 @@
 """``ray_cluster.onprem.yaml`` passes Ray's own checks, its shell commands give each machine
-its own address and its role's resources, and the harness's edits (``scripts/netns_ray.py``)
+its own address and its role's resources, and the harness's edits (``pdtools/netns_ray.py``)
 touch only what a person edits. No Ray cluster, no root: tests/multihost/ runs it for real."""
 
 from __future__ import annotations
@@ -9,21 +9,17 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from pdtools import netns_ray
+from pdtools.netns_ray import EXAMPLE_CHECKOUT, EXAMPLE_HEAD, PD_SERVE, render_onprem
 from tests.cluster.test_ray_cluster_yaml import documented_serve_command
 
 _ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT / "scripts") not in sys.path:  # as when the harness runs: scripts/ on sys.path
-    sys.path.insert(0, str(_ROOT / "scripts"))
-
-import netns_ray  # noqa: E402
-from netns_ray import EXAMPLE_CHECKOUT, EXAMPLE_HEAD, PD_SERVE, render_onprem  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 YAML = _ROOT / "ray_cluster.onprem.yaml"

@@ -1,4 +1,4 @@
-"""Hosts in network namespaces (``scripts/netns_hosts.py``) that run Ray and pd for real.
+"""Hosts in network namespaces (``pdtools/netns_hosts.py``) that run Ray and pd for real.
 
 The set needs root (namespaces, a bridge, an sshd per host). As root it installs what the
 harness lacks (``apt-get install openssh-server rsync``); elsewhere, or where network
@@ -12,16 +12,11 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the harness runs by hand: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from netns_hosts import HarnessBusy, NetnsHosts, install_tools, missing_tools  # noqa: E402
+from pdtools.netns_hosts import HarnessBusy, NetnsHosts, install_tools, missing_tools
 
 REPORT: list[str] = []  # lines for the terminal summary
 

@@ -1,5 +1,5 @@
 """pd across hosts for real: ``ray up`` of ``ray_cluster.onprem.yaml`` on hosts in network
-namespaces (``scripts/netns_hosts.py``), ``pd serve`` through ``ray exec`` on the head, and the
+namespaces (``pdtools/netns_hosts.py``), ``pd serve`` through ``ray exec`` on the head, and the
 network faults of RELIABILITY.md's "Many hosts" table.
 
 One cluster for the module (one ``ray up``, to fit the set in 4 minutes), and the tests run in
@@ -24,12 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from pdtools.netns_hosts import ROOT, Host, NetnsHosts
+from pdtools.netns_ray import PORT, OnpremCluster
 from tests.cluster import test_faults
 from tests.cluster.test_faults import PROMPTS, Load, Outcome, _generate
 from tests.multihost.conftest import REPORT
-
-from netns_hosts import ROOT, Host, NetnsHosts  # isort: skip  (scripts/, put on sys.path by conftest)
-from netns_ray import PORT, OnpremCluster  # isort: skip
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
 HEARTBEAT_S = 4.0

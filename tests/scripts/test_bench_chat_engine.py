@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_chat_engine import main
+
+from scripts.bench_chat_engine import main
 
 
 @pytest.mark.slow

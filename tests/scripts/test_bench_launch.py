@@ -1,12 +1,13 @@
-"""scripts/bench_launch.py: launch specs and the llama.cpp and vLLM peers' command lines."""
+"""pdtools/bench_launch.py: launch specs and the llama.cpp and vLLM peers' command lines."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import bench_launch
-import bench_serving
 import pytest
+
+from pdtools import bench_launch
+from scripts import bench_serving
 
 
 def _flag(cmd: list[str], name: str) -> str:

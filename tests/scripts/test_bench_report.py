@@ -1,4 +1,4 @@
-"""scripts/bench_report.py: goodput on known latencies, the goodput table, the PNG plots."""
+"""pdtools/bench_report.py: goodput on known latencies, the goodput table, the PNG plots."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 
 import pytest
-from bench_client import Result
-from bench_report import goodput, goodput_markdown, summarize, write_plots
+
+from pdtools.bench_client import Result
+from pdtools.bench_report import goodput, goodput_markdown, summarize, write_plots
 
 
 def _result(ttft: float, e2e: float, num_tokens: int) -> Result:

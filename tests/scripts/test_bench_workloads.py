@@ -1,4 +1,4 @@
-"""scripts/bench_workloads.py: trace prompts whose 512-token blocks follow the hash ids;
+"""pdtools/bench_workloads.py: trace prompts whose 512-token blocks follow the hash ids;
 multiturn conversations; copy prompts."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_workloads import (
+
+from pdtools.bench_workloads import (
     COPY_MAX_WORDS,
     COPY_MIN_WORDS,
     COPY_SOURCE,
@@ -16,7 +17,7 @@ from bench_workloads import (
     copy_texts,
     make_copy,
 )
-from make_trace import BLOCK_SIZE, TraceRequest
+from pdtools.trace import BLOCK_SIZE, TraceRequest
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_token_text_needs_one_token_words() -> None:
 def test_multiturn_sends_each_conversation_round_by_round(words: TokenText, smollm2_dir) -> None:
     """Every turn's history is the last turn's messages plus a fixed answer; a conversation's
     next turn comes only after every conversation's turn before it."""
-    from bench_workloads import make_multiturn
+    from pdtools.bench_workloads import make_multiturn
 
     args = argparse.Namespace(
         tokenizer=str(smollm2_dir),
@@ -154,7 +155,7 @@ def test_copy_reuses_a_text_only_with_another_instruction() -> None:
 
 @needs_copy_source
 def test_bench_serving_selects_the_copy_workload() -> None:
-    from bench_serving import make_requests, parse_args
+    from scripts.bench_serving import make_requests, parse_args
 
     warmup, requests = make_requests(parse_args(["--workload", "copy", "--num-prompts", "5"]))
     assert warmup == [] and requests == make_copy(_copy_args(5))

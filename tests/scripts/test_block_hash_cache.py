@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from block_hash_cache import BlockHashCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd.cache.radix_cache import RadixCache
 from pd.core.kv_pool import SlotAllocator
+from pdtools.block_hash_cache import BlockHashCache
 
 BS = 4
 

@@ -11,13 +11,14 @@ import subprocess
 import sys
 from typing import Any, NamedTuple
 
-import chaos_faults
 import pytest
-from chaos_cluster import Interval, Metrics, Pools, ProcessTree
-from chaos_faults import NODE_FAULTS, Chaos
-from chaos_hostile import parse_raw
-from chaos_load import Answer, Outcome, StreamReader, stop_for
-from chaos_report import Context, Tally, judge, leak_checks
+
+from pdtools import chaos_faults
+from pdtools.chaos_cluster import Interval, Metrics, Pools, ProcessTree
+from pdtools.chaos_faults import NODE_FAULTS, Chaos
+from pdtools.chaos_hostile import parse_raw
+from pdtools.chaos_load import Answer, Outcome, StreamReader, stop_for
+from pdtools.chaos_report import Context, Tally, judge, leak_checks
 
 REF = Answer("Paris is the capital.", "stop", 6)
 
@@ -236,7 +237,7 @@ def test_a_stream_gives_its_request_id_and_cached_tokens() -> None:
 def test_the_soak_starts_pd_serve_at_its_defaults_or_as_asked() -> None:
     import argparse
 
-    from chaos_soak import engine_args, parse_args
+    from scripts.chaos_soak import engine_args, parse_args
 
     assert engine_args(parse_args([])) == []  # pd serve's own defaults
     args = parse_args(["--engine", "fp32-eager", "--speculative-tokens", "4"])
@@ -247,7 +248,7 @@ def test_the_soak_starts_pd_serve_at_its_defaults_or_as_asked() -> None:
 
 
 def test_a_wrong_answer_is_reported_with_the_path_that_served_it() -> None:
-    from chaos_report import _path, wrong_paths
+    from pdtools.chaos_report import _path, wrong_paths
 
     class _Chaos:
         records = [chaos_faults.FaultRecord("drain", 50.0, 55.0, "decode-1")]

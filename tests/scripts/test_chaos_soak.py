@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS
+
+from pdtools.chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("PD_SOAK_MINUTES", "3"))

@@ -1,4 +1,4 @@
-"""scripts/make_trace.py: the Mooncake trace format, and the synthesizer's shared prefixes."""
+"""pdtools/trace.py and scripts/make_trace.py: the Mooncake trace format, and the synthesizer's shared prefixes."""
 
 from __future__ import annotations
 
@@ -7,15 +7,9 @@ import math
 from pathlib import Path
 
 import pytest
-from make_trace import (
-    BLOCK_SIZE,
-    TraceConfig,
-    TraceRequest,
-    main,
-    read_trace,
-    synthesize,
-    write_trace,
-)
+
+from pdtools.trace import BLOCK_SIZE, TraceRequest, read_trace, write_trace
+from scripts.make_trace import TraceConfig, main, synthesize
 
 _FIELDS = ["timestamp", "input_length", "output_length", "hash_ids"]
 

@@ -4,17 +4,11 @@ for the grace period (``ray down``), never while the head is unreachable (a netw
 from __future__ import annotations
 
 import socket
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(_SCRIPTS) not in sys.path:  # as when the script runs: scripts/ on sys.path
-    sys.path.insert(0, str(_SCRIPTS))
-
-from ray_head_monitor import REFUSED, UNREACHABLE, UP, follow, probe  # noqa: E402
+from scripts.ray_head_monitor import REFUSED, UNREACHABLE, UP, follow, probe
 
 pytestmark = pytest.mark.timeout(30)
 

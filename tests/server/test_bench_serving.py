@@ -2,37 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from scripts import bench_serving
 from tests.server.conftest import serve
 from tests.server.fake_engine import FakeEngineClient
-
-_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-
-
-def _load_bench() -> Any:
-    if str(_SCRIPT.parent) not in sys.path:  # as when run as a script: bench_launch beside it
-        sys.path.insert(0, str(_SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_serving", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_bench(app: Any, tmp_path: Path, argv: list[str], url_suffix: str = "") -> Any:
     """bench_serving.main(argv) against ``app``; its JSON summary."""
     out = tmp_path / "bench.json"
     with serve(app) as url:
-        assert _load_bench().main(["--url", url + url_suffix, *argv, "--json", str(out)]) == 0
+        assert bench_serving.main(["--url", url + url_suffix, *argv, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -92,8 +78,7 @@ def test_cached_prefix_warms_up_then_sends_prefix_plus_fresh_ids(
 
 
 def test_parse_launch_and_compare_table() -> None:
-    bench = _load_bench()
-    from bench_launch import parse_launch
+    from pdtools.bench_launch import parse_launch
 
     launch = parse_launch("cache_aware=--prefill 2 --decode 1 --policy cache_aware")
     assert launch.label == "cache_aware"
@@ -114,7 +99,7 @@ def test_parse_launch_and_compare_table() -> None:
         }  # fmt: skip
 
     spec = {"spec_verify_steps": 10.0, "spec_draft_tokens": 40.0, "spec_accepted_tokens": 30.0}
-    table = bench.compare_markdown(
+    table = bench_serving.compare_markdown(
         [
             ("a", summary(0.2, 0.4, ["x", "y", "z", "w"], {})),
             ("b", summary(0.3, 0.8, ["x", "y", "q", None], spec)),
@@ -161,9 +146,8 @@ def test_trace_replay_sends_block_prompts_at_their_times(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from make_trace import BLOCK_SIZE, TraceRequest, write_trace
-
     from pd.server import ServerMetrics, build_app
+    from pdtools.trace import BLOCK_SIZE, TraceRequest, write_trace
 
     fake = FakeEngineClient(script_ids, eos_token_id=tokenizer.eos_token_id, delay_s=0.002)
     app = build_app(

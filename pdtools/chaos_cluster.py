@@ -1,4 +1,4 @@
-"""The server under test, from outside, for ``chaos_soak.py``:
+"""The server under test, from outside, for ``scripts/chaos_soak.py``:
 
 - ``Api``: its routes (``/admin/*``, ``/metrics``, readiness), each with the key it needs;
 - ``Monitor``: polls the pools and readiness once a second, and remembers when nodes left,

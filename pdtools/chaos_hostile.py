@@ -1,4 +1,4 @@
-"""Clients no well-behaved library would be, for ``chaos_soak.py``.
+"""Clients no well-behaved library would be, for ``scripts/chaos_soak.py``.
 
 HTTP over raw sockets that read only when told to (``loop.sock_recv``: nothing is read ahead
 into a buffer): a streaming client that stops reading (``stalled_reader``), a client that sends
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from chaos_load import Answer, Outcome, Spec, StreamReader, parse_answer, parse_error
+from pdtools.chaos_load import Answer, Outcome, Spec, StreamReader, parse_answer, parse_error
 
 STALLED_RCVBUF = 2048  # the stalled client's receive buffer: the server's writes block soon
 STALLED_MSS = 536

@@ -1,5 +1,5 @@
-"""What ``simulate_routing.py`` runs (its model of a prefill pool): a seeded trace of shared-prefix
-sessions, one real RadixCache per simulated prefill node, and the real Coordinator.
+"""What ``scripts/simulate_routing.py`` runs (its model of a prefill pool): a seeded trace of
+shared-prefix sessions, one real RadixCache per simulated prefill node, and the real Coordinator.
 
 Trace: ``num_groups`` groups (a system prompt or document each, ``prefix_len`` tokens) of
 ``sessions_per_group`` sessions; a request picks a session uniformly and sends its group prefix,

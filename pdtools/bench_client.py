@@ -1,4 +1,5 @@
-"""One streamed request to an OpenAI-compatible server, timed; and its /metrics counters."""
+"""One streamed request to an OpenAI-compatible server, timed; and its /metrics counters. Also
+one greedy ``/generate`` of pd, timed to its first token (``bench_pull``, ``bench_replace``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from bench_workloads import Request
+
+from pdtools.bench_workloads import Request
 
 
 @dataclass
@@ -114,3 +116,25 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
+
+
+def generate_ttft(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Seconds to the first streamed token of a greedy ``/generate`` of pd, and all the tokens."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    start, first, tokens = time.perf_counter(), 0.0, []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event["output_ids"] and not first:
+                first = time.perf_counter() - start
+            tokens.extend(event["output_ids"])
+    return first, tokens

@@ -1,4 +1,4 @@
-"""bench_serving.py's summaries: percentiles, goodput, markdown tables and PNG plots."""
+"""scripts/bench_serving.py's summaries: percentiles, goodput, markdown tables and PNG plots."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench_client import Result
+from pdtools.bench_client import Result
 
 _PD_PROMPT = "pd_prompt_tokens_total"
 _PD_CACHED = "pd_cached_prompt_tokens_total"

@@ -1,6 +1,6 @@
 """Start a server as a subprocess for one benchmark run, then stop it and everything it spawned.
 
-Used by ``bench_serving.py``: ``--launch "label=ARGS"`` starts ``pd serve ARGS``,
+Used by ``scripts/bench_serving.py``: ``--launch "label=ARGS"`` starts ``pd serve ARGS``,
 ``--launch-llamacpp "label=ARGS"`` starts llama-cpp-python's OpenAI server (from the side venv
 that scripts/setup_llamacpp.sh builds) on the GGUF pd's default model comes from, and
 ``--launch-vllm "label=ARGS"`` starts ``vllm serve ARGS`` (vLLM's CPU build, from the side venv

@@ -24,9 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from chaos_cluster import ROLES, Api, Monitor, Pools, ProcessTree
-from chaos_hostile import hostile_request, hostile_requests, junk_frames, slow_body, stalled_reader
-from chaos_load import Outcome, References, Spec, send
+
+from pdtools.chaos_cluster import ROLES, Api, Monitor, Pools, ProcessTree
+from pdtools.chaos_hostile import (
+    hostile_request,
+    hostile_requests,
+    junk_frames,
+    slow_body,
+    stalled_reader,
+)
+from pdtools.chaos_load import Outcome, References, Spec, send
 
 NODE_FAULTS = ("kill-prefill", "kill-decode", "freeze-short", "freeze-long", "drain")
 TRAFFIC_FAULTS = ("flood", "stalled-readers", "slow-bodies", "hostile-input", "junk-frames")

@@ -1,5 +1,5 @@
-"""The requests each bench_serving.py workload sends (prompts, chat turns, a replayed trace,
-texts to copy).
+"""The requests each scripts/bench_serving.py workload sends (prompts, chat turns, a replayed
+trace, texts to copy).
 
 Exact token counts come from ``TokenText``: text made of words that are each one token of the
 model's tokenizer (with their leading space), so n words are n tokens and texts concatenate
@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from make_trace import BLOCK_SIZE, TraceRequest
+from pdtools.trace import BLOCK_SIZE, TraceRequest
 
 _WORDS = (
     "the of and to in is for on that with as by at from this be are it an or was which have "

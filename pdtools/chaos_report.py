@@ -15,9 +15,9 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, NamedTuple
 
-from chaos_cluster import ROLES, Interval, Metrics, Monitor, Pools
-from chaos_faults import Chaos, FaultRecord
-from chaos_load import Answer, Outcome, References
+from pdtools.chaos_cluster import ROLES, Interval, Metrics, Monitor, Pools
+from pdtools.chaos_faults import Chaos, FaultRecord
+from pdtools.chaos_load import Answer, Outcome, References
 
 MAX_UNEXPECTED_FRACTION = 0.001  # the acceptance bound: unexpected errors <= 0.1% of requests
 _NODE_FAILED = re.compile(r"node ([\w.-]+) failed")
