@@ -4,7 +4,8 @@ Used by the HTTP server and by the in-process engine's Python API, so nothing he
 FastAPI. Three pieces:
 
 - ``IncrementalDetokenizer``: decodes a growing id sequence into text deltas without ever
-  emitting half of a multi-byte character (the prefix-offset / read-offset technique).
+  emitting half of a multi-byte character (the prefix-offset / read-offset technique), at a
+  bounded cost per id: ids that make no whole character are held back a few ids at most.
 - ``StopChecker``: finds stop strings in a stream of text deltas (a stop string may span
   deltas), truncates there, and holds back a tail that could still grow into a stop string.
 - ``TextStream``: the two chained, driven by ``step(new_token_ids, finished)``;
@@ -25,13 +26,19 @@ from pd.core.sampling_params import SamplingParams
 # or strip leading spaces (sentencepiece) see the same context as a full decode would.
 _NUM_PROMPT_CONTEXT_IDS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# A character is at most 4 bytes and an id carries at least one, so this many held ids that
+# still make no whole character are not waiting on one (a lone lead byte every step): their text
+# goes out, U+FFFD for bytes that make no character, instead of being decoded again at every id.
+_MAX_HELD_IDS = 6
 _MAX_STOP_CHARS_ON_LOOP = 1024  # stop strings longer in all are compiled off the event loop
 
 
 class IncrementalDetokenizer:
     """Decodes ids one step at a time; the concatenated deltas plus ``flush()`` equal
     ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
-    for byte-level BPE tokenizers.
+    for byte-level BPE tokenizers, but where ``_MAX_HELD_IDS`` ids in a row end inside a
+    character (skipped special tokens amid its bytes, or tokens that span characters, which
+    SmolLM2's vocabulary has none of): that character comes out as U+FFFD.
 
     Offsets into ``token_ids`` (prompt context first, then outputs):
 
@@ -40,7 +47,10 @@ class IncrementalDetokenizer:
 
     A step's delta is ``decode[prefix_offset:] minus decode[prefix_offset:read_offset]``; while
     it ends in U+FFFD the last character is incomplete, so nothing is emitted and the offsets
-    stay until a later token completes it.
+    stay until a later token completes it. A run of ``_MAX_HELD_IDS`` such ids is emitted up to
+    its last id boundary that agrees with the full decode, U+FFFD for bytes that make no
+    character (``_emit_held_run``). Both spans stay that short, so a step decodes a bounded
+    number of ids however long the output is.
     """
 
     def __init__(
@@ -61,6 +71,11 @@ class IncrementalDetokenizer:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self._num_context_ids :]
+
+    @property
+    def num_held_ids(self) -> int:
+        """Ids whose text is not emitted yet: at most ``_MAX_HELD_IDS - 1`` between steps."""
+        return len(self.token_ids) - self._read_offset
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
@@ -88,17 +103,33 @@ class IncrementalDetokenizer:
         return text
 
     def _advance(self, *, force: bool) -> str:
-        if self._read_offset == len(self.token_ids):
+        if self.num_held_ids == 0:
             return ""
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.token_ids[self._prefix_offset :])
-        if not force and (
-            len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
-        ):
+        if force or (len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR)):
+            return self._emit(new_text[len(prefix_text) :], len(self.token_ids))
+        if self.num_held_ids < _MAX_HELD_IDS:
             return ""
+        return self._emit_held_run(prefix_text, new_text)
+
+    def _emit_held_run(self, prefix_text: str, new_text: str) -> str:
+        """Emit a held run that makes no whole character: its text up to the last id boundary
+        where it agrees with the run's settled text (all of ``new_text`` but a trailing U+FFFD,
+        which later ids may still complete), so an incomplete character at its end stays held;
+        all of it when no boundary agrees. Costs at most ``_MAX_HELD_IDS`` decodes."""
+        settled = new_text[:-1] if new_text.endswith(_REPLACEMENT_CHAR) else new_text
+        for end in range(len(self.token_ids) - 1, self._read_offset, -1):
+            text = self._decode(self.token_ids[self._prefix_offset : end])
+            if len(text) > len(prefix_text) and settled.startswith(text):
+                return self._emit(text[len(prefix_text) :], end)
+        return self._emit(new_text[len(prefix_text) :], len(self.token_ids))
+
+    def _emit(self, text: str, end: int) -> str:
+        """Mark the ids before ``end`` emitted as ``text``; they become the next context."""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
+        self._read_offset = end
+        return text
 
 
 class StopCheck(NamedTuple):
