@@ -27,8 +27,8 @@ torch.set_num_threads(1)
 # uses the shared Ray session): marked ``cluster``, which ``make test-fast`` leaves out.
 _CLUSTER_MODULES = {
     "test_churn", "test_e2e", "test_faults", "test_hostile_cluster", "test_local_prefill",
-    "test_operate", "test_scaling", "test_serve_cli", "test_serve_sigterm", "test_serve_tls",
-    "test_startup",
+    "test_operate", "test_scaling", "test_serve_cli", "test_serve_keys", "test_serve_sigterm",
+    "test_serve_tls", "test_startup",
 }  # fmt: skip
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import sys
 from typing import TypeVar
 
@@ -21,6 +23,7 @@ from pd.server.config import ServerConfig
 from transfer import TransferConfig
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # the transfer deadlines every node uses, as --transfer-* flags
 TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
@@ -94,13 +97,46 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = ""
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """``pd serve``'s ServerConfig; PD_API_KEY's keys join the --api-key flags, and
-    PD_ADMIN_API_KEY's the --admin-api-key flags."""
+    """``pd serve``'s ServerConfig; the keys of --api-key-file and PD_API_KEY join the
+    --api-key flags, and those of --admin-api-key-file and PD_ADMIN_API_KEY the
+    --admin-api-key flags."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    kwargs["api_key"] = (*(args.api_key or ()), *envs.PD_API_KEY)
-    kwargs["admin_api_key"] = (*(args.admin_api_key or ()), *envs.PD_ADMIN_API_KEY)
+    kwargs["api_key"] = (
+        *(args.api_key or ()),
+        *read_key_file(args.api_key_file, "--api-key-file"),
+        *envs.PD_API_KEY,
+    )
+    kwargs["admin_api_key"] = (
+        *(args.admin_api_key or ()),
+        *read_key_file(args.admin_api_key_file, "--admin-api-key-file"),
+        *envs.PD_ADMIN_API_KEY,
+    )
     return ServerConfig(**kwargs)
+
+
+def read_key_file(path: str | None, flag: str) -> tuple[str, ...]:
+    """The keys in ``path`` (none for None): one a line, or comma-separated as in PD_API_KEY;
+    blank lines are skipped. A file that cannot be read or holds no key is an error; one that
+    group or others may read is served, with a warning (a mounted Kubernetes secret is 0644)."""
+    if path is None:
+        return ()
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path} is not UTF-8 text") from None
+    keys = tuple(k.strip() for line in text.splitlines() for k in line.split(",") if k.strip())
+    if not keys:
+        raise ValueError(f"{flag} {path} holds no key (one a line)")
+    if mode & 0o077:
+        logger.warning(
+            "%s %s may be read by group or others (mode %o): chmod 600 it", flag, path, mode & 0o777
+        )
+    return keys
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -112,6 +148,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd.cli.serve import serve
 
+    # before the config is read: its warnings (a key file others may read) are logged too
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return serve(args, engine_config(args), server_config(args))
 
 
@@ -151,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = "cluster and Ray"
     add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",), group=cluster)
     add_dataclass_args(srv, TransferConfig, "transfer_", only=TRANSFER_FLAGS, group=cluster)
-    add_dataclass_args(srv, ServerConfig, group="security and limits")
+    _add_security_args(srv)
     add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX, group="autoscaling")
     srv.set_defaults(func=cmd_serve)
 
@@ -173,6 +211,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(status)
     status.set_defaults(func=cmd_status)
     return parser
+
+
+def _add_security_args(parser: argparse.ArgumentParser) -> None:
+    """ServerConfig's flags, with the key files beside the key flags."""
+    title = "security and limits"
+    keys = ("api_key", "admin_api_key")
+    add_dataclass_args(parser, ServerConfig, only=keys, group=title)
+    group = _groups(parser)[title]
+    for role, env in (("api", "PD_API_KEY"), ("admin-api", "PD_ADMIN_API_KEY")):
+        group.add_argument(
+            f"--{role}-key-file",
+            default=None,
+            metavar="PATH",
+            help=f"--{role}-key's keys read from a file, one a line (a flag's key shows in "
+            f"`ps`; a file's, like {env}'s, does not)",
+        )
+    rest = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name not in keys)
+    add_dataclass_args(parser, ServerConfig, only=rest, group=title)
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:

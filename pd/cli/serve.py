@@ -36,6 +36,7 @@ from pd.server.config import ServerConfig
 from pd.server.metrics import ServerMetrics
 from pd.server.state import ServerState
 from transfer import TransferConfig
+from transfer.endpoint import is_loopback
 
 logger = logging.getLogger(__name__)
 _EXIT_RESERVE_S = 5.0  # at most, of the shutdown grace period: for closing and stopping
@@ -141,7 +142,14 @@ class _GracefulServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not is_loopback(args.host) and not (server_cfg.api_key or server_cfg.admin_api_key):
+        logger.warning(
+            "--host %s is not a loopback address and no API key is set: whoever reaches port "
+            "%d may use the API, admin routes included; set --api-key-file, "
+            "--admin-api-key-file or PD_API_KEY",
+            args.host,
+            args.port,
+        )
     if args.colocated:
         return _serve_colocated(args, engine_cfg, server_cfg)
     from pd.cli import AUTOSCALE_PREFIX, dataclass_from_args

@@ -1,11 +1,12 @@
 """API keys, their roles, and the prefix-cache namespace of a request.
 
-Keys have a role: a *tenant* key (``--api-key``, ``PD_API_KEY``) may use the generation
-endpoints, ``/v1/models`` and the API's documents; an *admin* key (``--admin-api-key``,
-``PD_ADMIN_API_KEY``) may do that and operate the cluster too: the admin API ``/admin/*``,
-``/metrics`` (per-node labels) and the node list on ``/ready``. With no key of either kind the
-API is open to all, admin routes included (``--host`` defaults to loopback for that reason);
-with tenant keys but no admin key nobody may use the admin routes.
+Keys have a role: a *tenant* key (``--api-key``, ``--api-key-file``, ``PD_API_KEY``) may use
+the generation endpoints, ``/v1/models`` and the API's documents; an *admin* key
+(``--admin-api-key``, ``--admin-api-key-file``, ``PD_ADMIN_API_KEY``) may do that and operate
+the cluster too: the admin API ``/admin/*``, ``/metrics`` (per-node labels) and the node list on
+``/ready``. With no key of either kind the API is open to all, admin routes included (``--host``
+defaults to loopback for that reason, and ``pd serve`` warns on another); with tenant keys but
+no admin key nobody may use the admin routes.
 
 A request's namespace scopes prefix-cache sharing on the engine (requests share cached
 prefixes only within one). It is derived, never copied, from the tenant's API key (with

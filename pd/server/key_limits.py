@@ -6,7 +6,8 @@
 - tokens per minute (``--max-tokens-per-minute-per-key``): prompt tokens when the request
   starts on the engine, completion tokens as they come; a request is refused while the key's
   tokens of the last 60 s are at the limit (one admitted under it may take the key past it: a
-  request's length is known only once it is done).
+  request's length is known only once it is done). A request past the limit runs to its end,
+  never cut: the key's next ones are refused.
 
 Either refusal is a 429 in OpenAI's shape with ``Retry-After``: 1 s for requests in flight, the
 seconds until enough of the key's tokens have left the window for tokens. The window is 60

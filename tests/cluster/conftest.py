@@ -205,11 +205,21 @@ class ServeProcess:
         end_process_group(self.proc, sig)
 
 
-def serve_colocated(model_dir: Path, log: Path, *args: str, scheme: str = "http") -> ServeProcess:
+def serve_colocated(
+    model_dir: Path,
+    log: Path,
+    *args: str,
+    scheme: str = "http",
+    env: dict[str, str] | None = None,
+) -> ServeProcess:
     """``pd serve --colocated`` on ``model_dir`` (a tiny model): a real server process without
     Ray, quick to start."""
-    base = [
+    return ServeProcess([*colocated_args(model_dir), *args], log, env, timeout_s=120, scheme=scheme)
+
+
+def colocated_args(model_dir: Path) -> list[str]:
+    """``serve_colocated``'s flags before its ``args``."""
+    return [
         "--colocated", "--model", str(model_dir), "--max-total-tokens", "4096",
         "--num-threads", "1",  # 2 shared cores: more threads only contend
     ]  # fmt: skip
-    return ServeProcess([*base, *args], log, timeout_s=120, scheme=scheme)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -109,6 +110,40 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PD_ADMIN_API_KEY", "ad1,ad2")
     args = build_parser().parse_args(["serve", "--admin-api-key", "ad0"])
     assert server_config(args).admin_api_key == ("ad0", "ad1", "ad2")
+
+
+def test_api_keys_from_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One key a line (commas separate too, blank lines skipped), joining the flags' and the
+    environment's; a missing or empty file is an error naming it; a file that group or others
+    may read is served, with a warning."""
+    from pd.cli import build_parser, server_config
+
+    tenants, admins = tmp_path / "tenants", tmp_path / "admins"
+    tenants.write_text("\n  t-file-1\n\nt-file-2,t-file-3\n")
+    admins.write_text("ad-file\n")
+    for path in (tenants, admins):
+        path.chmod(0o600)
+    monkeypatch.setenv("PD_API_KEY", "t-env")
+    flags = ["--api-key", "t-flag", "--api-key-file", str(tenants)]
+    args = build_parser().parse_args(["serve", *flags, "--admin-api-key-file", str(admins)])
+    cfg = server_config(args)
+    assert cfg.api_key == ("t-flag", "t-file-1", "t-file-2", "t-file-3", "t-env")
+    assert cfg.admin_api_key == ("ad-file",)
+    assert "chmod 600" not in caplog.text
+    tenants.chmod(0o644)
+    assert server_config(args).api_key == cfg.api_key
+    assert f"--api-key-file {tenants} may be read by group or others (mode 644)" in caplog.text
+    (tmp_path / "empty").write_text("\n \n")
+    for name, match in (("missing", "No such file or directory"), ("empty", "holds no key")):
+        args = build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / name)])
+        with pytest.raises(ValueError, match=f"--api-key-file {tmp_path / name}.*{match}"):
+            server_config(args)
+    (tmp_path / "spaced").write_text("two words\n")
+    args = build_parser().parse_args(["serve", "--admin-api-key-file", str(tmp_path / "spaced")])
+    with pytest.raises(ValueError, match="without spaces or commas"):
+        server_config(args)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ OpenAI's shape, one key's use never another's; the window itself on a fake clock
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -150,3 +151,36 @@ async def test_tokens_per_minute_per_key_get_429_with_the_seconds_to_wait(
         assert r.status_code == 200
         text = (await c.get("/metrics", headers=_auth(ADMIN))).text
     assert 'pd_server_rejected_requests_total{reason="key_tokens"} 2.0' in text
+
+
+@pytest.mark.anyio
+async def test_a_stream_counts_its_tokens_as_they_come_and_runs_on_past_the_limit(
+    make_app: MakeApp,
+) -> None:
+    """Tokens count as the engine produces them, not when a request ends: once a key's running
+    stream takes it past its limit, the key's next request gets 429 while that stream is still
+    going; the stream itself is not cut (it was admitted under the limit) and ends with all its
+    tokens, each counted once."""
+    config = ServerConfig(api_key=(A,), max_tokens_per_minute_per_key=20)
+    app, fake = make_app(config=config, output_ids=list(range(100, 140)), delay_s=0.02)
+    limiter = app.state.key_limiter
+    body = {
+        "prompt": "hello", "max_tokens": 40, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    with serve(app) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            async with c.stream("POST", "/v1/completions", json=body, headers=_auth(A)) as s:
+                assert s.status_code == 200
+                while limiter.num_tokens(A) < 20:
+                    await asyncio.sleep(0.005)
+                r = await c.post("/v1/completions", json={"prompt": "x"}, headers=_auth(A))
+                assert r.status_code == 429 and r.json()["error"]["code"] == "key_token_limit"
+                assert not fake.finished  # refused while the stream runs
+                chunks = [line[6:] async for line in s.aiter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    usage = json.loads(chunks[-2])["usage"]
+    assert usage["completion_tokens"] == 40  # not cut
+    assert json.loads(chunks[-3])["choices"][0]["finish_reason"] == "length"
+    assert limiter.num_tokens(A) == usage["total_tokens"]
+    assert len(fake.requests) == 1 and len(fake.finished) == 1
