@@ -325,6 +325,23 @@ class TextStream:
         self.text += text
         return TextDelta(text, check.stop_str)
 
+    def step_each(
+        self, new_token_ids: Sequence[int], finished: bool = False
+    ) -> tuple[TextDelta, int]:
+        """``step`` over the ids one at a time; also returns how many of them the answer keeps:
+        all, or those up to the one that completed a stop string. An answer then ends at the
+        same token however the engine grouped them (a speculative step sends several)."""
+        if len(new_token_ids) <= 1:
+            return self.step(new_token_ids, finished), len(new_token_ids)
+        texts: list[str] = []
+        last = len(new_token_ids) - 1
+        for i, token in enumerate(new_token_ids):
+            delta = self.step((token,), finished and i == last)
+            texts.append(delta.text)
+            if delta.stop_str is not None:
+                return TextDelta("".join(texts), delta.stop_str), i + 1
+        return TextDelta("".join(texts), None), len(new_token_ids)
+
 
 async def open_text_stream(
     tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int] = ()

@@ -8,7 +8,7 @@ still working on the request (stop string, client gone, error) aborts it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -76,9 +76,10 @@ class Generation:
                         first_token = now
                         self.metrics.record_first_token(self.arrival, now)
                     last_token = now
-                self._add(out)
+                delta, num_kept = stream.step_each(out.new_token_ids, out.finished)
+                new_ids = out.new_token_ids[:num_kept]  # none past a stop string's last
+                self._add(out, new_ids)
                 engine_done = out.finished
-                delta = stream.step(out.new_token_ids, out.finished)
                 self.text += delta.text
                 if delta.stop_str is not None:
                     self.finish_reason = "stop"
@@ -86,10 +87,10 @@ class Generation:
                     self.finish_reason = out.finish_reason or "stop"
                 if self.finish_reason is not None:
                     outcome = self.finish_reason
-                    yield Step(delta.text, out.new_token_ids, self.finish_reason)
+                    yield Step(delta.text, new_ids, self.finish_reason)
                     return
-                if delta.text or out.new_token_ids:
-                    yield Step(delta.text, out.new_token_ids, None)
+                if delta.text or new_ids:
+                    yield Step(delta.text, new_ids, None)
             outcome = "error"
             raise RuntimeError(
                 f"engine stream of {self.request_id} ended without a finished output"
@@ -118,13 +119,13 @@ class Generation:
                 finished=time.perf_counter(),
             )
 
-    def _add(self, out: RequestOutput) -> None:
+    def _add(self, out: RequestOutput, new_ids: Sequence[int]) -> None:
         assert out.request_id == self.request_id, (out.request_id, self.request_id)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
-        self.output_ids.extend(out.new_token_ids)
+        self.output_ids.extend(new_ids)
         if self.on_tokens is not None:
-            self.on_tokens(len(out.new_token_ids))
+            self.on_tokens(len(new_ids))
 
     async def run(self) -> str:
         """Run to the end; return the finish reason."""

@@ -135,6 +135,26 @@ async def test_stop_string_spanning_two_tokens(
     assert fake.aborted == [request_id] and fake.finished == []
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+async def test_a_stop_string_ends_the_answer_at_the_same_token_however_tokens_are_grouped(
+    make_app: MakeApp, path: str
+) -> None:
+    # a speculative step sends several tokens in one output: the answer keeps those up to the
+    # one that completed the stop string ("ld!" ends at token 2), not the rest of the group
+    answers = []
+    for per_step in (1, 2, 4):
+        app, _ = make_app(tokens_per_step=per_step)
+        if path == "/generate":
+            params = {"max_new_tokens": 50, "stop": ["ld!"]}
+            out = (await _post(app, path, {"input_ids": [1, 2], "sampling_params": params})).json()
+            answers.append((out["text"], out["output_ids"], out["completion_tokens"]))
+        else:
+            out = (await _post(app, path, {"prompt": "p", "max_tokens": 50, "stop": ["ld!"]})).json()
+            answers.append((out["choices"][0]["text"], None, out["usage"]["completion_tokens"]))
+    assert answers[0][0] == "Hello wor" and answers[0][2] == 3, answers
+    assert answers[1:] == answers[:1] * 2, answers
+
+
 async def test_generate_endpoint(make_app: MakeApp, tokenizer: Any) -> None:
     app, fake = make_app(num_cached_tokens=3)
     body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
