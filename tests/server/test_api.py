@@ -149,7 +149,9 @@ async def test_a_stop_string_ends_the_answer_at_the_same_token_however_tokens_ar
             out = (await _post(app, path, {"input_ids": [1, 2], "sampling_params": params})).json()
             answers.append((out["text"], out["output_ids"], out["completion_tokens"]))
         else:
-            out = (await _post(app, path, {"prompt": "p", "max_tokens": 50, "stop": ["ld!"]})).json()
+            out = (
+                await _post(app, path, {"prompt": "p", "max_tokens": 50, "stop": ["ld!"]})
+            ).json()
             answers.append((out["choices"][0]["text"], None, out["usage"]["completion_tokens"]))
     assert answers[0][0] == "Hello wor" and answers[0][2] == 3, answers
     assert answers[1:] == answers[:1] * 2, answers
