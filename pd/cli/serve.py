@@ -33,6 +33,7 @@ from pd.engine.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
+from pd.server.listener import Listener, max_connections_for, raise_fd_limit
 from pd.server.metrics import ServerMetrics
 from pd.server.state import ServerState
 from transfer import TransferConfig
@@ -226,12 +227,23 @@ def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None
     cfg = state.config
     scheme = "https" if cfg.ssl_certfile else "http"
     url = f"{scheme}://{args.host}:{args.port}"
+    max_connections = max_connections_for(cfg.max_connections, raise_fd_limit())
+    listener = Listener(max_connections, cfg.header_timeout_s, state.metrics)
+    logger.info(
+        "HTTP: at most %d connections, each request's head within %g s, %d MiB of bodies "
+        "being received",
+        max_connections,
+        cfg.header_timeout_s,
+        cfg.max_body_bytes_in_flight >> 20,
+    )
     stop = threading.Event()
     threading.Thread(target=_announce_when_healthy, args=(url, stop), daemon=True).start()
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        http=listener.protocol,  # type: ignore[arg-type]  # a factory of protocols
+        ws="none",  # no websocket routes: an upgrade would leave the listener's count
         log_level="warning",
         ssl_certfile=cfg.ssl_certfile,
         ssl_keyfile=cfg.ssl_keyfile,

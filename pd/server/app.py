@@ -110,7 +110,8 @@ def build_app(
     open_paths = {"/health", "/ready"} | ({"/metrics"} if config.metrics_no_auth else set())
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes,
-        read_timeout_s=config.body_read_timeout_s, metrics=metrics,
+        read_timeout_s=config.body_read_timeout_s,
+        max_bytes_in_flight=config.max_body_bytes_in_flight, metrics=metrics,
     )  # fmt: skip
     limiter = KeyLimiter(config.max_inflight_per_key, config.max_tokens_per_minute_per_key)
     if limiter.is_enabled:

@@ -1,5 +1,5 @@
-"""``ServerConfig``: the HTTP server's access control, admission, input limits, deadlines and
-TLS."""
+"""``ServerConfig``: the HTTP server's access control, admission, input limits, deadlines,
+connections and TLS."""
 
 from __future__ import annotations
 
@@ -58,6 +58,22 @@ class ServerConfig:
         "seconds to receive a request's whole body, which is read before admission; slower "
         "gets 408 and its connection closed",
     )
+    max_body_bytes_in_flight: int = option(
+        256 * _MIB,
+        "bytes of request bodies being received at once, all connections together (a "
+        "Content-Length counts in full from the start); a body that would pass it gets 429",
+    )
+    header_timeout_s: float = option(
+        10.0,
+        "seconds for a request's head (request line and headers) to arrive, from the "
+        "connection's opening or the first byte after its previous answer; slower gets 408 "
+        "and its connection closed",
+    )
+    max_connections: int = option(
+        0,
+        "open HTTP connections; one more is answered 503 and closed at once (0: half the "
+        "open-file limit, which pd serve raises to its hard limit, at most 10,000)",
+    )
     shutdown_grace_s: float = option(
         30.0,
         "on SIGTERM: stop admitting (503), let requests in flight finish, exit within this "
@@ -86,15 +102,21 @@ class ServerConfig:
         for name in (
             "max_inflight_requests", "max_body_bytes", "max_messages", "max_stop_strings",
             "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
-            "max_cache_salt_chars", "num_parse_threads",
+            "max_cache_salt_chars", "num_parse_threads", "max_body_bytes_in_flight",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("max_queued_requests", "max_connections"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes})"
+            )
         for name in (
             "request_timeout", "stream_write_timeout_s", "body_read_timeout_s",
-            "shutdown_grace_s",
+            "header_timeout_s", "shutdown_grace_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -161,7 +161,8 @@ class ServerMetrics:
         self.rejected = Counter(
             "pd_server_rejected_requests",
             "Requests the server refused or cut off, by reason (queue_full, not_ready, "
-            "timeout, body_too_large, body_timeout, shutting_down, unauthorized).",
+            "timeout, body_too_large, body_timeout, bodies_in_flight, header_timeout, "
+            "too_many_connections, shutting_down, unauthorized).",
             ["reason"],
             registry=r,
         )

@@ -9,7 +9,8 @@
   per minute (429);
 - ``BodyLimitMiddleware``: a body larger than the cap is 413, on its Content-Length before
   anything is read, or as soon as the bytes read (of a chunked body) pass the cap; a body not
-  in within the body-read deadline is 408, and its connection is closed.
+  in within the body-read deadline is 408, and its connection is closed; a body that would
+  take the bytes of all bodies being received past their cap is 429.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pd.server.admission import RETRY_AFTER_S
 from pd.server.auth import API_KEY_SCOPE, ROLE_SCOPE, ApiKeys, Role
-from pd.server.errors import APIError, internal_error
+from pd.server.errors import APIError, internal_error, rate_limited
 from pd.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -131,13 +133,37 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
+    """Each body at most ``max_bytes``, in within ``read_timeout_s``; the bodies being received
+    hold at most ``max_bytes_in_flight`` together. A body holds its Content-Length from its
+    start (a chunked one, the bytes read so far) until it is in or its request ends."""
+
     def __init__(
-        self, app: ASGIApp, max_bytes: int, read_timeout_s: float, metrics: ServerMetrics
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        read_timeout_s: float,
+        max_bytes_in_flight: int,
+        metrics: ServerMetrics,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.max_bytes_in_flight = max_bytes_in_flight
         self.metrics = metrics
+        self.num_bytes_in_flight = 0
+
+    def _can_hold(self, num_bytes: int) -> bool:
+        return self.num_bytes_in_flight + num_bytes <= self.max_bytes_in_flight
+
+    def _too_many_in_flight(self, num_bytes: int) -> APIError:
+        self.metrics.rejected.labels(reason="bodies_in_flight").inc()
+        return rate_limited(
+            f"server overloaded: {self.num_bytes_in_flight} bytes of request bodies being "
+            f"received, this one's {num_bytes} would pass the cap of "
+            f"{self.max_bytes_in_flight}; retry later",
+            "server_overloaded",
+            RETRY_AFTER_S,
+        )
 
     def _too_large(self, num_bytes: str) -> APIError:
         self.metrics.rejected.labels(reason="body_too_large").inc()
@@ -156,12 +182,17 @@ class BodyLimitMiddleware:
         if declared and (len(length) > 18 or int(length) > self.max_bytes):
             await self._too_large(length.decode()).response()(scope, receive, send)
             return
+        num_held = int(length) if declared and length is not None else 0
+        if not self._can_hold(num_held):
+            await self._too_many_in_flight(num_held).response()(scope, receive, send)
+            return
+        self.num_bytes_in_flight += num_held
         num_read = 0
         is_complete = False
         deadline = time.monotonic() + self.read_timeout_s
 
         async def receive_capped() -> Message:
-            nonlocal num_read, is_complete
+            nonlocal num_read, is_complete, num_held
             if is_complete:  # what follows the body (a disconnect) has no deadline
                 return await receive()
             with anyio.move_on_after(deadline - time.monotonic()):
@@ -170,11 +201,22 @@ class BodyLimitMiddleware:
                     num_read += len(message.get("body", b""))
                     if num_read > self.max_bytes:
                         raise BodyRefused(self._too_large(f"more than {self.max_bytes}"))
+                    if num_read > num_held:  # a chunked body: held as it comes
+                        if not self._can_hold(num_read - num_held):
+                            raise BodyRefused(self._too_many_in_flight(num_read))
+                        self.num_bytes_in_flight += num_read - num_held
+                        num_held = num_read
                     is_complete = not message.get("more_body", False)
+                    if is_complete:
+                        self.num_bytes_in_flight -= num_held
+                        num_held = 0
                 return message
             raise BodyRefused(self._too_slow(num_read))
 
-        await self.app(scope, receive_capped, send)
+        try:
+            await self.app(scope, receive_capped, send)
+        finally:
+            self.num_bytes_in_flight -= num_held
 
     def _too_slow(self, num_read: int) -> APIError:
         self.metrics.rejected.labels(reason="body_timeout").inc()

@@ -10,12 +10,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pd.server import ServerConfig, ServerMetrics, build_app
 from tests.server.fake_engine import FakeEngineClient
+
+if TYPE_CHECKING:
+    from pd.server.listener import Listener
 
 MODEL_NAME = "smollm2-test"
 MAX_MODEL_LEN = 256
@@ -116,12 +119,14 @@ def check_idle(client: Any, app: Any) -> None:
 
 
 @contextmanager
-def serve(app: Any, timeout_s: float = 10.0, sndbuf: int | None = None) -> Iterator[str]:
+def serve(
+    app: Any, timeout_s: float = 10.0, sndbuf: int | None = None, listener: Listener | None = None
+) -> Iterator[str]:
     """Run ``app`` under uvicorn in a thread on a free loopback port; yield its base URL.
     ``sndbuf``: the send buffer of each connection's socket (inherited from the listening
     one). Loopback sizes it at 4 MiB from the start (its 64 KiB segments), so a client that
     stops reading is felt only after megabytes; over a network it starts near 2 x 10 segments
-    and grows with the congestion window."""
+    and grows with the congestion window. ``listener``: its connections, as ``pd serve``'s."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -130,7 +135,9 @@ def serve(app: Any, timeout_s: float = 10.0, sndbuf: int | None = None) -> Itera
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    protocol = {} if listener is None else {"http": listener.protocol, "ws": "none"}
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", **protocol)  # type: ignore
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

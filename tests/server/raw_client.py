@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from typing import Any
 
 NORMAL = {"prompt": "Hello there", "max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
@@ -61,6 +62,17 @@ def assert_cut_mid_stream(data: bytes) -> None:
     """A stream's head and some events, never its end."""
     assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data, data[:200]
     assert b"[DONE]" not in data
+
+
+def trickle(socks: list[socket.socket], stop: threading.Event, byte: bytes) -> None:
+    """``byte`` on each socket in turn, 0.2 s apart, until ``stop``: a body or a head that
+    never ends in time."""
+    while not stop.wait(0.2):
+        for sock in socks:
+            try:
+                sock.send(byte)
+            except OSError:  # answered and closed
+                pass
 
 
 def close_all(socks: list[socket.socket]) -> None:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -174,6 +175,54 @@ async def test_body_over_the_cap_is_413_declared_or_chunked(make_app: MakeApp) -
     assert "content-length" not in {k.lower() for k in chunked.request.headers}
     assert small.status_code == 200 and len(fake.requests) == 1
     assert 'pd_server_rejected_requests_total{reason="body_too_large"} 2.0' in text
+
+
+async def test_bodies_being_received_are_capped_together(make_app: MakeApp) -> None:
+    """A body holds its Content-Length from its start (a chunked one, what came so far) until
+    it is in: one that would take the bodies in flight past their cap is 429 at once, or as
+    soon as its chunks pass it; the bytes come back as each body is in."""
+    config = ServerConfig(max_body_bytes=1000, max_body_bytes_in_flight=1500)
+    app, fake = make_app(config=config)
+    body = json.dumps({"prompt": "a" * 900, "max_tokens": 2}).encode()
+    json_type = {"content-type": "application/json"}
+    in_flight = anyio.Event()
+    release = anyio.Event()
+
+    async def held_back() -> Any:
+        yield body[:100]
+        in_flight.set()
+        await release.wait()
+        yield body[100:]
+
+    async def chunks() -> Any:
+        for i in range(0, len(body), 100):
+            yield body[i : i + 100]
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        slow: list[httpx.Response] = []
+
+        async def post_slow() -> None:
+            headers = {**json_type, "content-length": str(len(body))}
+            slow.append(await c.post(_C, content=held_back(), headers=headers))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post_slow)
+            await in_flight.wait()
+            declared = await c.post(_C, content=body, headers=json_type)
+            chunked = await c.post(_C, content=chunks(), headers=json_type)
+            small = await c.post(_C, json={"prompt": "a", "max_tokens": 2})
+            release.set()
+        again = await c.post(_C, content=body, headers=json_type)
+        text = (await c.get("/metrics")).text
+    for r in (declared, chunked):
+        err = assert_openai_error(r, 429)
+        assert err["code"] == "server_overloaded" and "cap of 1500" in err["message"], err
+        assert r.headers["retry-after"] == "1"
+    # ``again`` fits only if both the slow body's 930 bytes and the chunked one's 600 came back
+    assert [r.status_code for r in (small, *slow, again)] == [200, 200, 200]
+    assert len(fake.requests) == 3
+    assert 'pd_server_rejected_requests_total{reason="bodies_in_flight"} 2.0' in text
 
 
 async def test_unexpected_errors_are_500_json(

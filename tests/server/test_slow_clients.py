@@ -10,7 +10,6 @@ measure is what the slow clients hold, not the work of the model on a shared 2-c
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import threading
 import time
@@ -34,6 +33,7 @@ from tests.server.raw_client import (
     read_to_end,
     request_head,
     stalled_streams,
+    trickle,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,16 +115,6 @@ def test_streams_whose_clients_never_read_are_cut_and_slow_nobody(
     assert not errors, [r.getMessage() for r in errors]  # a cut is not a server error
 
 
-def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
-    """One byte of each body in turn, 0.2 s apart: bodies that never finish in time."""
-    while not stop.wait(0.2):
-        for sock in socks:
-            try:
-                sock.send(b" ")
-            except OSError:  # answered and closed
-                pass
-
-
 @pytest.mark.slow
 def test_slow_bodies_hold_no_place_and_get_408(make_app: MakeApp, script_ids: list[int]) -> None:
     """Three times the admission limit of clients trickle their bodies: normal requests beside
@@ -142,7 +132,7 @@ def test_slow_bodies_hold_no_place_and_get_408(make_app: MakeApp, script_ids: li
         for sock in slow:
             sock.sendall(request_head("/v1/completions", 200) + b'{"prompt": "')
         stop = threading.Event()
-        trickler = threading.Thread(target=_trickle, args=(slow, stop))
+        trickler = threading.Thread(target=trickle, args=(slow, stop, b" "))
         trickler.start()
         try:
             beside = _latencies(url, 8)
