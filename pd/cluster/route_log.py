@@ -2,7 +2,8 @@
 soak) asking after one answer: ``GET /admin/routes?request_id=...``.
 
 One record an attempt (a request's wire id: its id, then ``id~1``, ... after re-routes), the
-last ``maxlen`` of them, oldest dropped first."""
+last ``maxlen`` of them, oldest dropped first: 16,384 by default, a 30-minute soak's routed
+requests (~6,000) with room, about 4 MiB."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class RouteRecord(NamedTuple):
 
 
 class RouteLog:
-    def __init__(self, maxlen: int = 4096) -> None:
+    def __init__(self, maxlen: int = 16384) -> None:
         self._records: deque[RouteRecord] = deque(maxlen=maxlen)
 
     def add(self, request_id: str, route: _Route) -> None:
