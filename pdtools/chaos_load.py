@@ -114,7 +114,7 @@ def _generate(name: str, text: str, max_tokens: int, stream: bool) -> Spec:
 
 def make_specs() -> list[Spec]:
     """The steady load's requests. Stop strings are added once the answers are known
-    (``stop_variants``)."""
+    (``references``)."""
     return [
         _chat("chat-bikes", "Can I take my bicycle on the 8 am train?", 32, stream=True),
         _chat("chat-price", "How much is a day pass?", 24, stream=False),

@@ -1,4 +1,5 @@
-"""Routing simulation: the real Coordinator over real RadixCaches, no LLM (see routing_model.py).
+"""Routing simulation: the real Coordinator over real RadixCaches, no LLM (the model of a prefill
+pool: ``pdtools/routing_model.py``).
 
 For each prefill-node count and policy: routing decisions per second (``route`` +
 ``on_prefilled`` + ``on_finished`` of a request, timed alone, when the recorded calls are

@@ -3,7 +3,7 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
 
     transfer   moves tensors named by a transfer id; imports nothing from pd
     pd.core    the request and its status, batch, attention interface, KV pool, wire messages
-    pd.model   the Llama-family model, loaders, weight formats, tokenizer
+    pd.model   the decoder and its model families, loaders, weight formats, tokenizer
     pd.cache   the radix tree and cache, the coordinator's mirror of it
     pd.engine  runner, attention backends, scheduler, engine core, colocated engine
     pd.node    the node: its loop and parts (server link, peers, transfer, heartbeats)

@@ -1,4 +1,4 @@
-"""``ForwardBatch``: the flat token layout that one ``forward_batch`` call runs.
+"""``ForwardBatch``: the flat token layout that one ``DecoderLM.forward`` runs.
 
 A batch mixes extend requests (new tokens attending to a prefix already in slots; a cold
 prefill is an extend with an empty prefix) and decode requests (one new token). Request r owns

@@ -1,5 +1,5 @@
-"""The model (layer 2, above ``pd.core`` only): the Llama-family decoder, loading (HF dirs and
-GGUF), weight formats and tokenization."""
+"""The model (layer 2, above ``pd.core`` only): the decoder and the families it runs, loading
+(HF dirs and GGUF), weight formats and tokenization."""
 
 from __future__ import annotations
 

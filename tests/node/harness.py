@@ -24,7 +24,7 @@ from transfer.auth import Opener, Sealer, new_secret
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 300 + i, 42, 9, 1000 + 7 * i, 77] * 3 for i in range(3)]
-SECRET = new_secret()  # the nodes' TransferConfig must carry it too (``node_config``)
+SECRET = new_secret()  # the nodes' TransferConfig must carry it too (``secret=SECRET``)
 
 
 @dataclass

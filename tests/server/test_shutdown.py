@@ -1,5 +1,5 @@
 """``ServerState.shut_down`` (what SIGTERM runs in ``pd serve``; the signal itself is tested
-on a real process in tests/cluster/test_serve_lifecycle.py) past its grace period: running
+on a real process in tests/cluster/test_serve_sigterm.py) past its grace period: running
 answers are cut (finish reason "abort", the stream ends properly), queued requests and new ones
 get 503, and no place is held."""
 
