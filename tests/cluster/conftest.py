@@ -222,4 +222,5 @@ def colocated_args(model_dir: Path) -> list[str]:
     return [
         "--colocated", "--model", str(model_dir), "--max-total-tokens", "4096",
         "--num-threads", "1",  # 2 shared cores: more threads only contend
+        "--compile-buckets", "off",  # seconds to start: these tests are about the server
     ]  # fmt: skip

@@ -34,7 +34,7 @@ QUESTIONS = [
     "Describe the moon.",
 ]
 NOTES = " ".join(f"Note {i}: item {i} weighs {i * 7 % 13} kg." for i in range(30))
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,10 @@ def prompts(smollm2_dir) -> dict[str, list[int]]:
     return out
 
 
-async def _generate(http: httpx.AsyncClient, ids: list[int], salt: str | None) -> list[int]:
-    sampling = {"max_new_tokens": MAX_TOKENS, "temperature": 0}
+async def _generate(
+    http: httpx.AsyncClient, ids: list[int], salt: str | None, max_tokens: int = MAX_TOKENS
+) -> list[int]:
+    sampling = {"max_new_tokens": max_tokens, "temperature": 0}
     body = {"input_ids": ids, "sampling_params": sampling, "cache_salt": salt}
     r = await http.post("/generate", json=body)
     assert r.status_code == 200, r.text
@@ -62,7 +64,11 @@ async def _generate(http: httpx.AsyncClient, ids: list[int], salt: str | None) -
 
 
 def _answers(
-    live: LiveCluster, calls: list[list[int]], concurrent: bool = False, cold: str | None = None
+    live: LiveCluster,
+    calls: list[list[int]],
+    concurrent: bool = False,
+    cold: str | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> list[Any]:
     """The answers to ``calls``, one after another or all at once; ``cold``: each request in a
     cache namespace of its own (a salt made of ``cold`` and its index), so nothing is cached."""
@@ -71,9 +77,9 @@ def _answers(
         salts = [None if cold is None else f"{cold}-{i}" for i in range(len(calls))]
         async with httpx.AsyncClient(base_url=live.url, timeout=600) as http:
             if concurrent:
-                gen = (_generate(http, ids, salt) for ids, salt in zip(calls, salts))
+                gen = (_generate(http, i, s, max_tokens) for i, s in zip(calls, salts))
                 return list(await asyncio.gather(*gen))
-            return [await _generate(http, ids, salt) for ids, salt in zip(calls, salts)]
+            return [await _generate(http, i, s, max_tokens) for i, s in zip(calls, salts)]
 
     return asyncio.run(run())
 
@@ -161,7 +167,7 @@ def test_prefixes_loaded_back_from_the_host_tier_answer_as_computed(live, prompt
     """Unrelated prompts fill every pool, so the earlier prefixes move down to the host tier;
     asked again, they are loaded back from there."""
     filler = [[(997 * i + 31 * j) % 40000 + 100 for j in range(300)] for i in range(10)]
-    _answers(live, filler, concurrent=True)
+    _answers(live, filler, concurrent=True, max_tokens=1)
     host_hits = _node_sum(live, "num_host_hit_tokens")
     names = list(prompts)
     assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]

@@ -82,7 +82,8 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
 
     # 2. `pd serve` starts and serves all the same
     model = ["--model", str(tiny_llama_dir)]
-    server = ServeProcess([*model, "--max-total-tokens", "2048"], tmp_path / "serve.log", env)
+    args = [*model, "--max-total-tokens", "2048", "--compile-buckets", "off"]  # quick to start
+    server = ServeProcess(args, tmp_path / "serve.log", env)
     try:
         body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4}}
         r = httpx.post(f"{server.url}/generate", json=body, timeout=60)

@@ -79,10 +79,11 @@ def test_tiny_compiled_steps_match_eager_in_their_bucket_padded_and_beyond(tiny_
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_smollm2_compiled_steps_give_eager_greedy_tokens_in_buckets_1_3_8(smollm2_dir):
+def test_smollm2_compiled_steps_give_eager_greedy_tokens_in_buckets_1_and_3(smollm2_dir):
     from pd.model.tokenizer import encode_chat
 
-    compiled, eager = _engine(smollm2_dir, "1,3,8"), _engine(smollm2_dir, "off")
+    # bucket 3 pads a batch of 2; larger buckets: the tiny model's test above
+    compiled, eager = _engine(smollm2_dir, "1,3"), _engine(smollm2_dir, "off")
     questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",
@@ -95,7 +96,7 @@ def test_smollm2_compiled_steps_give_eager_greedy_tokens_in_buckets_1_3_8(smollm
     ]
     prompts = [encode_chat(compiled.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     graphs = compiled.runner.graphs
-    for n, bucket in ((1, 1), (2, 3), (3, 3), (8, 8)):
+    for n, bucket in ((1, 1), (2, 3), (3, 3)):
         runs = graphs.num_runs.get(bucket, 0)
         got = [r.token_ids for r in compiled.generate(prompts[:n], GREEDY)]
         assert got == [r.token_ids for r in eager.generate(prompts[:n], GREEDY)], n
