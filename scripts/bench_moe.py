@@ -12,10 +12,13 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+# run as a script, scripts/ is on the path: the decode loops and the cpu name of the engine table
+from bench_attention import _cpu_name
+from bench_engine import hf_decode, pd_decode
 
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
@@ -55,35 +58,6 @@ def per_token_forward(self: decoder.MoE, x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def pd_decode(engine: Engine, batch: int, steps: int) -> float:
-    vocab = engine.runner.model_config.vocab_size
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    for p in torch.randint(3, vocab, (batch, 64), generator=g).tolist():
-        engine.add_request(p, params)
-    while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = time.perf_counter() - t0
-    assert not engine.has_unfinished
-    return batch * steps / dt
-
-
-def hf_decode(hf: torch.nn.Module, batch: int, steps: int, vocab: int) -> float:
-    g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(3, vocab, (batch, 64), generator=g)
-    with torch.inference_mode():
-        out = hf(ids, use_cache=True, logits_to_keep=1)
-        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = hf(tok, past_key_values=cache, use_cache=True)
-            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        return batch * steps / (time.perf_counter() - t0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,9 +86,11 @@ def main() -> None:
             ("pd int4, grouped", int4, grouped),
         ):
             decoder.MoE.forward = forward  # type: ignore[method-assign]
-            got[name] = statistics.median(pd_decode(engine, batch, args.steps) for _ in range(2))
+            got[name] = statistics.median(
+                pd_decode(engine, batch, 64, args.steps) for _ in range(2)
+            )
         decoder.MoE.forward = grouped  # type: ignore[method-assign]
-        got["HF transformers fp32"] = hf_decode(hf, batch, args.steps, vocab)
+        got["HF transformers fp32"] = hf_decode(hf, batch, 64, args.steps, vocab)
         rows.append((batch, got))
     # int4 against fp32: greedy agreement and logits on the same prompts
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -124,14 +100,7 @@ def main() -> None:
     b = [r.token_ids for r in int4.generate(prompts, params)]
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     identical = sum(ra == rb for ra, rb in zip(a, b))
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
+    cpu = _cpu_name()
     print(
         f"\n{cpu}, {args.threads} threads; random Qwen3-MoE: 4 layers, hidden 512, "
         f"{args.experts} experts of 512, top {args.top_k}; decode tokens/s (median of 2 runs of "
