@@ -75,14 +75,21 @@ def add_dataclass_args(
         title = group if isinstance(group, str) else group.get(f.name, "engine")
         add = groups[title].add_argument
         flag = "--" + f.metadata.get("flag", prefix + f.name).replace("_", "-")
+        flags = (flag, *(() if prefix else f.metadata.get("aliases", ())))
         dest, default, help_ = prefix + f.name, f.default, f.metadata.get("help")
         if isinstance(default, bool):
-            add(flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest)
+            add(
+                *flags,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_,
+                dest=dest,
+            )
         elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
-            add(flag, action="append", default=None, help=help_, dest=dest)
+            add(*flags, action="append", default=None, help=help_, dest=dest)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            add(flag, type=kind, default=default, help=help_, dest=dest)
+            add(*flags, type=kind, default=default, help=help_, dest=dest)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -91,6 +91,15 @@ class EngineConfig:
         "on the CPU the machine's cores split over the larger pool's nodes",
     )
     seed: int = option(0, "seed for requests that bring none")
+    tensor_parallel_size: int = option(
+        1,
+        "ranks of each node (tensor parallel: a process and a device each; on a cpu the "
+        "node's threads split over them); the model's heads must split evenly",
+        aliases=("--tp",),
+    )
+    tensor_parallel_timeout_s: float = option(
+        30.0, "seconds a rank waits for another in a step before the node stops as one"
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -141,6 +150,11 @@ class EngineConfig:
         if self.quantization != "auto":
             check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
+        if self.tensor_parallel_size < 1 or not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
+                f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
+            )
 
     @property
     def torch_device(self) -> torch.device:
