@@ -82,6 +82,7 @@ class AsyncEngine:
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        self.engine.close()  # a tensor-parallel engine's ranks (they would die with the thread)
 
     def call(self, fn: Any) -> Any:
         """Run ``fn(engine)`` on the engine thread and return its result (for stats, checks)."""
