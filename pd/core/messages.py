@@ -202,7 +202,8 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     disk_load_bytes: int = 0
     disk_load_seconds: float = 0.0
     num_disk_written: int = 0  # chunks written
-    num_disk_rejected: int = 0  # truncated, corrupt or foreign files removed
+    num_disk_rejected: int = 0  # truncated, corrupt, unauthenticated or foreign files removed
+    disk_off: int = 0  # 1: the disk tier turned itself off after a file-system error
     # the speed pulls are weighed against: prompt tokens computed in pure prefill batches
     num_prefill_tokens: int = 0
     prefill_seconds: float = 0.0
