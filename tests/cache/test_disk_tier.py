@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import random
 import shutil
@@ -203,7 +204,7 @@ def test_a_chunk_planted_with_its_own_checksum_is_rejected_unread(tmp_path: Path
     a, b = _prompt(rng, 16), _prompt(rng, 16)
     planter = DiskTier(tmp_path / "elsewhere", "model-a", CHUNK, 2**30)  # its own key, if any
     wrong_kv = [["", b[: i + 1]] for i in range(CHUNK)]  # PathMover's payload: b's KV
-    planter.write("", a[:CHUNK], json_bytes(wrong_kv))
+    planter.write("", a[:CHUNK], json.dumps(wrong_kv).encode())
     planter.flush()
     name = chain_key("model-a", "", a[:CHUNK]) + ".kv"
     shutil.copy(tmp_path / "elsewhere" / "model-a" / name, root / "model-a" / name)
@@ -211,12 +212,6 @@ def test_a_chunk_planted_with_its_own_checksum_is_rejected_unread(tmp_path: Path
     assert tier.disk.stats.num_rejected == 1 and tier.disk.stats.num_hit_tokens == 0
     assert not (root / "model-a" / name).exists()
     cache.check_integrity()
-
-
-def json_bytes(value: object) -> bytes:
-    import json
-
-    return json.dumps(value).encode()
 
 
 def test_the_directory_is_made_0700_and_one_another_user_could_write_is_refused(
@@ -338,3 +333,42 @@ def test_a_directory_that_fails_mid_run_turns_the_tier_off_and_the_cache_serves_
         cache.check_integrity()
     finally:
         undo()
+
+
+def test_checkpoints_alike_in_names_and_sizes_but_not_weights_get_other_model_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model key hashes the weights' contents, once: the digest is kept beside them and
+    taken again only for a file that changed (here: other bytes, the same size and mtime)."""
+    import torch
+
+    from pd.core.kv_pool import KVPool
+    from pd.engine.config import EngineConfig
+    from pd.engine.host_pool import make_disk_tier
+    from pd.model import loader
+
+    hashed: list[str] = []
+    digest = loader._file_digest
+    monkeypatch.setattr(loader, "_file_digest", lambda p: hashed.append(p.name) or digest(p))
+    pool = KVPool(2, 16, 2, 8, torch.float32)
+
+    def key(model: Path) -> str:
+        cfg = EngineConfig(model=str(model), disk_cache_dir=str(tmp_path / "kv"))
+        tier = make_disk_tier(cfg, model, pool, "none")
+        assert tier is not None
+        tier.close()
+        return tier.key
+
+    models = [tmp_path / "a", tmp_path / "b"]
+    for i, m in enumerate(models):
+        m.mkdir()
+        (m / "config.json").write_text("{}")
+        (m / "model.safetensors").write_bytes(bytes([i]) * 4096)
+    first = [key(m) for m in models]
+    assert first[0] != first[1] and hashed == ["model.safetensors"] * 2
+    assert [key(m) for m in models] == first and len(hashed) == 2  # kept beside the weights
+    weights = models[0] / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(bytes([7]) * 4096)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same size and mtime
+    assert key(models[0]) not in first and len(hashed) == 3
