@@ -102,14 +102,10 @@ class DiskStats(NamedTuple):
 
 
 class ChunkRef(NamedTuple):
-    """A chunk that exists (as a match found it), not yet read."""
+    """A chunk of the matched tokens that exists (as a match found it), not yet read."""
 
-    path: list[int]  # the path's tokens from its root to the chunk's end
     start: int  # where the chunk begins in the path
-
-    @property
-    def end(self) -> int:
-        return len(self.path)
+    end: int
 
 
 class Chunk(NamedTuple):
@@ -132,6 +128,19 @@ def chain_key(key: str, namespace: str, tokens: Sequence[int]) -> str:
     h = hashlib.sha256(f"{key}|{namespace}|".encode())
     h.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return h.hexdigest()[:40]
+
+
+def _chain_keys(
+    key: str, namespace: str, tokens: Sequence[int], first: int, step: int
+) -> Iterator[tuple[int, str]]:
+    """(end, ``chain_key`` of ``tokens[:end]``) for end = first, first + step, ... (within
+    ``tokens``), hashing each token once (a 4k-token match: 64 keys, not 64 prefixes)."""
+    h = hashlib.sha256(f"{key}|{namespace}|".encode())
+    done = 0
+    for end in range(first, len(tokens) + 1, step):
+        h.update(struct.pack(f"<{end - done}i", *tokens[done:end]))
+        done = end
+        yield end, h.copy().hexdigest()[:40]
 
 
 class DiskTier:
@@ -186,23 +195,20 @@ class DiskTier:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def chunk_ends(self, path_len: int, dropped_from: int) -> range:
-        """Ends of the whole chunks of a path of ``path_len`` tokens that hold a token at or
-        after ``dropped_from`` (the chunks to write when those tokens leave the host)."""
-        c = self.chunk_tokens
-        first = (dropped_from // c + 1) * c
-        return range(first, path_len - path_len % c + 1, c)
-
-    def has(self, namespace: str, tokens: Sequence[int]) -> bool:
-        """The chunk ending at ``len(tokens)`` is here, or queued to be written (or the tier is
-        off: there is nothing to write)."""
-        file = self._file(namespace, tokens)
-        with self._lock:
-            if file in self._pending:
-                return True
-        with self._contained("looking up a chunk"):
-            return self.is_on and _exists(file)
-        return True
+    def missing(self, namespace: str, tokens: Sequence[int], first: int) -> list[int]:
+        """Ends of the whole chunks of ``tokens``, from the one ending at ``first`` on, that
+        are neither here nor queued to be written (none while the tier is off)."""
+        ends: list[int] = []
+        if not self.is_on:
+            return ends
+        with self._contained("looking up chunks"):
+            for end, name in _chain_keys(self.key, namespace, tokens, first, self.chunk_tokens):
+                file = self.dir / (name + CHUNK_SUFFIX)
+                with self._lock:
+                    queued = file in self._pending
+                if not queued and not _exists(file):
+                    ends.append(end)
+        return ends if self.is_on else []
 
     def write(self, namespace: str, path: Sequence[int], payload: bytes) -> None:
         """Queue the chunk that ends at ``len(path)`` for the writer thread (started on first
@@ -300,18 +306,22 @@ class DiskTier:
         refs: list[ChunkRef] = []
         if not self.is_on:
             return refs
+        first = (start // c + 1) * c
         with self._contained("looking up chunks"):
-            for end in range((start // c + 1) * c, len(tokens) + 1, c):
-                if not _exists(self._file(namespace, tokens[:end])):
+            for end, name in _chain_keys(self.key, namespace, tokens, first, c):
+                if not _exists(self.dir / (name + CHUNK_SUFFIX)):
                     break
-                refs.append(ChunkRef(list(tokens[:end]), end - c))
+                refs.append(ChunkRef(end - c, end))
         return refs if self.is_on else []
 
-    def read_chunks(self, refs: Sequence[ChunkRef], namespace: str) -> list[Chunk]:
-        """The chunks of ``refs``, read and checked, as far as they are whole and intact."""
+    def read_chunks(
+        self, tokens: Sequence[int], refs: Sequence[ChunkRef], namespace: str
+    ) -> list[Chunk]:
+        """The chunks of ``tokens`` at ``refs``, read and checked, as far as they are whole and
+        intact."""
         chunks: list[Chunk] = []
         for ref in refs:
-            chunk = self.read(namespace, ref.path)
+            chunk = self.read(namespace, tokens[: ref.end])
             if chunk is None:
                 break
             chunks.append(chunk)

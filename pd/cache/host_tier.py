@@ -191,10 +191,9 @@ class HostTier:
         assert self.disk is not None
         values = self.tree.path_values(node)
         c = self.disk.chunk_tokens
-        for end in self.disk.chunk_ends(len(path), dropped_from):
-            if not self.disk.has(node.namespace, path[:end]):
-                payload = self.mover.host_bytes(values[end - c : end])
-                self.disk.write(node.namespace, path[:end], payload)
+        for end in self.disk.missing(node.namespace, path, (dropped_from // c + 1) * c):
+            payload = self.mover.host_bytes(values[end - c : end])
+            self.disk.write(node.namespace, path[:end], payload)
 
     def write_through(self, tokens: Sequence[int], device_slots: Sequence[int], ns: str) -> None:
         """A request reused ``tokens`` (held on the device in ``device_slots``): write their
@@ -203,10 +202,9 @@ class HostTier:
         if self.disk is None or not self.disk.is_on:
             return
         c = self.disk.chunk_tokens
-        for end in range(c, len(tokens) + 1, c):
-            if not self.disk.has(ns, tokens[:end]):
-                payload = self.mover.device_bytes(device_slots[end - c : end])
-                self.disk.write(ns, tokens[:end], payload)
+        for end in self.disk.missing(ns, tokens, c):
+            payload = self.mover.device_bytes(device_slots[end - c : end])
+            self.disk.write(ns, tokens[:end], payload)
 
     def warm_up(self) -> list[tuple[str, list[int]]]:
         """Read the disk's chains into this tier, most recently used first, while it has room
@@ -246,14 +244,14 @@ class HostTier:
             return BelowHost(h, [])
         return BelowHost(h, self.disk.match(tokens, namespace, max(device_len, h.num_tokens)))
 
-    def read_below(self, below: BelowHost, namespace: str) -> BelowHost:
+    def read_below(self, below: BelowHost, tokens: Sequence[int], namespace: str) -> BelowHost:
         """``below`` with its disk chunks read and checked, cut at the first that is not
         whole and intact (removed by another node, damaged: rejected)."""
         if not below.refs:
             return below
         assert self.disk is not None
         t0 = time.perf_counter()
-        chunks = self.disk.read_chunks(below.refs, namespace)
+        chunks = self.disk.read_chunks(tokens, below.refs, namespace)
         return BelowHost(below.host, below.refs[: len(chunks)], chunks, time.perf_counter() - t0)
 
     def match(self, tokens: Sequence[int], namespace: str) -> TreeMatch:
