@@ -234,6 +234,7 @@ def _keep_digests(cache_file: Path, digests: dict[str, WeightDigestMsg]) -> None
     tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-")
+        os.fchmod(fd, 0o644)  # readable as the weights are (a shared checkpoint)
         with os.fdopen(fd, "wb") as f:
             f.write(msgspec.json.encode(digests))
         os.replace(tmp, cache_file)
