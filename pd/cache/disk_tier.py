@@ -269,6 +269,9 @@ class DiskTier:
                             self._num_write_failed += 1
                     else:
                         self._turn_off(f"writing {target.name} failed: {e}")
+                except Exception as e:  # a bug: the tier stops rather than the writer thread
+                    logger.exception("disk tier: writing %s failed", target.name)
+                    self._turn_off(f"writing {target.name} failed: {e!r}")
                 finally:
                     with self._lock:
                         del self._pending[target]

@@ -87,7 +87,7 @@ class BelowHost(NamedTuple):
 
     host: TreeMatch
     refs: list[ChunkRef]
-    chunks: list[Chunk] = []
+    chunks: Sequence[Chunk] = ()
     read_seconds: float = 0.0  # reading and checking the chunks
 
     @property
