@@ -200,7 +200,7 @@ _decode_digests = msgspec.json.Decoder(dict[str, WeightDigestMsg]).decode
 def weights_digest(model_dir: Path) -> str:
     """A sha256 over the contents of every ``*.safetensors`` file of ``model_dir`` (by name),
     so two checkpoints whose files have the same names and sizes but other weights differ.
-    Each file is hashed once (about a second a GB): the digests are kept beside it in
+    Each file is hashed once (seconds a GiB): the digests are kept beside it in
     ``DIGEST_FILE`` under the file's size, times and inode, so a changed file is hashed again.
     Where the directory cannot be written, each start hashes again (logged)."""
     cache_file = model_dir / DIGEST_FILE
