@@ -93,6 +93,11 @@ class RadixCache(BasePrefixCache):
         num_load = below.num_tokens - m.num_tokens
         if num_load <= 0 or not self._lower.pays(num_host, num_load - num_host):
             return m
+        if below.refs:  # loading pays: only now are the disk's bytes read
+            below = self._lower.read_below(below, tokens, namespace)
+            num_load = below.num_tokens - m.num_tokens
+            if num_load <= 0:
+                return m
         self.inc_lock_ref(m.last_node)
         self._lower.lock(h)  # making room saves evicted paths into the tier: never over h
         try:

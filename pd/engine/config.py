@@ -82,9 +82,11 @@ class EngineConfig:
     disk_cache_dir: str | None = option(
         None,
         "a disk tier below the host tier, shared by the nodes of one host (a node started "
-        "later reads it up); default: none",
+        "later reads it up); made 0700, refused if another user could write it; default: none",
     )
-    disk_cache_gb: float = option(16.0, "the disk tier directory's bound, GiB")
+    disk_cache_gb: float = option(
+        16.0, "the disk tier directory's bound, GiB, for every node and model sharing it"
+    )
     num_threads: int | None = option(
         None,
         "torch threads per process (per node in a cluster); default: torch's, or in a cluster "

@@ -21,6 +21,7 @@ from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
 from pd.engine.config import EngineConfig
 from pd.engine.tensor_parallel import KVOp, PlanWriter, TPGroup
+from pd.model.loader import weights_digest
 from pd.model.tensor_parallel import kv_heads_of
 
 DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools
@@ -33,17 +34,18 @@ DISK_CHUNK_TOKENS = 64  # a disk chunk's tokens (rounded up to whole pages)
 def make_disk_tier(
     cfg: EngineConfig, model_dir: Path, pool: KVPool, quantization: str, num_kv_heads: int
 ) -> DiskTier | None:
-    """The disk tier ``cfg`` asks for, keyed by the checkpoint's files, the weight format, the
-    KV layout (every KV head of the model: a tensor-parallel node's chunks hold them all) and
-    the page and chunk sizes; None without ``disk_cache_dir``."""
+    """The disk tier ``cfg`` asks for, keyed by the contents of the checkpoint's weights and
+    config, the weight format, the KV layout (every KV head of the model: a tensor-parallel
+    node's chunks hold them all) and the page and chunk sizes; None without
+    ``disk_cache_dir``. A directory another user could write is refused (``InsecurePathError``);
+    one that fails gives a tier that is off (logged, in the node's stats)."""
     if cfg.disk_cache_dir is None:
         return None
     ps = cfg.page_size
     chunk = -(-DISK_CHUNK_TOKENS // ps) * ps
-    weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     key = model_key(
-        config, weights, str(pool.dtype), quantization, cfg.linear_backend,
+        config, weights_digest(model_dir), str(pool.dtype), quantization, cfg.linear_backend,
         pool.num_layers, num_kv_heads, pool.head_dim, ps, chunk,
     )  # fmt: skip
     max_bytes = int(cfg.disk_cache_gb * 2**30)
