@@ -307,9 +307,7 @@ async def test_thirty_two_requests_without_max_tokens_go_to_one_decode_node_at_o
         assert coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
         for i in range(n):
             d.tokens(f"r{i}", [5] * 600)  # past the first 512: booked for as many again
-        await _until(
-            lambda: coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200)
-        )
+        await _until(lambda: coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
         coord.check_integrity()
         for i in range(n):
             d.tokens(f"r{i}", [5], finished=True)
