@@ -14,8 +14,13 @@ from typing import NamedTuple
 
 import pytest
 
+from pd.cache import NoPrefixCache
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
+from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
+from pd.core.request import Req
+from pd.core.sampling_params import SamplingParams
+from pd.engine.slots import SlotBudget
 from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
@@ -764,3 +769,29 @@ def test_requests_without_max_tokens_book_what_their_answers_use() -> None:
     assert page.num_reserved_slots("d0") == 32
     page.on_tokens("p", 3)
     page.check_integrity()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_decode_node_never_expects_more_than_the_coordinator_booked(page_size: int) -> None:
+    """The two views of one request: the coordinator's booking and the decode node's
+    admission estimate (``SlotBudget.expected_len``, in whole pages), at every ratio the node
+    may be at, before and as its answer grows; the node's never exceeds the booking, so the
+    node admits what the coordinator sent it while the bookings fit its slots."""
+    for prompt_len, max_tokens in [(10, 8), (400, 7792), (3000, 100), (100, 600), (5, 9000)]:
+        for num_output in (0, 1, 100, 511, 512, 513, 2000, max_tokens - 1):
+            if not 0 <= num_output < max_tokens:
+                continue
+            coord = _make_coordinator(1, decode_slots=(1 << 20,), page_size=page_size)
+            coord.route("r", _tokens(0, prompt_len), max_tokens)
+            coord.on_tokens("r", num_output)
+            booked = coord.num_reserved_slots("d0")
+            coord.check_integrity()
+            for ratio in (1.0, 0.7, 0.14):
+                alloc = SlotAllocator(16384, page_size)
+                budget = SlotBudget(alloc, NoPrefixCache(alloc), new_token_ratio=ratio)
+                req = Req("r", _tokens(0, prompt_len), SamplingParams(max_tokens=max_tokens))
+                req.output_ids = [7] * num_output
+                req.fill_len = prompt_len + num_output
+                expected = alloc.num_pages_for(budget.expected_len(req)) * page_size
+                assert expected <= booked, (prompt_len, max_tokens, num_output, ratio)
