@@ -69,8 +69,9 @@ class EngineConfig:
     )
     new_token_ratio: float = option(
         0.7,
-        "admission expects a request to decode this fraction of its max_tokens (decaying while "
-        "nothing is retracted); 1.0: the worst case, never retract",
+        "admission expects a request to decode this fraction of its max_tokens, or of 512 "
+        "tokens or as many as it decoded already if fewer (decaying while nothing is "
+        "retracted); 1.0: the worst case of max_tokens up to 512, never retracted",
     )
     max_model_len: int | None = option(None, "context length; default: the model's")
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")

@@ -53,6 +53,16 @@ class ServerConfig:
         "a client that takes none of its response's bytes for this long (its socket buffers "
         "full) is cut off, and its request aborted",
     )
+    max_stream_buffer_bytes: int = option(
+        512 << 10,
+        "bytes of a stream's answer the server holds for a client that reads slower than the "
+        "engine generates; a request that far ahead of its client waits for it",
+    )
+    max_released_stream_bytes: int = option(
+        128 * _MIB,
+        "bytes held for slow clients by all streams whose generation ended, together: such a "
+        "stream gives its admission place back when its unsent bytes fit under this",
+    )
     body_read_timeout_s: float = option(
         30.0,
         "seconds to receive a request's whole body, which is read before admission; slower "
@@ -103,10 +113,11 @@ class ServerConfig:
             "max_inflight_requests", "max_body_bytes", "max_messages", "max_stop_strings",
             "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
             "max_cache_salt_chars", "num_parse_threads", "max_body_bytes_in_flight",
+            "max_stream_buffer_bytes",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queued_requests", "max_connections"):
+        for name in ("max_queued_requests", "max_connections", "max_released_stream_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_body_bytes_in_flight < self.max_body_bytes:

@@ -29,6 +29,7 @@ from pd.server.config import ServerConfig
 from pd.server.errors import APIError, internal_error
 from pd.server.generation import Generation
 from pd.server.metrics import ServerMetrics
+from pd.server.stream_buffer import StreamBytes
 from pd.server.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class ServerState:
         self.admission = Admission(
             config.max_inflight_requests, config.max_queued_requests, metrics
         )
+        # bytes held for slow readers by streams that gave their place back (stream_buffer)
+        self.stream_bytes = StreamBytes(config.max_released_stream_bytes)
         self._parse_limiter = anyio.CapacityLimiter(config.num_parse_threads)
         self._is_shutting_down = False
         self._running: set[str] = set()  # ids of the requests running on the engine
@@ -88,15 +91,16 @@ class ServerState:
         return self._is_shutting_down
 
     async def shut_down(self, grace_s: float) -> bool:
-        """Stop admitting; wait until no request holds or waits for a place, at most
-        ``grace_s`` seconds. True: nothing was left in flight. Else the rest are cut: those
-        waiting for a place get 503, those running are aborted on the engine (their answers
-        end now, finish reason "abort")."""
+        """Stop admitting; wait until no request holds or waits for a place and no stream
+        still sends what its request generated, at most ``grace_s`` seconds. True: nothing
+        was left in flight. Else the rest are cut: those waiting for a place get 503, those
+        running are aborted on the engine (their answers end now, finish reason "abort")."""
         self._is_shutting_down = True
         with anyio.move_on_after(grace_s):
             await self.admission.wait_empty()
+            await self.stream_bytes.wait_empty()  # streams done generating, still sending
         if self.admission.is_empty:
-            return True
+            return self.stream_bytes.num_streams == 0
         self.admission.close(self._shutting_down)
         for request_id in list(self._running):
             await self.client.abort(request_id)
