@@ -138,7 +138,7 @@ class EngineConfig:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
         if self.cache_eviction not in ("fair", "lru"):
             raise ValueError(f"cache_eviction must be fair or lru, got {self.cache_eviction!r}")
-        object.__setattr__(self, "cache_share", tuple(self.cache_share))
+        object.__setattr__(self, "cache_share", tuple(self.cache_share or ()))  # flag unset: None
         self.cache_shares()  # raises on a malformed GROUP=WEIGHT
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
