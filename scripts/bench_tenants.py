@@ -6,8 +6,8 @@ the device pool again (``pdtools.tenant_flood``; the host tier off, so an evicte
 gone). Printed per eviction policy: A's hot-prefix hit rate (rounds after the first), the
 cached tokens of each of A's requests, the tokens the pool evicted, and the wall time.
 
-    python scripts/bench_tenants.py [--model M] [--pool 8192] [--hot 1024] [--flood 2048]
-                                    [--flood-per-round 4] [--rounds 6] [--num-threads 2]
+    python scripts/bench_tenants.py [--model M] [--pool 4096] [--hot 512] [--flood 1024]
+                                    [--flood-per-round 4] [--rounds 5] [--num-threads 2]
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None)
-    ap.add_argument("--pool", type=int, default=8192, help="device KV slots")
-    ap.add_argument("--hot", type=int, default=1024, help="tokens of A's hot prefix")
+    ap.add_argument("--pool", type=int, default=4096, help="device KV slots")
+    ap.add_argument("--hot", type=int, default=512, help="tokens of A's hot prefix")
     ap.add_argument("--question", type=int, default=32, help="tokens of A's question")
-    ap.add_argument("--flood", type=int, default=2048, help="tokens of each of B's prompts")
+    ap.add_argument("--flood", type=int, default=1024, help="tokens of each of B's prompts")
     ap.add_argument("--flood-per-round", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.num_threads)
