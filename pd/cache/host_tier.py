@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from pd.cache.disk_tier import Chunk, ChunkRef, DiskStats, DiskTier
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeMatch
+from pd.cache.tenants import TenantShares
 from pd.core.kv_pool import SlotAllocator
 
 _RATE_WEIGHT = 0.2  # weight of the newest measurement in a rate's moving average
@@ -126,12 +127,19 @@ class Rate:
 class HostTier:
     """KV evicted from a device pool, in a host pool of ``mover.num_slots`` slots."""
 
-    def __init__(self, mover: BaseKVMover, page_size: int, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        mover: BaseKVMover,
+        page_size: int,
+        disk: DiskTier | None = None,
+        shares: TenantShares | None = None,
+    ) -> None:
         if disk is not None and disk.chunk_tokens % page_size:
             raise ValueError(f"disk chunks of {disk.chunk_tokens} tokens, pages of {page_size}")
         self.mover = mover
         self.disk = disk
         self.page_size = page_size
+        self.shares = shares  # fair eviction between tenants (None: global LRU)
         self.allocator = SlotAllocator(mover.num_slots, page_size)
         self.tree = RadixTree(page_size)  # values: host slots
         self._num_cached = 0
@@ -175,7 +183,7 @@ class HostTier:
         dropped: list[Dropped] = []
         if missing <= 0:
             return dropped
-        for node, take in self.tree.evict_order(missing):
+        for node, take in self.tree.evict_order(missing, self.shares):
             path = self.tree.path_tokens(node)
             if self.disk is not None and self.disk.is_on:
                 self._write_down(node, path, len(path) - take)

@@ -109,23 +109,24 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     --admin-api-key flags."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    kwargs["api_key"] = (
-        *(args.api_key or ()),
-        *read_key_file(args.api_key_file, "--api-key-file"),
-        *envs.PD_API_KEY,
-    )
+    tenants = read_key_file(args.api_key_file, "--api-key-file")
+    admins = read_key_file(args.admin_api_key_file, "--admin-api-key-file")
+    kwargs["api_key"] = (*(args.api_key or ()), *(k for k, _ in tenants), *envs.PD_API_KEY)
     kwargs["admin_api_key"] = (
         *(args.admin_api_key or ()),
-        *read_key_file(args.admin_api_key_file, "--admin-api-key-file"),
+        *(k for k, _ in admins),
         *envs.PD_ADMIN_API_KEY,
     )
+    kwargs["key_groups"] = tuple((k, g) for k, g in (*tenants, *admins) if g is not None)
     return ServerConfig(**kwargs)
 
 
-def read_key_file(path: str | None, flag: str) -> tuple[str, ...]:
-    """The keys in ``path`` (none for None): one a line, or comma-separated as in PD_API_KEY;
-    blank lines are skipped. A file that cannot be read or holds no key is an error; one that
-    group or others may read is served, with a warning (a mounted Kubernetes secret is 0644)."""
+def read_key_file(path: str | None, flag: str) -> tuple[tuple[str, str | None], ...]:
+    """The keys in ``path`` (none for None), each with its key group or None: one a line, or
+    comma-separated as in PD_API_KEY, then optionally a space and the group of the line's keys
+    (``KEY GROUP``); blank lines are skipped. A file that cannot be read or holds no key is an
+    error; one that group or others may read is served, with a warning (a mounted Kubernetes
+    secret is 0644)."""
     if path is None:
         return ()
     try:
@@ -136,14 +137,23 @@ def read_key_file(path: str | None, flag: str) -> tuple[str, ...]:
         raise ValueError(f"{flag} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{flag} {path} is not UTF-8 text") from None
-    keys = tuple(k.strip() for line in text.splitlines() for k in line.split(",") if k.strip())
+    keys: list[tuple[str, str | None]] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if len(fields) > 2:
+            raise ValueError(
+                f"{flag} {path} line {i} has {len(fields)} fields: KEY or KEY GROUP, keys "
+                "comma-separated"
+            )
+        group = fields[1] if len(fields) == 2 else None
+        keys += [(k.strip(), group) for k in fields[0].split(",") if k.strip()] if fields else []
     if not keys:
         raise ValueError(f"{flag} {path} holds no key (one a line)")
     if mode & 0o077:
         logger.warning(
             "%s %s may be read by group or others (mode %o): chmod 600 it", flag, path, mode & 0o777
         )
-    return keys
+    return tuple(keys)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -232,9 +242,12 @@ def _add_security_args(parser: argparse.ArgumentParser) -> None:
             default=None,
             metavar="PATH",
             help=f"--{role}-key's keys read from a file, one a line (a flag's key shows in "
-            f"`ps`; a file's, like {env}'s, does not)",
+            f"`ps`; a file's, like {env}'s, does not); a line `KEY GROUP` puts the key in a key "
+            "group, whose keys share cached prefixes and a cache share (--cache-share)",
         )
-    rest = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name not in keys)
+    rest = tuple(
+        f.name for f in dataclasses.fields(ServerConfig) if f.name not in (*keys, "key_groups")
+    )
     add_dataclass_args(parser, ServerConfig, only=rest, group=title)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.cache.tenants import TenantShares
 from pd.core.options import option
 from pd.engine.graphs import parse_buckets
 from pd.model.quant import INT4_GROUP_SIZE, check_quantization, resolve_linear_backend
@@ -88,6 +89,17 @@ class EngineConfig:
     disk_cache_gb: float = option(
         16.0, "the disk tier directory's bound, GiB, for every node and model sharing it"
     )
+    cache_eviction: str = option(
+        "fair",
+        "fair: under pressure, the tenant (API key group) holding most of a cache tier per "
+        "unit of its share loses its own least recent prefixes first; lru: one global "
+        "least-recently-used order",
+    )
+    cache_share: tuple[str, ...] = option(
+        (),
+        "GROUP=WEIGHT: a key group's weight in fair eviction (repeatable; default 1 each, a "
+        "key outside any group too)",
+    )
     num_threads: int | None = option(
         None,
         "torch threads per process (per node in a cluster); default: torch's, or in a cluster "
@@ -136,6 +148,10 @@ class EngineConfig:
             raise ValueError("disk_cache_dir needs the prefix cache and its host tier")
         if not self.disk_cache_gb > 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
+        if self.cache_eviction not in ("fair", "lru"):
+            raise ValueError(f"cache_eviction must be fair or lru, got {self.cache_eviction!r}")
+        object.__setattr__(self, "cache_share", tuple(self.cache_share or ()))  # flag unset: None
+        self.cache_shares()  # raises on a malformed GROUP=WEIGHT
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -158,6 +174,12 @@ class EngineConfig:
                 f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
                 f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
             )
+
+    def cache_shares(self) -> TenantShares | None:
+        """The tenants' weights for fair eviction; None: global LRU."""
+        if self.cache_eviction == "lru":
+            return None
+        return TenantShares.parse(self.cache_share)
 
     @property
     def torch_device(self) -> torch.device:

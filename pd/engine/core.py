@@ -93,7 +93,9 @@ class EngineCore:
             if host
             else None
         )
-        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host, disk)
+        self.cache = make_prefix_cache(
+            cfg.enable_prefix_cache, self.allocator, node_id, host, disk, cfg.cache_shares()
+        )
         self.scheduler = scheduler_cls(
             self.allocator,
             self.cache,

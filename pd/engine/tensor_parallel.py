@@ -403,7 +403,8 @@ def main(argv: Sequence[str]) -> int:
 
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING)
-    cfg = EngineConfig(**spec["config"])
+    fields = spec["config"]  # JSON has no tuples: a repeatable flag's values came as a list
+    cfg = EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     runner = ModelRunner(cfg, rank=spec["rank"], store_dir=spec["store_dir"])
     host = runner.make_host_pool()
     reader = PlanReader(spec["plan_fd"])

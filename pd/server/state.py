@@ -67,6 +67,7 @@ class ServerState:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.config = config
+        self._key_group = config.key_group()
         self.vocab_size = len(tokenizer)
         self.admission = Admission(
             config.max_inflight_requests, config.max_queued_requests, metrics
@@ -279,13 +280,31 @@ class ServerState:
             raise APIError(str(e)) from e
 
     def namespace(self, api_key: str | None, cache_salt: str | None) -> str:
+        """The cache namespace of a request of ``api_key``: its key group's or its own with
+        isolation (the default), else the shared one (or the salt's)."""
+        self._check_salt(cache_salt)
+        if not self.config.isolate_cache_per_key or api_key is None:
+            return cache_namespace(None, cache_salt)
+        return cache_namespace(api_key, cache_salt, self._key_group.get(api_key))
+
+    def group_namespace(self, group: str, cache_salt: str | None) -> str:
+        """The namespace a request of key group ``group``'s keys gets (an admin's warmup)."""
+        self._check_salt(cache_salt)
+        groups = sorted(set(self._key_group.values()))
+        if not self.config.isolate_cache_per_key or group not in groups:
+            raise APIError(
+                f"key_group {group!r} is not one of this server's {len(groups)} key groups"
+                + ("" if self.config.isolate_cache_per_key else " (isolate_cache_per_key is off)"),
+                param="key_group",
+            )
+        return cache_namespace(None, cache_salt, group)
+
+    def _check_salt(self, cache_salt: str | None) -> None:
         limit = self.config.max_cache_salt_chars
         if cache_salt is not None and len(cache_salt) > limit:
             raise APIError(
                 f"cache_salt has {len(cache_salt)} characters, at most {limit}", param="cache_salt"
             )
-        tenant = api_key if self.config.isolate_cache_per_key else None
-        return cache_namespace(tenant, cache_salt)
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> LogitBias:
         if not bias:
