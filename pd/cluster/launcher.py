@@ -96,6 +96,7 @@ class Cluster:
             on_node_failed=self._on_node_failed,
             resync=self.actors.resync,
             max_msg_age_s=cfg.transfer.max_msg_age_s,
+            max_conns=cfg.transfer.max_conns,
         )
         self._stopping = False
         self._tasks = TaskSet()

@@ -121,6 +121,7 @@ class Node:
             node_cfg.transfer.max_msg_age_s,
             self.node_id,
             frame_limit,
+            node_cfg.transfer.max_conns,
         )
         self.server = ServerLink(
             self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
