@@ -142,3 +142,14 @@ def _read_until(reader: SealedReader, payload: bytes, timeout_s: float) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+def test_a_cluster_the_cap_cannot_hold_is_refused_with_the_numbers() -> None:
+    from pd.cluster.config import ClusterConfig
+    from transfer import TransferConfig
+
+    with pytest.raises(ValueError, match="32 nodes need transfer max_conns > 32 .* got 32"):
+        ClusterConfig(num_prefill=16, num_decode=16)
+    ClusterConfig(num_prefill=16, num_decode=16, transfer=TransferConfig(max_conns=33))
+    with pytest.raises(ValueError, match="max_conns must be >= 2"):
+        TransferConfig(max_conns=1)
