@@ -1,7 +1,8 @@
 """The host tier: a second, larger KV pool below a node's RadixCache, holding what the device
 pool evicted, so that a prefix pushed out by other traffic is loaded back instead of computed.
 
-On a GPU the host pool is pinned host memory; on the CPU it is a separate pool, so the device
+On a GPU the host pool is host memory (copied through pinned buffers); on the CPU it is a
+separate pool, so the device
 pool's size (``--max-total-tokens``) keeps its meaning. The tier is plain Python: a RadixTree
 whose values are host slots, a SlotAllocator over them, and a ``BaseKVMover`` (the engine's
 torch side) that copies KV between the two pools.

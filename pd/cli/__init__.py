@@ -25,8 +25,9 @@ from transfer import TransferConfig
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-# the transfer deadlines every node uses, as --transfer-* flags
-TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
+# the transfer deadlines every node uses, and the connections each internal socket takes, as
+# --transfer-* flags
+TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_conns")
 # ``pd serve``'s engine defaults where they differ from ``EngineConfig``'s (those of the library
 # and ``pd generate``: fp32 weights, eager steps): on a CPU, int4 weights and compiled decode
 # steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")

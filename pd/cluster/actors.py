@@ -82,6 +82,7 @@ class NodeActors:
             host=node_bind_host(self.cfg.address is None),
             debug_checks=envs.PD_DEBUG,
             transfer=dataclasses.replace(self.cfg.transfer, secret=secret),
+            machine_nodes=self.machine_nodes(),
         )
         node.actor = ray.remote(ACTOR_CLASSES[role]).options(**options).remote(engine_cfg, node_cfg)
         return node.actor.start.remote()
@@ -175,6 +176,19 @@ class NodeActors:
             return engine_cfg.num_threads
         largest = max(self.cfg.num_prefill, self.cfg.num_decode)
         return max(1, (os.cpu_count() or 1) // largest)
+
+    def machine_nodes(self) -> int:
+        """How many pd nodes may share a node's machine (its host tier's default takes its
+        share of the machine's memory): on the private local instance, the cluster's (its
+        pools' sizes now); on a Ray cluster, with GPUs, as many as the Ray node with the most
+        GPUs can hold, else the cluster's (a CPU node asks Ray for no CPU: any number of them
+        may land on one machine). A node started later counts the sizes then: the nodes before
+        it keep their share (its pages resident only as used)."""
+        num_nodes = max(1, sum(self._pools.target.values()))
+        if not (self.is_detached and self.gpus):
+            return num_nodes
+        alive = [n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        return max(1, min(num_nodes, int(max(alive, default=0.0) // self.gpus)))
 
     def _env(self, role: str) -> dict[str, str]:
         """Environment variables for a ``role`` node's process: a CPU prefill node's OpenMP

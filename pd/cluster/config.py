@@ -45,6 +45,12 @@ class ClusterConfig:
                 f"need at least {MIN_POOL['prefill']} prefill and {MIN_POOL['decode']} decode "
                 f"node(s), got {self.num_prefill} and {self.num_decode}"
             )
+        num_nodes = self.num_prefill + self.num_decode
+        if num_nodes >= self.transfer.max_conns:  # one each to the server's socket, and the server
+            raise ValueError(
+                f"{num_nodes} nodes need transfer max_conns > {num_nodes} (each internal socket "
+                f"takes one connection per node, and the server's), got {self.transfer.max_conns}"
+            )
         if self.node_gpus is not None and self.node_gpus < 0:
             raise ValueError(f"node_gpus must be >= 0, got {self.node_gpus}")
         for role in ROLES:

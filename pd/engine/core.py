@@ -73,14 +73,17 @@ class EngineCore:
         cfg: EngineConfig,
         node_id: str = "engine",
         scheduler_cls: type[Scheduler] = Scheduler,
+        machine_nodes: int = 1,
     ) -> None:
+        """``machine_nodes``: engines that may share this machine's memory (the host tier's
+        default takes its share)."""
         self.cfg = cfg
         self.node_id = node_id
         self.runner = ModelRunner(cfg)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
-        host = self.runner.make_host_pool()
+        host = self.runner.make_host_pool(machine_nodes)
         runner = self.runner
         disk = (
             make_disk_tier(

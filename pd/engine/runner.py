@@ -120,10 +120,11 @@ class ModelRunner:
         """Whether this runner computes logits (rank 0; the others only their shard's part)."""
         return self.rank == 0
 
-    def make_host_pool(self) -> HostKVPool | ShardedHostKVPool | None:
+    def make_host_pool(self, machine_nodes: int = 1) -> HostKVPool | ShardedHostKVPool | None:
         """The host tier's pool beside this runner's (None: no tier): on a tensor-parallel
-        node each rank's holds its shard, and rank 0's orders the others' copies."""
-        num_host = host_tier_slots(self.cfg, self.pool.num_bytes_per_token)
+        node each rank's holds its shard, and rank 0's orders the others' copies;
+        ``machine_nodes``: nodes that may share the machine (``host_tier_slots``)."""
+        num_host = host_tier_slots(self.cfg, self.pool.num_bytes_per_token, machine_nodes)
         if not num_host:
             return None
         local = HostKVPool(self.pool, num_host)

@@ -105,7 +105,9 @@ class Node:
         # built on the thread that will step it (pd.engine.torch_thread: one OpenMP team)
         self._thread = TorchThread(f"{node_cfg.node_id}-loop")
         self.core = self._thread.run(
-            lambda: EngineCore(engine_cfg, node_cfg.node_id, role_cls.scheduler_cls)
+            lambda: EngineCore(
+                engine_cfg, node_cfg.node_id, role_cls.scheduler_cls, node_cfg.machine_nodes
+            )
         )
         secret = node_cfg.transfer.secret
         # the largest legitimate frame carries a prompt (or cache path, slots) of max_model_len
@@ -121,6 +123,7 @@ class Node:
             node_cfg.transfer.max_msg_age_s,
             self.node_id,
             frame_limit,
+            node_cfg.transfer.max_conns,
         )
         self.server = ServerLink(
             self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
