@@ -79,11 +79,11 @@ class EngineCore:
         default takes its share)."""
         self.cfg = cfg
         self.node_id = node_id
-        self.runner = ModelRunner(cfg)
+        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
-        host = self.runner.make_host_pool(machine_nodes)
+        host = self.runner.make_host_pool()
         runner = self.runner
         disk = (
             make_disk_tier(

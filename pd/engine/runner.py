@@ -46,7 +46,13 @@ class ModelRunner:
     batch it runs; a rank >= 1 (``store_dir``: where rank 0's group rendezvouses) runs what it
     is sent and computes no logits."""
 
-    def __init__(self, cfg: EngineConfig, rank: int = 0, store_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rank: int = 0,
+        store_dir: str | None = None,
+        machine_nodes: int = 1,
+    ) -> None:
         self.tp_size = cfg.tensor_parallel_size
         threads = (
             threads_per_rank(cfg) if self.tp_size > 1 else cfg.num_threads or envs.PD_NUM_THREADS
@@ -55,6 +61,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.rank = rank
+        self.machine_nodes = machine_nodes  # nodes sharing this machine's memory (host tier)
         self.device = cfg.torch_device
         if self.device.type == "cuda" and self.tp_size > 1:
             self.device = torch.device("cuda", (self.device.index or 0) + rank)
@@ -76,7 +83,7 @@ class ModelRunner:
         self.group: TPGroup | None = None
         if self.tp_size > 1:
             if rank == 0:  # the ranks load their shards while this one loads its own
-                self.ranks = RankProcesses(cfg)
+                self.ranks = RankProcesses(cfg, machine_nodes)
                 self.ranks.start()
                 store_dir = self.ranks.store_dir
             assert store_dir is not None, "a rank >= 1 joins rank 0's group"
@@ -120,11 +127,12 @@ class ModelRunner:
         """Whether this runner computes logits (rank 0; the others only their shard's part)."""
         return self.rank == 0
 
-    def make_host_pool(self, machine_nodes: int = 1) -> HostKVPool | ShardedHostKVPool | None:
+    def make_host_pool(self) -> HostKVPool | ShardedHostKVPool | None:
         """The host tier's pool beside this runner's (None: no tier): on a tensor-parallel
-        node each rank's holds its shard, and rank 0's orders the others' copies;
-        ``machine_nodes``: nodes that may share the machine (``host_tier_slots``)."""
-        num_host = host_tier_slots(self.cfg, self.pool.num_bytes_per_token, machine_nodes)
+        node each rank's holds its shard, and rank 0's orders the others' copies. Every rank
+        sizes it alike, by the node's bytes per token (all its ranks' shards together)."""
+        node_bytes = self.pool.num_bytes_per_token * self.tp_size
+        num_host = host_tier_slots(self.cfg, node_bytes, self.machine_nodes)
         if not num_host:
             return None
         local = HostKVPool(self.pool, num_host)

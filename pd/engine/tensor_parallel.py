@@ -324,8 +324,9 @@ def threads_per_rank(cfg: EngineConfig) -> int | None:
 class RankProcesses:
     """Ranks 1..N-1 of a node, as processes of rank 0 (one device each on CUDA)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, machine_nodes: int = 1) -> None:
         self.cfg = cfg
+        self.machine_nodes = machine_nodes
         self.size = cfg.tensor_parallel_size
         self.store_dir = tempfile.mkdtemp(prefix="pd-tp-")  # 0700: this user's alone
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -340,6 +341,7 @@ class RankProcesses:
                 "rank": rank,
                 "store_dir": self.store_dir,
                 "plan_fd": read_fd,
+                "machine_nodes": self.machine_nodes,
                 "config": dataclasses.asdict(self.cfg),
             }
             self._procs.append(
@@ -405,7 +407,9 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     fields = spec["config"]  # JSON has no tuples: a repeatable flag's values came as a list
     cfg = EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    runner = ModelRunner(cfg, rank=spec["rank"], store_dir=spec["store_dir"])
+    runner = ModelRunner(
+        cfg, rank=spec["rank"], store_dir=spec["store_dir"], machine_nodes=spec["machine_nodes"]
+    )
     host = runner.make_host_pool()
     reader = PlanReader(spec["plan_fd"])
     try:
