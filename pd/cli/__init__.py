@@ -315,6 +315,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
         "where Ray's autoscaler adds GPU machines for nodes that wait",
     )
+    for role in ("prefill", "decode"):
+        cluster.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"ranks of each {role} node (a GPU each); default: --tensor-parallel-size",
+        )
     cluster.add_argument(
         "--namespace", default="pd", help="with --address: the Ray namespace of the nodes"
     )

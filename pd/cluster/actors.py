@@ -67,8 +67,13 @@ class NodeActors:
         """Create ``node``'s actor; the returned ref resolves to its ``NodeInfo`` once it is
         up."""
         role, node_id = node.role, node.node_id
+        # a node of N ranks takes N GPUs of one machine (one actor asks for all of them)
+        tp = self.cfg.tensor_parallel_size(role, engine_cfg.tensor_parallel_size)
+        engine_cfg = dataclasses.replace(engine_cfg, tensor_parallel_size=tp)
         options: dict[str, Any] = {"max_concurrency": 4}
-        options.update({"num_gpus": self.gpus, "num_cpus": 1} if self.gpus else {"num_cpus": 0})
+        options.update(
+            {"num_gpus": self.gpus * tp, "num_cpus": 1} if self.gpus else {"num_cpus": 0}
+        )
         if resources := self.cfg.resources(role):
             options["resources"] = resources
         if self.is_detached:  # outlives this server; the next one finds it by name

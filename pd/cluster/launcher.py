@@ -73,14 +73,6 @@ class Cluster:
     def __init__(
         self, engine_cfg: EngineConfig, cfg: ClusterConfig, coordinator: CoordinatorConfig
     ) -> None:
-        if engine_cfg.tensor_parallel_size > 1:
-            # a TP node's KV lives on its ranks; the transfer plane moves rank 0's pool alone
-            raise ValueError(
-                f"tensor parallel size {engine_cfg.tensor_parallel_size}: nodes of several "
-                "ranks serve in one process for now (pd serve --colocated --tp N, pd generate "
-                "--tp N); the cluster's KV transfers, pulls between nodes and TP nodes on Ray "
-                "are not built yet (README, 'Tensor parallel')"
-            )
         self.engine_cfg = engine_cfg
         self.cfg = cfg
         self.coordinator_cfg = dataclasses.replace(coordinator, page_size=engine_cfg.page_size)

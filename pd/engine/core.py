@@ -74,12 +74,14 @@ class EngineCore:
         node_id: str = "engine",
         scheduler_cls: type[Scheduler] = Scheduler,
         machine_nodes: int = 1,
+        staged: bool = False,
     ) -> None:
         """``machine_nodes``: engines that may share this machine's memory (the host tier's
-        default takes its share)."""
+        default takes its share); ``staged``: a node of a cluster, whose KV the transfer plane
+        moves (a tensor-parallel one keeps every head in rank 0's staging pool for it)."""
         self.cfg = cfg
         self.node_id = node_id
-        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes)
+        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, staged=staged)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)

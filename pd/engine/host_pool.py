@@ -28,9 +28,7 @@ from pd.cache.disk_tier import DiskTier, model_key
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
 from pd.engine.config import EngineConfig
-from pd.engine.tensor_parallel import KVOp, PlanWriter, TPGroup
 from pd.model.loader import weights_digest
-from pd.model.tensor_parallel import kv_heads_of
 
 DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools
 DEFAULT_MEMORY_SHARE = 8  # ... at most 1/8 of this node's share of the machine's memory
@@ -173,10 +171,10 @@ class HostKVPool(BaseKVMover):
             torch.cuda.synchronize(dev)
 
     def host_bytes(self, host_slots: Sequence[int]) -> bytes:
-        return _to_bytes(self.kv_of("host", host_slots))
+        return to_bytes(self.kv_of("host", host_slots))
 
     def device_bytes(self, device_slots: Sequence[int]) -> bytes:
-        return _to_bytes(self.kv_of("device", device_slots))
+        return to_bytes(self.kv_of("device", device_slots))
 
     def load_bytes(self, payload: memoryview, skip: int, device_slots: Sequence[int]) -> None:
         self.put_kv("device", self._from_bytes(payload, skip, len(device_slots)), device_slots)
@@ -213,95 +211,5 @@ class HostKVPool(BaseKVMover):
         return kv
 
 
-class ShardedHostKVPool(BaseKVMover):
-    """The host tier of a tensor-parallel node: each rank keeps its shard's KV in a
-    ``HostKVPool`` of its own, and rank 0 orders every copy on every rank
-    (``pd.engine.tensor_parallel``'s ``KVOp``s). A byte payload (a disk chunk) holds every KV
-    head of the model, gathered to rank 0 and scattered from it, so a chunk written by a node of
-    any size is read by a node of any other."""
-
-    def __init__(
-        self, local: HostKVPool, group: TPGroup, plans: PlanWriter | None, num_kv_heads: int
-    ) -> None:
-        self.local = local
-        self.group = group
-        self.plans = plans  # rank 0's; None on the ranks that follow
-        self.num_slots = local.num_slots
-        self.num_kv_heads = num_kv_heads  # the model's
-        self.num_bytes_per_token = (
-            local.num_bytes_per_token * num_kv_heads // local.device.num_kv_heads
-        )
-        size = group.size
-        # the first rank holding each KV head (the ranks past the heads hold copies)
-        heads = [kv_heads_of(num_kv_heads, r, size) for r in range(size)]
-        self._owners = [r for r in range(size) if r == 0 or heads[r] != heads[r - 1]]
-
-    def _order(self, op: KVOp, src: Sequence[int], dst: Sequence[int]) -> bool:
-        """Order ``op`` on every rank; False (nothing ordered) for no slots at all."""
-        assert self.plans is not None, "only rank 0 orders copies"
-        if not src and not dst:
-            return False
-        self.plans.kv(op, src, dst)
-        return True
-
-    def save(self, device_slots: Sequence[int], host_slots: Sequence[int]) -> None:
-        if self._order(KVOp.SAVE, device_slots, host_slots):
-            self.local.save(device_slots, host_slots)
-
-    def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None:
-        if self._order(KVOp.LOAD, host_slots, device_slots):
-            self.local.load(host_slots, device_slots)
-
-    def host_bytes(self, host_slots: Sequence[int]) -> bytes:
-        if not self._order(KVOp.GATHER_HOST, host_slots, ()):
-            return b""
-        return _to_bytes(self._gather("host", host_slots))
-
-    def device_bytes(self, device_slots: Sequence[int]) -> bytes:
-        if not self._order(KVOp.GATHER_DEVICE, device_slots, ()):
-            return b""
-        return _to_bytes(self._gather("device", device_slots))
-
-    def load_bytes(self, payload: memoryview, skip: int, device_slots: Sequence[int]) -> None:
-        full = self.local._from_bytes(payload, skip, len(device_slots), self.num_kv_heads)
-        if self._order(KVOp.SCATTER_DEVICE, (), device_slots):
-            self._scatter("device", device_slots, full)
-
-    def store_bytes(self, payload: memoryview, skip: int, host_slots: Sequence[int]) -> None:
-        full = self.local._from_bytes(payload, skip, len(host_slots), self.num_kv_heads)
-        if self._order(KVOp.SCATTER_HOST, (), host_slots):
-            self._scatter("host", host_slots, full)
-
-    def follow(self, op: KVOp, src: Sequence[int], dst: Sequence[int]) -> None:
-        """A rank >= 1: make its part of rank 0's copy ``op``."""
-        if op is KVOp.SAVE:
-            self.local.save(src, dst)
-        elif op is KVOp.LOAD:
-            self.local.load(src, dst)
-        elif op in (KVOp.GATHER_HOST, KVOp.GATHER_DEVICE):
-            self._gather("host" if op is KVOp.GATHER_HOST else "device", src)
-        else:
-            self._scatter("host" if op is KVOp.SCATTER_HOST else "device", dst)
-
-    def _gather(self, where: str, slots: Sequence[int]) -> torch.Tensor:
-        # each rank's [layers, 2, n, its heads, head_dim]; on rank 0, every head's
-        parts = self.group.gather(self.local.kv_of(where, slots).contiguous())
-        return torch.cat([parts[r] for r in self._owners], dim=3) if parts else parts
-
-    def _scatter(self, where: str, slots: Sequence[int], full: torch.Tensor | None = None) -> None:
-        d = self.local.device
-        shape = (d.num_layers, 2, len(slots), d.num_kv_heads, d.head_dim)
-        mine = torch.empty(shape, dtype=d.dtype)
-        parts = ()
-        if full is not None:
-            size = self.group.size
-            parts = tuple(
-                full[:, :, :, heads.start : heads.stop].contiguous()
-                for heads in (kv_heads_of(self.num_kv_heads, r, size) for r in range(size))
-            )
-        self.group.scatter(mine, parts)
-        self.local.put_kv(where, mine, slots)
-
-
-def _to_bytes(kv: torch.Tensor) -> bytes:
+def to_bytes(kv: torch.Tensor) -> bytes:
     return kv.contiguous().view(torch.uint8).numpy().tobytes()

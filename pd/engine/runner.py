@@ -20,7 +20,8 @@ from pd.engine import cpu_attention
 from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
 from pd.engine.graphs import DecodeGraphs
-from pd.engine.host_pool import HostKVPool, ShardedHostKVPool, host_tier_slots
+from pd.engine.host_pool import HostKVPool, host_tier_slots
+from pd.engine.rank_kv import RankKV, ShardedHostKVPool, StagingPool
 from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify
 from pd.engine.tensor_parallel import RankProcesses, TPGroup, threads_per_rank
@@ -52,6 +53,7 @@ class ModelRunner:
         rank: int = 0,
         store_dir: str | None = None,
         machine_nodes: int = 1,
+        staged: bool = False,
     ) -> None:
         self.tp_size = cfg.tensor_parallel_size
         threads = (
@@ -121,6 +123,21 @@ class ModelRunner:
             head=rank == 0,
         )
         self.graphs.compile()
+        # a tensor-parallel node's KV copies, and (rank 0 of a node in a cluster, ``staged``)
+        # the pool of every head the transfer plane moves KV through
+        self.rank_kv: RankKV | None = None
+        self.staging: StagingPool | None = None
+        if self.group is not None:
+            plans = self.ranks.plans if self.ranks is not None else None
+            self.rank_kv = RankKV(self.pool, None, self.group, plans, mc.num_kv_heads)
+            if staged and rank == 0:
+                self.staging = StagingPool(self.rank_kv)
+
+    @property
+    def transfer_pool(self) -> KVPool:
+        """The pool the transfer plane sends from and receives into: this one, or on a
+        tensor-parallel node its staging pool of every head."""
+        return self.staging.pool if self.staging is not None else self.pool
 
     @property
     def has_head(self) -> bool:
@@ -136,10 +153,10 @@ class ModelRunner:
         if not num_host:
             return None
         local = HostKVPool(self.pool, num_host)
-        if self.group is None:
+        if self.rank_kv is None:
             return local
-        plans = self.ranks.plans if self.ranks is not None else None
-        return ShardedHostKVPool(local, self.group, plans, self.model_config.num_kv_heads)
+        self.rank_kv.host = local
+        return ShardedHostKVPool(self.rank_kv, self.staging)
 
     def check_ranks(self) -> None:
         """Raise ``TensorParallelError`` if a rank of this node has exited."""
@@ -226,6 +243,23 @@ class ModelRunner:
         >= 1, the final norm's output instead (it has no head)."""
         if self.ranks is not None and self.ranks.plans is not None:
             self.ranks.plans.forward(seqs, return_all_logits)  # the ranks run it beside us
+        if self.staging is None:
+            return self._forward(seqs, return_all_logits, on_layer_done)
+        # a TP node in a cluster: what the ranks' layers wrote reaches the staging pool (and
+        # each layer's hook, e.g. the transfer's send) once the whole forward is done
+        logits = self._forward(seqs, return_all_logits, None)
+        self.staging.mirror([t for s in seqs for t in s.slots[s.num_prefix :]])
+        if on_layer_done is not None:
+            for layer in range(self.model_config.num_layers):
+                on_layer_done(layer)
+        return logits
+
+    def _forward(
+        self,
+        seqs: Sequence[SeqInput],
+        return_all_logits: bool,
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor:
         bucket = None if return_all_logits else self.graphs.bucket_for(seqs)
         if bucket is not None:
             logits = self.graphs.run(seqs, bucket)

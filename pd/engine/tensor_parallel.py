@@ -410,15 +410,16 @@ def main(argv: Sequence[str]) -> int:
     runner = ModelRunner(
         cfg, rank=spec["rank"], store_dir=spec["store_dir"], machine_nodes=spec["machine_nodes"]
     )
-    host = runner.make_host_pool()
+    runner.make_host_pool()  # its part of rank 0's host tier, if the node has one
+    assert runner.rank_kv is not None
     reader = PlanReader(spec["plan_fd"])
     try:
         while not (plan := reader.next()).is_stop:
             if plan.seqs is not None:
                 runner.forward(plan.seqs, return_all_logits=plan.return_all_logits)
             else:
-                assert host is not None and plan.kv_op is not None, "a KV copy without a tier"
-                host.follow(plan.kv_op, plan.src, plan.dst)
+                assert plan.kv_op is not None
+                runner.rank_kv.follow(plan.kv_op, plan.src, plan.dst)
     except TensorParallelError as e:
         logger.error("%s", e)
         return 1
