@@ -67,13 +67,11 @@ class NodeActors:
         """Create ``node``'s actor; the returned ref resolves to its ``NodeInfo`` once it is
         up."""
         role, node_id = node.role, node.node_id
-        # a node of N ranks takes N GPUs of one machine (one actor asks for all of them)
+        gpus = self.gpus_of(role, engine_cfg)
         tp = self.cfg.tensor_parallel_size(role, engine_cfg.tensor_parallel_size)
         engine_cfg = dataclasses.replace(engine_cfg, tensor_parallel_size=tp)
         options: dict[str, Any] = {"max_concurrency": 4}
-        options.update(
-            {"num_gpus": self.gpus * tp, "num_cpus": 1} if self.gpus else {"num_cpus": 0}
-        )
+        options.update({"num_gpus": gpus, "num_cpus": 1} if gpus else {"num_cpus": 0})
         if resources := self.cfg.resources(role):
             options["resources"] = resources
         if self.is_detached:  # outlives this server; the next one finds it by name
@@ -168,6 +166,11 @@ class NodeActors:
         """Each ``running`` node's ``NodeInfo`` once it reports to ``server_addr`` (its old
         requests aborted)."""
         return ray.get([a.attach.remote(server_addr) for a in running.values()])
+
+    def gpus_of(self, role: str, engine_cfg: EngineConfig) -> float:
+        """GPUs a ``role`` node asks Ray for: a node of N ranks takes N of one machine (one
+        actor asks for them all, so Ray places them together)."""
+        return self.gpus * self.cfg.tensor_parallel_size(role, engine_cfg.tensor_parallel_size)
 
     def threads(self, engine_cfg: EngineConfig) -> int | None:
         """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),

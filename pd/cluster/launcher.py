@@ -197,12 +197,15 @@ class Cluster:
         if not memory:
             model_dir = resolve_model(self.engine_cfg.model)
             memory = float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")))
-        gpus = self.actors.gpus
         cap = pool_capacity(
             role,
-            node_demand(gpus, self.cfg.resources(role), memory),
+            node_demand(
+                self.actors.gpus_of(role, self.engine_cfg), self.cfg.resources(role), memory
+            ),
             other,
-            node_demand(gpus, self.cfg.resources(other), memory),
+            node_demand(
+                self.actors.gpus_of(other, self.engine_cfg), self.cfg.resources(other), memory
+            ),
             num_other,
             ray_totals(is_local=self.cfg.address is None),
             ray_autoscaler_max(),
