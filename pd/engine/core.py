@@ -81,6 +81,7 @@ class EngineCore:
         moves (a tensor-parallel one keeps every head in rank 0's staging pool for it)."""
         self.cfg = cfg
         self.node_id = node_id
+        self.staged = staged
         self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, staged=staged)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
@@ -160,6 +161,11 @@ class EngineCore:
         heartbeat), are called with i as layer i's K/V of the new tokens is in the pool."""
         if self.fatal_error is not None:
             raise TensorParallelError(self.fatal_error)
+        try:
+            self.runner.check_ranks()  # a rank that exited: stop before taking work
+        except TensorParallelError as e:
+            self.fatal_error = str(e)
+            raise
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult([], [])
@@ -177,6 +183,8 @@ class EngineCore:
         except TensorParallelError as e:  # a rank is gone: this node cannot step again
             logger.error("%s: %s; the node stops", self.node_id, e)
             self.fatal_error = str(e)
+            if self.staged:  # a cluster's node dies as one: the cluster re-routes the rest
+                raise
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
             return StepResult([], failed, len(failed))
         except Exception as e:  # fail this batch's requests rather than retry them forever

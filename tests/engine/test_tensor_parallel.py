@@ -139,7 +139,8 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
         assert engine.generate([_prompt(9, 1)], GREEDY)[0].finish_reason == "length"
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="forward failed: rank"):  # its batch fails ...
+        # the rank's exit seen before the batch (kill), or the batch's sum fails (either)
+        with pytest.raises(RuntimeError, match="rank"):
             engine.generate([_prompt(9, 2)], GREEDY)
         assert time.monotonic() - t0 < 3.0 + 2.0
         assert engine.core.fatal_error is not None
