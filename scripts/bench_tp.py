@@ -7,7 +7,12 @@
    for each ``--tp`` size (SmolLM2-135M has 9 heads: sizes 1 and 3; a model with even heads:
    1, 2, 4). On a 2-core CPU the ranks share the cores: this measures the overhead of the plan
    and the sums, not a speed-up, so a GPU run knows what the extra steps cost.
-3. Capacity: the weight bytes each rank of a node of N holds (the sharding pd applies) for
+3. A transfer between nodes of different sizes: KV leaves a TP node through rank 0's staging
+   pool (``mirror``: its ranks' heads gathered after the forward) and enters one through it
+   (``deliver``: scattered to the ranks); the pair transfer between the two rank 0s is the
+   same-TP transfer's. Measured for a 2,048-token prompt of the model at the largest ``--tp``,
+   beside the same-TP pair transfer of the same bytes (``bench_transfer.py``'s, in this run).
+4. Capacity: the weight bytes each rank of a node of N holds (the sharding pd applies) for
    Llama-3 shapes, and the largest that fits a device of ``--device-gib`` with a fifth left for
    the KV pool.
 
@@ -23,12 +28,13 @@ import time
 
 import torch
 from bench_attention import _cpu_name
-from bench_engine import pd_decode, pd_prefill
+from bench_engine import _best, pd_decode, pd_prefill
 
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.tensor_parallel import TPGroup
 from pd.model.config import ModelConfig
+from pd.model.loader import load_config, resolve_model
 from pd.model.tensor_parallel import shard_config
 
 HIDDEN = 576  # SmolLM2-135M's
@@ -92,6 +98,39 @@ def bench_engine(model: str | None, tp: int, threads: int) -> tuple[float, float
         engine.close()
 
 
+def bench_staging(
+    model: str | None, tp: int, threads: int, tokens: int
+) -> tuple[float, float, int]:
+    """Seconds to mirror and to deliver ``tokens`` slots on a TP-``tp`` node, and their bytes."""
+    from pd.engine.runner import ModelRunner
+
+    cfg = EngineConfig(
+        model=model, dtype="float32", max_total_tokens=tokens + 64, num_threads=threads,
+        tensor_parallel_size=tp, host_cache_tokens=0,
+    )  # fmt: skip
+    runner = ModelRunner(cfg, staged=True)
+    try:
+        assert runner.staging is not None
+        slots = list(range(tokens))
+        mirror = _best(lambda: runner.staging.mirror(slots), 3)
+        deliver = _best(lambda: runner.staging.deliver(slots), 3)
+        return mirror, deliver, tokens * runner.staging.pool.num_bytes_per_token
+    finally:
+        runner.close()
+
+
+def bench_pair(tokens: int, heads: int, layers: int, head_dim: int) -> float:
+    """Seconds of the same-TP pair transfer of ``tokens`` slots (prefill done -> decode can
+    start), ``bench_transfer.py``'s measurement."""
+    import bench_transfer
+
+    args = argparse.Namespace(
+        tokens=tokens, iters=3, backend="gloo", layers=layers, heads=heads, head_dim=head_dim,
+        poll_ms=1.0,
+    )  # fmt: skip
+    return bench_transfer.bench_transfer(args, False, False)["ready"]
+
+
 def capacity(device_gib: float) -> list[str]:
     lines = []
     for name, dims in LLAMA3.items():
@@ -130,14 +169,33 @@ def main() -> None:
         print(f"{rows:12d} {det[rows]:14.0f} {plain[rows]:11.0f}")
     sizes = [int(s) for s in args.tp.split(",")]
     print("\nengine, fp32 (ratio: to the first size):")
-    print(f"{'tp':>3s} {'prefill 512 tok/s':>18s} {'decode b1 tok/s':>16s} {'decode b8 tok/s':>16s}")
+    print(
+        f"{'tp':>3s} {'prefill 512 tok/s':>18s} {'decode b1 tok/s':>16s} {'decode b8 tok/s':>16s}"
+    )
     base = None
     for tp in sizes:
         row = bench_engine(args.model, tp, args.threads)
         base = base or row
         cells = [f"{v:8.1f} ({v / b:4.2f}x)" for v, b in zip(row, base)]
         print(f"{tp:3d} {cells[0]:>18s} {cells[1]:>16s} {cells[2]:>16s}")
-    print(f"\ncapacity: bf16 weight bytes per rank; 'fits' leaves a fifth of {args.device_gib:g} GiB")
+    tp = max(sizes)
+    mirror, deliver, nbytes = bench_staging(args.model, tp, args.threads, 2048)
+    pd_cfg = ModelConfig.from_hf(load_config(resolve_model(args.model)))
+    pair = bench_pair(2048, pd_cfg.num_kv_heads, pd_cfg.num_layers, pd_cfg.head_dim)
+    mb = nbytes / 1e6
+    print(f"\nKV of 2,048 tokens ({mb:.0f} MB, fp32): prefill done -> decode can start")
+    print(f"{'prefill TP -> decode TP':>24s} {'ms':>8s} {'MB/s':>7s} {'vs same TP':>10s}")
+    for name, extra in (
+        ("1 -> 1 (pair transfer)", 0.0),
+        (f"{tp} -> 1 (+ mirror)", mirror),
+        (f"1 -> {tp} (+ deliver)", deliver),
+        (f"{tp} -> {tp} (+ both)", mirror + deliver),
+    ):
+        sec = pair + extra
+        print(f"{name:>24s} {1e3 * sec:8.1f} {mb / sec:7.0f} {pair / sec:9.2f}x")
+    print(
+        f"\ncapacity: bf16 weight bytes per rank; 'fits' leaves a fifth of {args.device_gib:g} GiB"
+    )
     print("for the KV pool")
     for line in capacity(args.device_gib):
         print(line)

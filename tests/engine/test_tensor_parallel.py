@@ -155,12 +155,3 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
         time.sleep(0.05)
     assert not _alive(pid)
 
-
-def test_a_cluster_of_tp_nodes_is_refused_with_the_reason(
-    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from pd.cli import main
-
-    assert main(["serve", "--model", str(tiny_llama_dir), "--tp", "2", "--prefill", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "tensor parallel size 2: nodes of several ranks serve in one process" in err
