@@ -148,10 +148,14 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        zeroed: bool = True,
     ) -> None:
+        # ``zeroed`` False: torch.empty, whose pages become resident only as slots are written
+        # (a pool nothing reads before writing, like a TP node's staging pool)
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        new = torch.zeros if zeroed else torch.empty
+        self.k = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads

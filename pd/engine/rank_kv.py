@@ -157,8 +157,9 @@ class StagingPool:
     def __init__(self, kv: RankKV) -> None:
         d = kv.device
         self.kv = kv
+        # written before it is read (a mirror or a landed transfer): resident only as used
         self.pool = KVPool(
-            d.num_layers, d.num_slots, kv.num_kv_heads, d.head_dim, d.dtype, d.device
+            d.num_layers, d.num_slots, kv.num_kv_heads, d.head_dim, d.dtype, d.device, zeroed=False
         )
 
     def mirror(self, slots: Sequence[int]) -> None:
