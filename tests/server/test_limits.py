@@ -119,7 +119,10 @@ async def test_refusals_name_the_field(make_app: MakeApp) -> None:
     msg = r.json()["error"]["message"]
     assert "best_of=3 is not supported (only best_of=null or best_of=1)" in msg
     r = await _post(app, _C, {"prompt": "a", "echo": True, "logprobs": 2})
-    assert "pd never runs a cached prompt prefix through the model again" in r.json()["error"]["message"]
+    assert (
+        "pd never runs a cached prompt prefix through the model again"
+        in r.json()["error"]["message"]
+    )
     r = await _post(app, _C, {"prompt": "a", "frobnicate": True})
     assert "frobnicate: unknown field" in r.json()["error"]["message"]
     r = await _post(app, _C, {"prompt": "a", "max_tokens": 2**64})
