@@ -45,6 +45,7 @@ from pd.core.messages import (
 )
 from pd.core.request import ReqStatus
 from pd.engine.core import EngineCore, TransferCounters
+from pd.engine.sampler import skip_draws
 from pd.engine.scheduler import StepResult
 from pd.node import BaseRole, NodeParts
 from pd.node.links import PeerLinks, ServerLink
@@ -100,6 +101,7 @@ class DecodeRole(BaseRole):
         req = self.incoming.admit(msg.request_id, msg.first_token)
         if req is None:
             return  # aborted meanwhile: the abort freed (or will free) everything
+        skip_draws(req.generator, 1)  # the prefill node drew the first token
         first_logprobs = [msg.first_logprobs] if msg.first_logprobs is not None else []
         req.output_logprobs = list(first_logprobs)  # in step with output_ids
         self.server.send(

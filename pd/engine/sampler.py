@@ -48,6 +48,15 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
     return gen
 
 
+def skip_draws(gen: torch.Generator | None, num_tokens: int) -> None:
+    """Advance ``gen`` past the draws of ``num_tokens`` tokens sampled elsewhere (a decode
+    node's copy of a request, past the first token its prefill node drew): one draw a token
+    (``draw``), so a seeded request draws the same stream as in one engine."""
+    if gen is not None:
+        for _ in range(num_tokens):
+            torch.rand(1, generator=gen, dtype=torch.float64)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
