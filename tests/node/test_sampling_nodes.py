@@ -66,3 +66,16 @@ def test_disaggregated_penalties_and_logprobs_equal_the_colocated_engine(
     assert server.senders["s2"] == [p.node_id]
     run_until(server, (p, d), lambda: d.count_unfinished() == 0, max_iters=100)
     assert_idle(p, d)
+
+
+def test_a_seeded_sampled_request_draws_as_in_one_engine(engine_cfg, server, make_pair) -> None:
+    """The prefill node draws the first token; the decode node's generator, seeded alike,
+    skips that draw, so the rest are the colocated engine's tokens, not a restarted stream."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    (want,) = Engine(engine_cfg).generate([PROMPTS[1]], params)
+    p, d = make_pair()
+    send_request(server, p, d, "seeded", PROMPTS[1], params)
+    run_until(server, (p, d), lambda: "seeded" in server.finished)
+    assert server.tokens["seeded"] == want.token_ids
+    run_until(server, (p, d), lambda: d.count_unfinished() == 0, max_iters=100)
+    assert_idle(p, d)
