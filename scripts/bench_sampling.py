@@ -80,13 +80,14 @@ def main() -> None:
     )
     batches = [int(b) for b in args.batches.split(",")]
     best: dict[tuple[int, str], float] = {}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for batch in batches:
             for name, kw in VARIANTS.items():
                 params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True, **kw)  # type: ignore[arg-type]
                 s = decode_step_seconds(engine, batch, args.prompt_len, args.steps, params)
                 key = (batch, name)
                 best[key] = min(best.get(key, s), s)
+                print(f"round {r + 1}: batch {batch}, {name}: {s * 1e3:.1f} ms", flush=True)
     print(
         f"\n{_cpu_name()}, {args.threads} threads; {args.model or 'SmolLM2-135M-Instruct'}, "
         f"{engine.runner.quantization} weights, vocab {engine.runner.model_config.vocab_size}; "

@@ -26,15 +26,14 @@ from pd.core.sampling_params import SamplingParams
 
 
 class TokenCounts:
-    """One request's ``seen`` mask and output counts over the vocabulary, kept up to date with
-    its output as it grows (only the new tokens are counted at each step)."""
+    """One request's prompt tokens and output counts, kept up to date with its output as it
+    grows (only the new tokens are counted at each step). Sparse: a step's penalties touch
+    only the tokens seen, never a tensor of the vocabulary's size."""
 
     def __init__(self, prompt_ids: Sequence[int], vocab: int) -> None:
         self.vocab = vocab
-        # prompt: [vocab] bool; counts: [vocab] int32, the output's tokens counted so far
-        self.prompt = torch.zeros(vocab, dtype=torch.bool)
-        self.prompt[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
-        self.counts = torch.zeros(vocab, dtype=torch.int32)
+        self.prompt_ids = torch.unique(torch.tensor(list(prompt_ids), dtype=torch.long))
+        self.counts: dict[int, int] = {}  # output token -> times it is in the output
         self.num_counted = 0  # leading output tokens in ``counts``
 
     @classmethod
@@ -52,37 +51,44 @@ class TokenCounts:
     def sync(self, output_ids: Sequence[int]) -> None:
         """Count the output tokens past those already counted (an output only grows)."""
         assert len(output_ids) >= self.num_counted, (len(output_ids), self.num_counted)
-        new = output_ids[self.num_counted :]
-        if new:
-            ones = torch.ones(len(new), dtype=torch.int32)
-            self.counts.index_add_(0, torch.tensor(list(new), dtype=torch.long), ones)
-            self.num_counted = len(output_ids)
+        for token in output_ids[self.num_counted :]:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        self.num_counted = len(output_ids)
 
-    def rows(self, extra: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen, counts) for len(extra) + 1 positions: row i also counts ``extra[:i]`` (draft
-        tokens that would be accepted before position i). seen: [n, vocab] bool, counts:
-        [n, vocab] int32."""
-        counts = self.counts.expand(len(extra) + 1, self.vocab).clone()
-        for i, token in enumerate(extra):
-            counts[i + 1 :, token] += 1
-        return self.prompt | (counts > 0), counts
+    def rows(self, extra: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, seen, counts) for len(extra) + 1 positions, over the m tokens seen in the
+        prompt, the output or ``extra``: row i also counts ``extra[:i]`` (draft tokens that
+        would be accepted before position i). ids: [m] sorted; seen: [n, m] bool (in the
+        prompt or counted); counts: [n, m] float32."""
+        out_ids = torch.tensor(list(self.counts), dtype=torch.long)
+        out_counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+        ext = torch.tensor(list(extra), dtype=torch.long)
+        ids = torch.unique(torch.cat([self.prompt_ids, out_ids, ext]))
+        counts = torch.zeros(len(extra) + 1, ids.shape[0])
+        counts[:, torch.searchsorted(ids, out_ids)] += out_counts
+        for i, pos in enumerate(torch.searchsorted(ids, ext).tolist()):
+            counts[i + 1 :, pos] += 1
+        in_prompt = torch.isin(ids, self.prompt_ids)
+        return ids, in_prompt | (counts > 0), counts
 
 
-def apply_penalties(
-    logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams
-) -> torch.Tensor:
-    """logits: [n, vocab] float32 -> a penalised copy (the module docstring's formulas, in
-    vLLM's order: repetition, frequency, presence). seen, counts: [n, vocab] (``rows``)."""
-    logits = logits.float().clone()
+def apply_penalties_(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    params: SamplingParams,
+) -> None:
+    """Penalise logits [n, vocab] float32 in place (the module docstring's formulas, in vLLM's
+    order: repetition, frequency, presence), touching only the m seen tokens. ids, seen,
+    counts: ``TokenCounts.rows``."""
+    sub = logits[:, ids]  # [n, m], a copy: the only logits a penalty changes
     r = params.repetition_penalty
     if r != 1.0:
         # vLLM multiplies by 1 / r (not divides by r): the same rounding as its kernel
-        scale = torch.where(
-            logits > 0, torch.full_like(logits, 1.0 / r), torch.full_like(logits, r)
-        )
-        logits = torch.where(seen, logits * scale, logits)
+        sub = torch.where(seen, torch.where(sub > 0, sub * (1.0 / r), sub * r), sub)
     if params.frequency_penalty != 0.0:
-        logits -= params.frequency_penalty * counts.float()
+        sub = sub - params.frequency_penalty * counts
     if params.presence_penalty != 0.0:
-        logits -= params.presence_penalty * (counts > 0).float()
-    return logits
+        sub = sub - params.presence_penalty * (counts > 0).float()
+    logits[:, ids] = sub

@@ -3,8 +3,9 @@
 Each row goes through the same fixed steps, in vLLM's order:
 
 1. ``process_logits``, the per-request logits processing (greedy too): ``logit_bias`` added,
-   ``banned`` ids (min_tokens) set to -inf, penalties applied (``pd.engine.penalties``). A
-   later per-request mask (a grammar's) joins here.
+   the penalties applied (``pd.engine.penalties``), then ``banned`` ids (min_tokens) set to
+   -inf (vLLM bans before the penalties: the same, a penalty keeps -inf at -inf). A later
+   per-request mask (a grammar's) joins here.
 2. Greedy: the argmax. Sampled: ``probs_from_logits``: divided by the temperature, cut by
    min_p, top_k, then top_p; one draw (``draw``).
 3. With ``params.logprobs`` set, ``token_logprobs``: the log-softmax of step 1's logits
@@ -25,7 +26,7 @@ import torch
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.sampling_params import MIN_TEMPERATURE, SamplingParams
-from pd.engine.penalties import TokenCounts, apply_penalties
+from pd.engine.penalties import TokenCounts, apply_penalties_
 
 # What a logprob of -inf (a banned token) is sent as: JSON has no infinity (vLLM sends the same)
 MIN_LOGPROB = -9999.0
@@ -79,8 +80,13 @@ def sample(
         except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
             out.append(SampledRow(-1, f"sampling failed: {e}"))
             continue
-        lps = token_logprobs(logits[r : r + 1], [token], p) if p.logprobs is not None else ()
-        out.append(SampledRow(token, logprobs=lps))
+        out.append(SampledRow(token))
+    # the rows that asked for logprobs, in one call: a few ops for the batch, not a few a row
+    want = [r for r, row in enumerate(out) if row.error is None and params[r].logprobs is not None]
+    if want:
+        lps = token_logprobs(logits[want], [out[r].token for r in want], [params[r] for r in want])
+        for r, lp in zip(want, lps):
+            out[r] = out[r]._replace(logprobs=(lp,))
     return out
 
 
@@ -91,56 +97,67 @@ def process_logits(
     draft: Sequence[int] = (),
 ) -> torch.Tensor:
     """The per-request logits processing of one request's rows (step 1 of the module
-    docstring, less ``banned``): logits [len(draft) + 1, vocab] -> a copy with ``logit_bias``
-    added and the penalties applied, row i counting ``draft[:i]`` as output (what speculative
-    verification needs: each position as if the draft before it was accepted). Raises
-    ValueError for a biased token outside the vocabulary."""
-    logits = add_logit_bias(logits, params)
+    docstring, less ``banned``): logits [len(draft) + 1, vocab] -> a float32 copy with
+    ``logit_bias`` added and the penalties applied, row i counting ``draft[:i]`` as output
+    (what speculative verification needs: each position as if the draft before it was
+    accepted). Raises ValueError for a biased token outside the vocabulary."""
+    out = logits.float().clone()
+    process_logits_(out, params, counts, draft)
+    return out
+
+
+def process_logits_(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: TokenCounts | None = None,
+    draft: Sequence[int] = (),
+) -> None:
+    """``process_logits`` in place, on float32 logits the caller owns (a batch's copy): no
+    tensor of the vocabulary's size is made. ValueError, logits untouched, for a biased token
+    outside the vocabulary."""
+    bias = params.logit_bias
+    if bias:
+        vocab = logits.shape[-1]
+        if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
+            raise ValueError(f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})")
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+        logits[..., ids] += values
     if counts is not None:
-        logits = apply_penalties(logits, *counts.rows(draft), params)
-    return logits
+        apply_penalties_(logits, *counts.rows(draft), params)
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: Sequence[int], params: SamplingParams
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+    params: SamplingParams | Sequence[SamplingParams],
 ) -> tuple[TokenLogprobsMsg, ...]:
     """logits: [n, vocab], processed (``process_logits``) -> for each row i the logprob of
-    ``tokens[i]`` and the ``params.logprobs`` most likely tokens, under the distribution it
-    was drawn from before the cuts: log-softmax of logits / temperature (1 for greedy). Each
-    row alone, so its numbers do not depend on the batch."""
-    num_top = params.logprobs or 0
-    temperature = params.temperature if params.temperature >= MIN_TEMPERATURE else 1.0
-    out = []
-    for i, token in enumerate(tokens):
-        # lp: [vocab]
-        lp = torch.log_softmax(logits[i].float().cpu() / temperature, dim=-1)
-        top = torch.topk(lp, num_top) if num_top else None
-        out.append(
-            TokenLogprobsMsg(
-                token,
-                max(float(lp[token]), MIN_LOGPROB),
-                top.indices.tolist() if top is not None else [],
-                [max(v, MIN_LOGPROB) for v in top.values.tolist()] if top is not None else [],
-            )
+    ``tokens[i]`` and the ``logprobs`` most likely tokens of row i's params (one params for
+    every row, or one each), under the distribution it was drawn from before the cuts:
+    log-softmax of logits / temperature (1 for greedy). Every op works row by row, so a row's
+    numbers do not depend on the others."""
+    num_rows = len(tokens)
+    plist = [params] * num_rows if isinstance(params, SamplingParams) else list(params)
+    temps = [p.temperature if p.temperature >= MIN_TEMPERATURE else 1.0 for p in plist]
+    # lp: [n, vocab]
+    lp = torch.log_softmax(logits.float().cpu() / torch.tensor(temps)[:, None], dim=-1)
+    chosen = lp[torch.arange(num_rows), torch.tensor(list(tokens))].tolist()
+    num_top = max(p.logprobs or 0 for p in plist)
+    top_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    top_lps: list[list[float]] = [[] for _ in range(num_rows)]
+    if num_top:
+        top = torch.topk(lp, num_top, dim=-1)  # sorted: each row's first k are its top k
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    return tuple(
+        TokenLogprobsMsg(
+            token,
+            max(value, MIN_LOGPROB),
+            top_ids[i][: p.logprobs or 0],
+            [max(v, MIN_LOGPROB) for v in top_lps[i][: p.logprobs or 0]],
         )
-    return tuple(out)
-
-
-def add_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., vocab] with ``params.logit_bias`` added to every row: a copy, or the same
-    tensor when there is no bias. Raises ValueError for a biased token outside the vocabulary."""
-    bias = params.logit_bias
-    if not bias:
-        return logits
-    vocab = logits.shape[-1]
-    if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
-        raise ValueError(f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})")
-    # ids, values: [num_biased]; ids are unique (SamplingParams checks)
-    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
-    logits = logits.clone()
-    logits[..., ids] += values
-    return logits
+        for i, (token, value, p) in enumerate(zip(tokens, chosen, plist))
+    )
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -182,11 +199,11 @@ def _processed(
     errors: dict[int, str] = {}
     if not rows:
         return logits, errors
-    logits = logits.clone()
+    logits = logits.float().clone()
     vocab = logits.shape[-1]
     for r in rows:
         try:
-            logits[r] = process_logits(logits[r : r + 1], params[r], counts[r])[0]
+            process_logits_(logits[r : r + 1], params[r], counts[r])  # a view of the copy
         except ValueError as e:
             errors[r] = str(e)
             continue

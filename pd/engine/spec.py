@@ -103,7 +103,8 @@ def verify_row(
         tokens = _accept(processed, draft, params, generator)
     except (RuntimeError, ValueError) as e:  # as ``sample``: this request alone fails
         return SampledRow(-1, f"sampling failed: {e}")
-    lps = token_logprobs(processed, tokens, params) if params.logprobs is not None else ()
+    want = params.logprobs is not None  # row i is the position of tokens[i]
+    lps = token_logprobs(processed[: len(tokens)], tokens, params) if want else ()
     return SampledRow(tokens[-1], None, tuple(tokens[:-1]), lps)
 
 

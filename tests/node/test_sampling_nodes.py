@@ -53,6 +53,9 @@ def test_disaggregated_penalties_and_logprobs_equal_the_colocated_engine(
     p, d = make_pair()
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
         send_request(server, p, d, f"s{i}", prompt, params)
+    # the decode node knows the requests before the prefill node runs: otherwise the prefill
+    # node's "forget s2" (it ends at its first token) may overtake the server's message
+    run_until(server, (d,), lambda: d.count_unfinished() == len(PARAMS))
     run_until(server, (p, d), lambda: all(f"s{i}" in server.finished for i in range(3)))
     for i, (tokens, lps) in enumerate(want):
         rid = f"s{i}"
