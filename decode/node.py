@@ -15,7 +15,8 @@ The life of a request on a decode node (its scheduler is ``DecodeScheduler``):
    the message is in (``answer_held``): the order costs no retry. Then ``reserve``
    (``INCOMING``): the cached prefix is locked and not sent again, slots for the rest are
    reserved, or "no room" and the sender retries.
-3. The KV lands in those slots (``landed``); ``PrefilledMsg`` brings the first token ->
+3. The KV lands in those slots (``landed``); ``PrefilledMsg`` brings the first token (and
+   its logprobs, when the request asked for them) ->
    ``admit`` -> ``running``, and the first token goes to the server: from here on the request
    has started (before, the server may re-route it when a node dies).
 4. Decode, one token per step for the whole batch; every token goes to the server.
@@ -44,6 +45,7 @@ from pd.core.messages import (
 )
 from pd.core.request import ReqStatus
 from pd.engine.core import EngineCore, TransferCounters
+from pd.engine.sampler import skip_draws
 from pd.engine.scheduler import StepResult
 from pd.node import BaseRole, NodeParts
 from pd.node.links import PeerLinks, ServerLink
@@ -99,10 +101,14 @@ class DecodeRole(BaseRole):
         req = self.incoming.admit(msg.request_id, msg.first_token)
         if req is None:
             return  # aborted meanwhile: the abort freed (or will free) everything
+        skip_draws(req.generator, 1)  # the prefill node drew the first token
+        first_logprobs = [msg.first_logprobs] if msg.first_logprobs is not None else []
+        req.output_logprobs = list(first_logprobs)  # in step with output_ids
         self.server.send(
             TokenMsg(
                 request_id=msg.request_id,
                 token_ids=[msg.first_token],
+                logprobs=first_logprobs,
                 finished=False,
                 finish_reason=None,
                 num_prompt_tokens=req.num_prompt_tokens,

@@ -14,7 +14,8 @@ the request, whose status says where it is, its route and its transfer):
    ``KVSender`` asks the decode node chosen by the coordinator for slots (that handshake
    overlaps the forward), and sends each layer's KV as soon as the forward has written it, so
    by the time the first token is sampled most of the KV is already across.
-4. The first token is sampled. A request that ends there is answered to the server, released,
+4. The first token is sampled (its logprobs too, if asked for: they travel with it). A
+   request that ends there is answered to the server, released,
    its transfer aborted and its decode node told to forget it.
 5. ``SENDING``: when its transfer ends, ``_announce`` (the one place that does it) tells the
    decode node on success (``PrefilledMsg``: it streams the first token itself, so a request
@@ -203,6 +204,7 @@ class PrefillRole(BaseRole):
             request_id=rid,
             first_token=out.req.output_ids[0],
             num_cached_tokens=out.req.num_cached_tokens,
+            first_logprobs=out.req.output_logprobs[0] if out.req.output_logprobs else None,
         )
         self.parts.peers.send(out.route.decode_addr, first)
 

@@ -293,6 +293,7 @@ class ClusterClient:
                     event.finish_reason,
                     len(flight.prompt_ids),
                     num_cached,
+                    logprobs=event.logprobs,
                 )
                 if event.finished:
                     return

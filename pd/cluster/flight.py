@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cluster.room import RoomTicket
+from pd.core.messages import TokenLogprobsMsg
 from pd.core.request import checked_move
 from pd.core.sampling_params import SamplingParams
 
@@ -83,6 +85,7 @@ class FlightEvent(NamedTuple):
     finish_reason: str | None
     num_cached_tokens: int  # prompt tokens the prefill node had cached
     why: str  # a REROUTE's or an ERROR's reason
+    logprobs: Sequence[TokenLogprobsMsg] = ()  # one per token id, when asked for
 
     @classmethod
     def tokens(
@@ -91,8 +94,11 @@ class FlightEvent(NamedTuple):
         finished: bool,
         finish_reason: str | None,
         num_cached_tokens: int,
+        logprobs: Sequence[TokenLogprobsMsg] = (),
     ) -> FlightEvent:
-        return cls(EventKind.TOKENS, token_ids, finished, finish_reason, num_cached_tokens, "")
+        return cls(
+            EventKind.TOKENS, token_ids, finished, finish_reason, num_cached_tokens, "", logprobs
+        )
 
     @classmethod
     def reroute(cls, why: str) -> FlightEvent:

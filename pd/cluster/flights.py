@@ -173,7 +173,7 @@ class Flights:
             self._fail(flight, flight.out_of_reroutes(msg.error) if retried else msg.error)
             return
         event = FlightEvent.tokens(
-            msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens
+            msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens, msg.logprobs
         )
         flight.mailbox.put_nowait(event)  # first: the caller gets its tokens whatever follows
         self.coordinator.on_prefilled(wire)

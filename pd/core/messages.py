@@ -15,6 +15,17 @@ from pd.core.sampling_params import SamplingParams
 from transfer.endpoint import parse_endpoint
 
 
+class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's logprob and its request's ``logprobs`` most likely alternatives
+    (``top_ids[i]`` has ``top_logprobs[i]``, most likely first), all from the distribution it
+    was drawn from (``pd.engine.sampler.token_logprobs`` says which)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True, kw_only=True):
     """One change to a prefill node's RadixCache, replayable by the coordinator (PrefixIndex).
 
@@ -123,6 +134,7 @@ class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True, kw_only=True):
     request_id: str
     first_token: int
     num_cached_tokens: int
+    first_logprobs: TokenLogprobsMsg | None = None  # when the request asked for logprobs
 
 
 class AbortMsg(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
@@ -153,6 +165,7 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
     error: str | None = None
     node_id: str = ""
     can_retry: bool = False  # the error is its KV transfer's, not the request's own
+    logprobs: list[TokenLogprobsMsg] = []  # one per token id, when the request asked for them
 
 
 class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):

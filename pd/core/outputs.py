@@ -6,10 +6,10 @@ sees this interface, so the same HTTP layer serves either.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple, Protocol
 
-from pd.core.messages import NodeStatsMsg
+from pd.core.messages import NodeStatsMsg, TokenLogprobsMsg
 from pd.core.sampling_params import SamplingParams
 
 
@@ -23,6 +23,7 @@ class RequestOutput(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from a prefix cache
     error: str | None = None  # set when the request failed inside the engine (finished, "abort")
+    logprobs: Sequence[TokenLogprobsMsg] = ()  # one per new token id, when asked for
 
 
 class ClusterStats(NamedTuple):

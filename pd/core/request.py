@@ -20,8 +20,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from pd.core.messages import TokenLogprobsMsg
 from pd.core.sampling_params import SamplingParams
 
 
@@ -64,6 +65,11 @@ def checked_move(what: str, current: S, new: S, allowed: Mapping[S, frozenset[S]
     return new
 
 
+class NewOutputs(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobsMsg]  # one per token id when the request asked for logprobs
+
+
 @dataclass(eq=False)
 class Req:
     request_id: str
@@ -82,6 +88,9 @@ class Req:
     num_admissions: int = 0  # > 1: the request was retracted and resumed
     num_draft: int = -1  # speculative tokens it may draft now (-1: the scheduler's maximum)
     status: ReqStatus = ReqStatus.NEW  # changed only by set_status
+    # with ``params.logprobs`` set: one per output id, in step (else empty)
+    output_logprobs: list[TokenLogprobsMsg] = field(default_factory=list)
+    token_counts: Any = None  # what its penalties count (pd.engine.penalties); opaque here
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -104,12 +113,15 @@ class Req:
         else:
             self.finish_reason = "abort"
 
-    def take_new_outputs(self) -> list[int]:
+    def take_new_outputs(self) -> NewOutputs:
         """The outputs not yet reported to the caller (several after a speculative step whose
-        draft was accepted), now counted as reported."""
-        new = self.output_ids[len(self.output_ids) - self.num_new_outputs :]
+        draft was accepted) and their logprobs, now counted as reported."""
+        n = self.num_new_outputs
+        new = self.output_ids[len(self.output_ids) - n :]
+        logprobs = self.output_logprobs[len(self.output_logprobs) - n :] if n else []
+        assert not logprobs or len(logprobs) == n, (len(logprobs), n)
         self.num_new_outputs = 0
-        return new
+        return NewOutputs(new, logprobs)
 
     @property
     def all_ids(self) -> list[int]:

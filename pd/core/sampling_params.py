@@ -20,6 +20,8 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes int64 (and uint64); ke
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 # A safety net for decoded messages; the server's own (configurable) limit is far lower.
 MAX_LOGIT_BIAS_TOKENS = 1 << 18
+MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs: 0..20 (completions' logprobs: 0..5, the server's)
 
 LogitBias = tuple[tuple[int, float], ...]
 
@@ -30,7 +32,15 @@ class SamplingParams:
 
     ``logit_bias``: (token id, bias) pairs sorted by id, each bias added to that token's logit
     before sampling (greedy included). ``min_tokens``: until that many tokens are out, EOS (unless
-    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled (as vLLM)."""
+    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled (as vLLM).
+
+    Penalties (vLLM's definitions, greedy included; ``pd.engine.penalties``):
+    ``repetition_penalty`` r > 0 divides the positive logits and multiplies the negative ones of
+    every token seen in the prompt or the output; ``frequency_penalty`` f subtracts f x (times
+    the token is in the output); ``presence_penalty`` p subtracts p once from each token in the
+    output. ``min_p``: after the temperature, tokens whose probability is below min_p x the
+    top token's are dropped (sampled requests only: it never changes the argmax).
+    ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -43,6 +53,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: LogitBias = ()
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -58,6 +73,18 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, MAX_INT32)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
@@ -65,6 +92,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts (``pd.engine.penalties``)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

@@ -134,12 +134,14 @@ class Engine:
 
 
 def _output(req: Req) -> RequestOutput:
+    new = req.take_new_outputs()
     return RequestOutput(
         req.request_id,
-        req.take_new_outputs(),
+        new.token_ids,
         req.is_finished,
         req.finish_reason,
         req.num_prompt_tokens,
         req.num_cached_tokens,
         req.error,
+        new.logprobs,
     )

@@ -21,9 +21,10 @@ from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
 from pd.engine.graphs import DecodeGraphs
 from pd.engine.host_pool import HostKVPool, host_tier_slots
+from pd.engine.penalties import TokenCounts
 from pd.engine.rank_kv import RankKV, ShardedHostKVPool, StagingPool
 from pd.engine.sampler import SampledRow, sample
-from pd.engine.spec import verify
+from pd.engine.spec import verify_row
 from pd.engine.tensor_parallel import RankProcesses, TPGroup, threads_per_rank
 from pd.model import fixed_ops
 from pd.model.config import ModelConfig
@@ -289,8 +290,11 @@ class ModelRunner:
         follow request i, which then has 1 + len(drafts[i]) one-token rows in ``seqs`` (its
         last token, then each draft token); its row is ``spec.verify``'s verdict on them."""
         logits = self.forward(seqs, on_layer_done=on_layer_done)
+        vocab = logits.shape[-1]
+        counts = [TokenCounts.of(r, vocab) for r in reqs]  # None: no penalties
         if not any(drafts):
-            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
+            params, gens = [r.params for r in reqs], [r.generator for r in reqs]
+            return sample(logits, params, gens, banned, counts)
         verdicts: dict[int, SampledRow] = {}
         plain: list[int] = []  # the requests sampled as usual ...
         last_rows: list[int] = []  # ... and the logits row of each
@@ -298,7 +302,8 @@ class ModelRunner:
         for i, req in enumerate(reqs):
             draft = drafts[i] if i < len(drafts) else ()
             if draft:
-                verdicts[i] = _verify(logits[row : row + len(draft) + 1], draft, req)
+                rows = logits[row : row + len(draft) + 1]
+                verdicts[i] = verify_row(rows, draft, req.params, req.generator, counts[i])
             else:
                 plain.append(i)
                 last_rows.append(row)
@@ -309,14 +314,7 @@ class ModelRunner:
                 [reqs[i].params for i in plain],
                 [reqs[i].generator for i in plain],
                 [banned[i] for i in plain] if banned else (),
+                [counts[i] for i in plain],
             )
         )
         return [verdicts[i] if i in verdicts else next(sampled) for i in range(len(reqs))]
-
-
-def _verify(logits: torch.Tensor, draft: Sequence[int], req: Req) -> SampledRow:
-    try:
-        tokens = verify(logits, draft, req.params, req.generator)
-    except (RuntimeError, ValueError) as e:  # as ``sample``: this request alone fails
-        return SampledRow(-1, f"sampling failed: {e}")
-    return SampledRow(tokens[-1], None, tuple(tokens[:-1]))

@@ -1,5 +1,16 @@
 """Turn the last-token logits of a batch into next tokens, one SamplingParams per row.
 
+Each row goes through the same fixed steps, in vLLM's order:
+
+1. ``process_logits``, the per-request logits processing (greedy too): ``logit_bias`` added,
+   the penalties applied (``pd.engine.penalties``), then ``banned`` ids (min_tokens) set to
+   -inf (vLLM bans before the penalties: the same, a penalty keeps -inf at -inf). A later
+   per-request mask (a grammar's) joins here.
+2. Greedy: the argmax. Sampled: ``probs_from_logits``: divided by the temperature, cut by
+   min_p, top_k, then top_p; one draw (``draw``).
+3. With ``params.logprobs`` set, ``token_logprobs``: the log-softmax of step 1's logits
+   divided by the temperature (1 for greedy), before step 2's cuts.
+
 A row whose sampling fails (say, a distribution with no finite probability, or a logit_bias
 token outside the model's vocabulary) fails alone: its request gets the error, the other rows
 of the batch their tokens.
@@ -13,13 +24,20 @@ from typing import NamedTuple
 
 import torch
 
-from pd.core.sampling_params import SamplingParams
+from pd.core.messages import TokenLogprobsMsg
+from pd.core.sampling_params import MIN_TEMPERATURE, SamplingParams
+from pd.engine.penalties import TokenCounts, apply_penalties_
+
+# What a logprob of -inf (a banned token) is sent as: JSON has no infinity (vLLM sends the same)
+MIN_LOGPROB = -9999.0
 
 
 class SampledRow(NamedTuple):
     token: int  # -1 when ``error`` is set
     error: str | None = None
     accepted: tuple[int, ...] = ()  # draft tokens accepted before ``token`` (speculation)
+    # with ``params.logprobs`` set: one per token of (*accepted, token)
+    logprobs: tuple[TokenLogprobsMsg, ...] = ()
 
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:
@@ -31,58 +49,127 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
     return gen
 
 
+def skip_draws(gen: torch.Generator | None, num_tokens: int) -> None:
+    """Advance ``gen`` past the draws of ``num_tokens`` tokens sampled elsewhere (a decode
+    node's copy of a request, past the first token its prefill node drew): one draw a token
+    (``draw``), so a seeded request draws the same stream as in one engine."""
+    if gen is not None:
+        for _ in range(num_tokens):
+            torch.rand(1, generator=gen, dtype=torch.float64)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned: Sequence[frozenset[int]] = (),
+    counts: Sequence[TokenCounts | None] = (),
 ) -> list[SampledRow]:
     """logits: [R, vocab] float32 -> R sampled rows; ``banned[r]``: ids row r must not sample
-    (e.g. EOS before ``min_tokens``)."""
-    logits, bias_errors = _apply_logit_bias(logits, params)
-    if any(banned):
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for r, ids in enumerate(banned):
-            if ids:
-                logits[r, [t for t in ids if t < vocab]] = float("-inf")
+    (e.g. EOS before ``min_tokens``); ``counts[r]``: row r's token counts, for its penalties
+    (None, or no entry: it has none)."""
+    logits, errors = _processed(logits, params, banned, counts)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for r, p in enumerate(params):
-        if r in bias_errors:
-            out.append(SampledRow(-1, bias_errors[r]))
-        elif p.is_greedy:
-            out.append(SampledRow(greedy[r]))
-        else:
-            try:
-                out.append(SampledRow(_sample_row(logits[r], p, generators[r])))
-            except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
-                out.append(SampledRow(-1, f"sampling failed: {e}"))
+        if r in errors:
+            out.append(SampledRow(-1, errors[r]))
+            continue
+        try:
+            token = greedy[r] if p.is_greedy else _sample_row(logits[r], p, generators[r])
+        except (RuntimeError, ValueError) as e:  # e.g. no finite probability left
+            out.append(SampledRow(-1, f"sampling failed: {e}"))
+            continue
+        out.append(SampledRow(token))
+    # the rows that asked for logprobs, in one call: a few ops for the batch, not a few a row
+    want = [r for r, row in enumerate(out) if row.error is None and params[r].logprobs is not None]
+    if want:
+        lps = token_logprobs(logits[want], [out[r].token for r in want], [params[r] for r in want])
+        for r, lp in zip(want, lps):
+            out[r] = out[r]._replace(logprobs=(lp,))
     return out
 
 
-def add_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., vocab] with ``params.logit_bias`` added to every row: a copy, or the same
-    tensor when there is no bias. Raises ValueError for a biased token outside the vocabulary."""
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: TokenCounts | None = None,
+    draft: Sequence[int] = (),
+) -> torch.Tensor:
+    """The per-request logits processing of one request's rows (step 1 of the module
+    docstring, less ``banned``): logits [len(draft) + 1, vocab] -> a float32 copy with
+    ``logit_bias`` added and the penalties applied, row i counting ``draft[:i]`` as output
+    (what speculative verification needs: each position as if the draft before it was
+    accepted). Raises ValueError for a biased token outside the vocabulary."""
+    out = logits.float().clone()
+    process_logits_(out, params, counts, draft)
+    return out
+
+
+def process_logits_(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: TokenCounts | None = None,
+    draft: Sequence[int] = (),
+) -> None:
+    """``process_logits`` in place, on float32 logits the caller owns (a batch's copy): no
+    tensor of the vocabulary's size is made. ValueError, logits untouched, for a biased token
+    outside the vocabulary."""
     bias = params.logit_bias
-    if not bias:
-        return logits
-    vocab = logits.shape[-1]
-    if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
-        raise ValueError(f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})")
-    # ids, values: [num_biased]; ids are unique (SamplingParams checks)
-    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
-    logits = logits.clone()
-    logits[..., ids] += values
-    return logits
+    if bias:
+        vocab = logits.shape[-1]
+        if bias[-1][0] >= vocab:  # sorted by token id: the last is the largest
+            raise ValueError(f"logit_bias token {bias[-1][0]} outside the vocabulary [0, {vocab})")
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+        logits[..., ids] += values
+    if counts is not None:
+        apply_penalties_(logits, *counts.rows(draft), params)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+    params: SamplingParams | Sequence[SamplingParams],
+) -> tuple[TokenLogprobsMsg, ...]:
+    """logits: [n, vocab], processed (``process_logits``) -> for each row i the logprob of
+    ``tokens[i]`` and the ``logprobs`` most likely tokens of row i's params (one params for
+    every row, or one each), under the distribution it was drawn from before the cuts:
+    log-softmax of logits / temperature (1 for greedy). Every op works row by row, so a row's
+    numbers do not depend on the others."""
+    num_rows = len(tokens)
+    plist = [params] * num_rows if isinstance(params, SamplingParams) else list(params)
+    temps = [p.temperature if p.temperature >= MIN_TEMPERATURE else 1.0 for p in plist]
+    # lp: [n, vocab]
+    lp = torch.log_softmax(logits.float().cpu() / torch.tensor(temps)[:, None], dim=-1)
+    chosen = lp[torch.arange(num_rows), torch.tensor(list(tokens))].tolist()
+    num_top = max(p.logprobs or 0 for p in plist)
+    top_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    top_lps: list[list[float]] = [[] for _ in range(num_rows)]
+    if num_top:
+        top = torch.topk(lp, num_top, dim=-1)  # sorted: each row's first k are its top k
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    return tuple(
+        TokenLogprobsMsg(
+            token,
+            max(value, MIN_LOGPROB),
+            top_ids[i][: p.logprobs or 0],
+            [max(v, MIN_LOGPROB) for v in top_lps[i][: p.logprobs or 0]],
+        )
+        for i, (token, value, p) in enumerate(zip(tokens, chosen, plist))
+    )
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [..., vocab] -> the distribution to sample from, [..., vocab] float32 on the CPU,
-    each row summing to 1: divided by the temperature, cut to the top_k logits, then to the
-    top_p mass. Not for greedy params (a zero temperature cannot divide)."""
+    each row summing to 1: divided by the temperature, cut to the tokens of at least min_p x
+    the top token's probability, to the top_k logits, then to the top_p mass (vLLM's order).
+    Not for greedy params (a zero temperature cannot divide)."""
     logits = logits.float().cpu() / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * params.min_p
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -97,21 +184,31 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
-def _apply_logit_bias(
-    logits: torch.Tensor, params: Sequence[SamplingParams]
+def _processed(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    banned: Sequence[frozenset[int]],
+    counts: Sequence[TokenCounts | None],
 ) -> tuple[torch.Tensor, dict[int, str]]:
-    """Logits with each row's logit_bias added (a copy, only when some row has one), and the
-    rows whose bias names a token outside the vocabulary."""
-    rows = [r for r, p in enumerate(params) if p.logit_bias]
+    """The batch's logits with each row processed (``process_logits``, then its ``banned`` ids
+    at -inf): a copy, only when some row needs it; and the rows whose logit_bias names a token
+    outside the vocabulary."""
+    banned = list(banned) + [frozenset()] * (len(params) - len(banned))
+    counts = list(counts) + [None] * (len(params) - len(counts))
+    rows = [r for r, p in enumerate(params) if p.logit_bias or banned[r] or counts[r] is not None]
     errors: dict[int, str] = {}
     if not rows:
         return logits, errors
-    logits = logits.clone()
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
     for r in rows:
         try:
-            logits[r] = add_logit_bias(logits[r], params[r])
+            process_logits_(logits[r : r + 1], params[r], counts[r])  # a view of the copy
         except ValueError as e:
             errors[r] = str(e)
+            continue
+        if banned[r]:
+            logits[r, [t for t in banned[r] if t < vocab]] = float("-inf")
     return logits, errors
 
 

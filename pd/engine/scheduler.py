@@ -308,8 +308,10 @@ class Scheduler:
                 self.fail(req, row.error)
                 failed.append(req)
                 continue
-            for token in (*row.accepted, row.token):
+            for j, token in enumerate((*row.accepted, row.token)):
                 req.output_ids.append(token)
+                if row.logprobs:
+                    req.output_logprobs.append(row.logprobs[j])
                 req.num_new_outputs += 1
                 reason = _finish_reason(req, token, self.eos_token_ids, self.max_model_len)
                 if reason is not None:

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.sampler import add_logit_bias, draw, probs_from_logits
+from pd.engine.penalties import TokenCounts
+from pd.engine.sampler import SampledRow, draw, probs_from_logits, process_logits, token_logprobs
 
 
 def propose(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -61,15 +62,18 @@ def verify(
     draft: Sequence[int],
     params: SamplingParams,
     generator: torch.Generator | None,
+    counts: TokenCounts | None = None,
 ) -> list[int]:
     """The tokens to append (1 to len(draft) + 1): the accepted prefix of ``draft``, then one
     token of the target's own (the correction at the first rejection, or the bonus token after
     a fully accepted draft).
 
     logits: [len(draft) + 1, vocab] float32; row i is the target's logits where draft[i] would
-    go, row len(draft) the position after the whole draft. ``params.logit_bias`` applies as in
-    ``sample``; ``sample``'s ``banned`` (min_tokens) does not, so a caller holds back
-    speculation until min_tokens is reached, and cuts the result at a stop token or max_tokens.
+    go, row len(draft) the position after the whole draft. ``params.logit_bias`` and the
+    penalties (``counts``: the request's token counts) apply as in ``sample``, row i's
+    penalties counting draft[:i] as output, as plain decoding would once they are accepted;
+    ``sample``'s ``banned`` (min_tokens) does not, so a caller holds back speculation until
+    min_tokens is reached, and cuts the result at a stop token or max_tokens.
 
     Greedy: draft[i] is accepted while it is row i's argmax. Sampled: position i's token is
     drawn from p_i exactly as ``sample`` draws it (``sampler.draw``: the inverse CDF at one
@@ -81,10 +85,48 @@ def verify(
     the same tokens with or without speculation, whatever was drafted. Raises RuntimeError or
     ValueError where ``sample`` would fail the row (e.g. no finite probability).
     """
+    return _accept(_processed(logits, draft, params, counts), draft, params, generator)
+
+
+def verify_row(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    counts: TokenCounts | None = None,
+) -> SampledRow:
+    """``verify``'s verdict as ``sample``'s row: the last token, the accepted draft before it,
+    and (with ``params.logprobs``) each appended token's logprobs, from its position's
+    processed logits; the row's error where ``sample`` would fail it."""
+    try:
+        processed = _processed(logits, draft, params, counts)
+        tokens = _accept(processed, draft, params, generator)
+    except (RuntimeError, ValueError) as e:  # as ``sample``: this request alone fails
+        return SampledRow(-1, f"sampling failed: {e}")
+    want = params.logprobs is not None  # row i is the position of tokens[i]
+    lps = token_logprobs(processed[: len(tokens)], tokens, params) if want else ()
+    return SampledRow(tokens[-1], None, tuple(tokens[:-1]), lps)
+
+
+def _processed(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    params: SamplingParams,
+    counts: TokenCounts | None,
+) -> torch.Tensor:
     num_draft = len(draft)
     assert logits.shape[0] == num_draft + 1, f"{logits.shape[0]} rows for {num_draft} drafts"
     assert all(0 <= t < logits.shape[-1] for t in draft), f"draft {draft} outside the vocabulary"
-    logits = add_logit_bias(logits, params)
+    return process_logits(logits, params, counts, draft)
+
+
+def _accept(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """``verify``'s rule on processed logits."""
     if params.is_greedy:
         best = logits.argmax(dim=-1).tolist()
         for i, t in enumerate(draft):

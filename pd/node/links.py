@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pd.core.messages import NodeMsg, ServerMsg, TokenMsg
+from pd.core.messages import NodeMsg, ServerMsg, TokenLogprobsMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
 from transfer.auth import AuthDrops, Opener, Sealer
@@ -141,12 +141,16 @@ class ServerLink:
         for msg in msgs:
             self.send(msg)
 
-    def report(self, req: Req, new_tokens: list[int]) -> None:
-        """``req``'s new tokens (and its end, if it ended)."""
+    def report(
+        self, req: Req, new_tokens: list[int], logprobs: list[TokenLogprobsMsg] | None = None
+    ) -> None:
+        """``req``'s new tokens, their logprobs if it asked for them (and its end, if it
+        ended)."""
         self.send(
             TokenMsg(
                 request_id=req.request_id,
                 token_ids=new_tokens,
+                logprobs=logprobs or [],
                 finished=req.is_finished,
                 finish_reason=req.finish_reason,
                 num_prompt_tokens=req.num_prompt_tokens,
@@ -178,7 +182,7 @@ class ServerLink:
         for req in result.failed:
             self.report_error(req.request_id, req.error or "failed")
         for req in result.produced:
-            self.report(req, req.take_new_outputs())
+            self.report(req, *req.take_new_outputs())
 
     def close(self) -> None:
         self._push.close(linger=0)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from pd.core.messages import TokenLogprobsMsg
 from pd.core.outputs import EngineClient, RequestOutput
 from pd.core.sampling_params import SamplingParams
 from pd.server.detokenizer import open_text_stream
@@ -27,6 +28,7 @@ class Step(NamedTuple):
     text: str  # text to emit (may be "" when the step only carries ids or the finish)
     token_ids: list[int]  # ids the engine produced in this step
     finish_reason: str | None  # set on the last step only
+    logprobs: Sequence[TokenLogprobsMsg] = ()  # one per token id, when the request asked
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Generation:
     arrival: float = field(default_factory=time.perf_counter)
     num_cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobsMsg] = field(default_factory=list)  # when asked for
     text: str = ""
     finish_reason: str | None = None
     num_prompt_tokens: int = field(init=False)
@@ -78,7 +81,8 @@ class Generation:
                     last_token = now
                 delta, num_kept = stream.step_each(out.new_token_ids, out.finished)
                 new_ids = out.new_token_ids[:num_kept]  # none past a stop string's last
-                self._add(out, new_ids)
+                new_logprobs = list(out.logprobs[:num_kept])
+                self._add(out, new_ids, new_logprobs)
                 engine_done = out.finished
                 self.text += delta.text
                 if delta.stop_str is not None:
@@ -87,10 +91,10 @@ class Generation:
                     self.finish_reason = out.finish_reason or "stop"
                 if self.finish_reason is not None:
                     outcome = self.finish_reason
-                    yield Step(delta.text, new_ids, self.finish_reason)
+                    yield Step(delta.text, new_ids, self.finish_reason, new_logprobs)
                     return
                 if delta.text or new_ids:
-                    yield Step(delta.text, new_ids, None)
+                    yield Step(delta.text, new_ids, None, new_logprobs)
             outcome = "error"
             raise RuntimeError(
                 f"engine stream of {self.request_id} ended without a finished output"
@@ -119,11 +123,14 @@ class Generation:
                 finished=time.perf_counter(),
             )
 
-    def _add(self, out: RequestOutput, new_ids: Sequence[int]) -> None:
+    def _add(
+        self, out: RequestOutput, new_ids: Sequence[int], logprobs: Sequence[TokenLogprobsMsg]
+    ) -> None:
         assert out.request_id == self.request_id, (out.request_id, self.request_id)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.output_ids.extend(new_ids)
+        self.output_logprobs.extend(logprobs)
         if self.on_tokens is not None:
             self.on_tokens(len(new_ids))
 

@@ -3,9 +3,10 @@
 Requests are strict (no "16" for 16, no NaN) so a wrong type is a 400, not a silent coercion.
 Every field is one of three kinds, and anything else is refused with a 400 that names it:
 
-- implemented (``temperature``, ``stop``, ``logit_bias``, ``cache_salt``, ...);
+- implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
+  ``logprobs``, ``cache_salt``, ...);
 - accepted only at its neutral value (``neutral_values``: ``n=1``, ``best_of=1``,
-  ``repetition_penalty=1``, ...), because common clients send it at that value;
+  ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
 """
 
@@ -16,8 +17,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from pd.core.sampling_params import MAX_INT32, MAX_SEED
+from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED
 from pd.server.errors import APIError
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
 
 __all__ = [
     "APIError",
@@ -64,18 +67,14 @@ class _SamplerFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (0.0,),
-        "frequency_penalty": (0.0,),
-        "repetition_penalty": (1.0,),
-        "min_p": (0.0,),
         "skip_special_tokens": (True,),
         "spaces_between_special_tokens": (True,),
     }
@@ -101,6 +100,10 @@ class _SamplerFields(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
         )
 
 
@@ -150,17 +153,29 @@ class CompletionRequest(_OpenAIFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default; null = rest of context
     echo: bool = False
-    logprobs: int | None = None
+    # the sampled token's logprob and this many alternatives (OpenAI's legacy range: 0..5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIFields.neutral_values,
         "echo": (False,),
-        "logprobs": (None,),
         "best_of": (None, 1),
         "suffix": (None, ""),
     }
+
+    def check_supported(self) -> None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                "echo=true with logprobs is not supported: it needs the prompt's logprobs, and "
+                "pd never runs a cached prompt prefix through the model again, so it has none",
+                param="echo",
+            )
+        super().check_supported()
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return {**super().sampling_kwargs(), "logprobs": self.logprobs}
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -206,7 +221,7 @@ class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools
@@ -214,12 +229,21 @@ class ChatCompletionRequest(_OpenAIFields):
 
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIFields.neutral_values,
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
         "tools": (None, []),
         "tool_choice": (None, "none", "auto"),
         "response_format": (None, {"type": "text"}),
     }
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise APIError(
+                f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs"
+            )
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return {**super().sampling_kwargs(), "logprobs": logprobs}
 
     @property
     def requested_max_tokens(self) -> int | None:

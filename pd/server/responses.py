@@ -32,11 +32,37 @@ def _now() -> int:
     return int(time.time())
 
 
+class TopLogprob(BaseModel):
+    """A token of a chat answer's logprobs (OpenAI's shape): its text, as UTF-8 bytes too."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' logprobs: one entry per token in each list (OpenAI's shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -57,7 +83,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -83,7 +109,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

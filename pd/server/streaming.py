@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from pd.server.errors import APIError, internal_error
-from pd.server.generation import Generation
+from pd.server.generation import Generation, Step
 from pd.server.stream_buffer import StreamBytes, StreamPipe
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ async def anext_or_none(it: AsyncIterator[T]) -> T | None:
 
 async def sse_steps(
     gen: Generation,
-    make_chunk: Callable[[str, list[int], str | None], BaseModel | None],
+    make_chunk: Callable[[Step], BaseModel | None],
     usage_chunk: Callable[[], BaseModel] | None,
     first: BaseModel | None,
     deadline: float,
@@ -180,7 +180,7 @@ async def sse_steps(
                     raise DeadlineExceeded()
                 if step is None:
                     break
-                chunk = make_chunk(*step)
+                chunk = make_chunk(step)
                 if chunk is not None:
                     yield sse_event(chunk)
         if usage_chunk is not None:

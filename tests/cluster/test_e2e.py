@@ -14,8 +14,10 @@ import httpx
 import openai
 import pytest
 
+from pd.core.sampling_params import SamplingParams
 from pd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from tests.cluster.conftest import LiveCluster, wait_idle_and_check
+from tests.engine.test_sampling_engine import _ref_greedy, _reference
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -104,6 +106,45 @@ def test_streaming_equals_non_streaming(live):
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == chat.choices[0].message.content
+
+
+def test_penalties_and_logprobs_equal_hf_streamed_and_not(live, smollm2_dir, tokenizer):
+    """The first token and its logprobs from the prefill node, the rest from the decode node
+    (speculatively in 2p1d): HF's greedy answer under vLLM's penalties, logprobs within 1e-3
+    of HF's, the same streamed."""
+    client = _client(live)
+    prompt_ids = encode_prompt(tokenizer, RAW_PROMPTS[1])
+    penalties = {"frequency_penalty": 0.8, "presence_penalty": 0.3}
+    params = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.2, **penalties)
+    want = _ref_greedy(smollm2_dir, prompt_ids, params, 12)
+    ref = _reference(smollm2_dir, prompt_ids, want, params)
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0, logprobs=2, **penalties
+    )
+    kw["extra_body"] = {"repetition_penalty": 1.2}
+    full = client.completions.create(**kw).choices[0].logprobs
+    assert full is not None and full.tokens == [tokenizer.decode([t]) for t in want]
+    errors = [abs(v - float(ref[i, t])) for i, (v, t) in enumerate(zip(full.token_logprobs, want))]
+    assert max(errors) < 1e-3, errors
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [v for s in streamed for v in s.token_logprobs] == full.token_logprobs
+    assert [t for s in streamed for t in s.top_logprobs] == full.top_logprobs
+
+    messages: Any = [{"role": "user", "content": "Name a fruit."}]
+    chat_kw: dict[str, Any] = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    chat_kw.update(logprobs=True, top_logprobs=3, **penalties)
+    chat = client.chat.completions.create(**chat_kw)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    stream = client.chat.completions.create(stream=True, **chat_kw)
+    entries = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in content]
 
 
 def test_32_concurrent_requests_complete_correctly(live, smollm2_dir, tokenizer):

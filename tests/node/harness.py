@@ -16,6 +16,7 @@ from pd.core.messages import (
     NodeStatsMsg,
     PrefillReqMsg,
     ServerMsg,
+    TokenLogprobsMsg,
     TokenMsg,
 )
 from pd.core.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class Server:
     addr: str
     push: dict[str, tuple[zmq.Socket[Any], Sealer]] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobsMsg]] = field(default_factory=dict)
     finished: dict[str, TokenMsg] = field(default_factory=dict)
     events: list[CacheEventMsg] = field(default_factory=list)
     stats: dict[str, NodeStatsMsg] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class Server:
             msg = decoder.decode(raw)
             if isinstance(msg, TokenMsg):
                 self.tokens.setdefault(msg.request_id, []).extend(msg.token_ids)
+                self.logprobs.setdefault(msg.request_id, []).extend(msg.logprobs)
                 self.senders.setdefault(msg.request_id, []).append(msg.node_id)
                 if msg.finished:
                     self.finished[msg.request_id] = msg

@@ -200,7 +200,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("stop list of int", "/v1/completions", {"prompt": "a", "stop": ["x", 3]}, 400, "stop"),
     ("empty stop", "/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
-    ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 1}, 400, "logprobs"),
+    ("logprobs 6", "/v1/completions", {"prompt": "a", "logprobs": 6}, 400, "logprobs"),
     ("chat no messages", "/v1/chat/completions", {}, 400, "messages"),
     ("chat empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "a"}]}, 400, "messages"),

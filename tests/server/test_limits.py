@@ -64,12 +64,19 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("unknown field", _C, {"prompt": "a", "foo": 1}, 400, "foo"),
     ("unknown nested field", _GEN, {"text": "a", "sampling_params": {"mirostat": 1}}, 400, "sampling_params"),
     ("min_tokens over max_tokens", _C, {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
-    ("repetition_penalty 1.2", _C, {"prompt": "a", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
-    ("presence_penalty 0.5", _CHAT, {"messages": _MSGS, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("frequency_penalty 1", _GEN, {"text": "a", "sampling_params": {"frequency_penalty": 1}}, 400, "frequency_penalty"),
-    ("min_p 0.1", _C, {"prompt": "a", "min_p": 0.1}, 400, "min_p"),
+    ("repetition_penalty 0", _C, {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("repetition_penalty -1", _CHAT, {"messages": _MSGS, "repetition_penalty": -1.0}, 400, "repetition_penalty"),
+    ("presence_penalty 2.5", _CHAT, {"messages": _MSGS, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty -3", _GEN, {"text": "a", "sampling_params": {"frequency_penalty": -3}}, 400, "sampling_params"),
+    ("frequency_penalty 2.01", _C, {"prompt": "a", "frequency_penalty": 2.01}, 400, "frequency_penalty"),
+    ("min_p 1.5", _C, {"prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("min_p -0.1", _CHAT, {"messages": _MSGS, "min_p": -0.1}, 400, "min_p"),
     ("best_of 2", _C, {"prompt": "a", "best_of": 2}, 400, "best_of"),
-    ("top_logprobs 2", _CHAT, {"messages": _MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", _CHAT, {"messages": _MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs 21", _CHAT, {"messages": _MSGS, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("top_logprobs -1", _CHAT, {"messages": _MSGS, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("completions logprobs 6", _C, {"prompt": "a", "logprobs": 6}, 400, "logprobs"),
+    ("completions echo with logprobs", _C, {"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
     ("response_format json", _CHAT, {"messages": _MSGS, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("tool_choice required", _CHAT, {"messages": _MSGS, "tool_choice": "required"}, 400, "tool_choice"),
     ("return_logprob", _GEN, {"text": "a", "return_logprob": True}, 400, "return_logprob"),
@@ -108,9 +115,14 @@ async def test_hostile_input_is_4xx_and_never_queued(
 
 async def test_refusals_name_the_field(make_app: MakeApp) -> None:
     app, _ = make_app()
-    r = await _post(app, _C, {"prompt": "a", "logit_bias": {"5": 101}, "repetition_penalty": 3})
+    r = await _post(app, _C, {"prompt": "a", "logit_bias": {"5": 101}, "best_of": 3})
     msg = r.json()["error"]["message"]
-    assert "repetition_penalty=3.0 is not supported (only repetition_penalty=1.0)" in msg
+    assert "best_of=3 is not supported (only best_of=null or best_of=1)" in msg
+    r = await _post(app, _C, {"prompt": "a", "echo": True, "logprobs": 2})
+    assert (
+        "pd never runs a cached prompt prefix through the model again"
+        in r.json()["error"]["message"]
+    )
     r = await _post(app, _C, {"prompt": "a", "frobnicate": True})
     assert "frobnicate: unknown field" in r.json()["error"]["message"]
     r = await _post(app, _C, {"prompt": "a", "max_tokens": 2**64})

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from pd.server.admission import AdmissionTicket
 from pd.server.auth import API_KEY_SCOPE
 from pd.server.errors import validation_error
-from pd.server.generation import Generation
+from pd.server.generation import Generation, Step
 from pd.server.key_limits import TOKEN_METER_SCOPE
 from pd.server.state import Prepared, ServerState
 from pd.server.streaming import ClientGone, sse_response, sse_steps
@@ -40,9 +40,7 @@ Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
 class Renderer(Protocol):
     """An endpoint's response shapes."""
 
-    def chunk(
-        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
-    ) -> BaseModel | None: ...
+    def chunk(self, gen: Generation, step: Step) -> BaseModel | None: ...
 
     def usage(self, gen: Generation) -> BaseModel: ...
 
@@ -91,7 +89,7 @@ async def serve_generation(
         if prep.stream:
             steps = sse_steps(
                 gen,
-                lambda text, ids, finish: render.chunk(gen, text, ids, finish),
+                lambda step: render.chunk(gen, step),
                 (lambda: render.usage(gen)) if prep.include_usage else None,
                 render.first(gen),
                 deadline,

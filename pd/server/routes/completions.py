@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from pd.server.generation import Generation
+from pd.core.messages import TokenLogprobsMsg
+from pd.server.generation import Generation, Step
+from pd.server.logprobs import chat_logprobs, completion_logprobs
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest
 from pd.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     Usage,
@@ -65,15 +70,19 @@ class _StreamRenderer:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
 
-    def _choice(self, text: str, finish_reason: str | None) -> Any:
+    def _choice(self, gen: Generation, text: str, finish_reason: str | None, logprobs: Any) -> Any:
         raise NotImplementedError
 
-    def chunk(
-        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
-    ) -> BaseModel | None:
-        if not text and finish_reason is None:
+    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> Any:
+        raise NotImplementedError
+
+    def chunk(self, gen: Generation, step: Step) -> BaseModel | None:
+        """A step's chunk: its text, and its tokens' logprobs when asked for (a step whose
+        tokens make no text yet still carries them)."""
+        if not step.text and step.finish_reason is None and not step.logprobs:
             return None
-        choice = self._choice(text, finish_reason)
+        logprobs = self._logprobs(gen, step.logprobs) if gen.params.logprobs is not None else None
+        choice = self._choice(gen, step.text, step.finish_reason, logprobs)
         return self.chunk_model(id=gen.request_id, model=self.model_name, choices=[choice])
 
     def usage(self, gen: Generation) -> BaseModel:
@@ -85,14 +94,31 @@ class _StreamRenderer:
 class CompletionRenderer(_StreamRenderer):
     chunk_model = CompletionResponse
 
-    def _choice(self, text: str, finish_reason: str | None) -> CompletionChoice:
-        return CompletionChoice(text=text, finish_reason=finish_reason)
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
+        self._text_offset = 0  # where the next chunk's tokens start (``text_offset``)
+
+    def _choice(
+        self,
+        gen: Generation,
+        text: str,
+        finish_reason: str | None,
+        logprobs: CompletionLogprobs | None,
+    ) -> CompletionChoice:
+        return CompletionChoice(text=text, finish_reason=finish_reason, logprobs=logprobs)
+
+    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> CompletionLogprobs:
+        out = completion_logprobs(gen.tokenizer, lps, self._text_offset)
+        self._text_offset += sum(len(t) for t in out.tokens)
+        return out
 
     def first(self, gen: Generation) -> BaseModel | None:
         return None
 
     def final(self, gen: Generation) -> BaseModel:
-        choice = self._choice(gen.text, gen.finish_reason)
+        want = gen.params.logprobs is not None
+        logprobs = self._logprobs(gen, gen.output_logprobs) if want else None
+        choice = self._choice(gen, gen.text, gen.finish_reason, logprobs)
         return CompletionResponse(
             id=gen.request_id, model=self.model_name, choices=[choice], usage=usage_of(gen)
         )
@@ -101,9 +127,14 @@ class CompletionRenderer(_StreamRenderer):
 class ChatRenderer(_StreamRenderer):
     chunk_model = ChatCompletionChunk
 
-    def _choice(self, text: str, finish_reason: str | None) -> ChatChunkChoice:
-        delta = DeltaMessage(content=text) if text else DeltaMessage()
-        return ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def _choice(
+        self, gen: Generation, text: str, finish_reason: str | None, logprobs: ChatLogprobs | None
+    ) -> ChatChunkChoice:
+        delta = DeltaMessage(content=text) if text or logprobs else DeltaMessage()
+        return ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+
+    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> ChatLogprobs:
+        return chat_logprobs(gen.tokenizer, lps)
 
     def first(self, gen: Generation) -> BaseModel | None:
         role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
@@ -111,7 +142,9 @@ class ChatRenderer(_StreamRenderer):
 
     def final(self, gen: Generation) -> BaseModel:
         message = ChatMessageOut(content=gen.text)
-        choice = ChatChoice(message=message, finish_reason=gen.finish_reason)
+        want = gen.params.logprobs is not None
+        logprobs = chat_logprobs(gen.tokenizer, gen.output_logprobs) if want else None
+        choice = ChatChoice(message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
         return ChatCompletionResponse(
             id=gen.request_id, model=self.model_name, choices=[choice], usage=usage_of(gen)
         )

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pd.server.errors import APIError
-from pd.server.generation import Generation
+from pd.server.generation import Generation, Step
 from pd.server.protocol import GenerateRequest
 from pd.server.responses import GenerateResponse
 from pd.server.routes.common import json_body, parse_body, serve_generation
@@ -33,14 +33,12 @@ def prepare_generate(state: ServerState, body: bytes, api_key: str | None) -> Pr
 
 
 class GenerateRenderer:
-    def chunk(
-        self, gen: Generation, text: str, ids: list[int], finish_reason: str | None
-    ) -> GenerateResponse:
+    def chunk(self, gen: Generation, step: Step) -> GenerateResponse:
         return GenerateResponse(
             id=gen.request_id,
-            output_ids=ids,
-            text=text,
-            finish_reason=finish_reason,
+            output_ids=step.token_ids,
+            text=step.text,
+            finish_reason=step.finish_reason,
             prompt_tokens=gen.num_prompt_tokens,
             completion_tokens=len(gen.output_ids),
             cached_tokens=gen.num_cached_tokens,
@@ -53,7 +51,7 @@ class GenerateRenderer:
         return None
 
     def final(self, gen: Generation) -> GenerateResponse:
-        return self.chunk(gen, gen.text, gen.output_ids, gen.finish_reason)
+        return self.chunk(gen, Step(gen.text, gen.output_ids, gen.finish_reason))
 
 
 @router.post("/generate", response_model=GenerateResponse, openapi_extra=json_body(GenerateRequest))
