@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -62,6 +63,8 @@ class TensorParallelError(RuntimeError):
 
 _GROUPS: dict[int, TPGroup] = {}
 _JOIN_TIMEOUT_S = 120.0
+RANK_BEAT_S = 0.25  # a rank writes a byte to rank 0 this often ...
+RANK_SILENCE_S = 3.0  # ... and is taken for frozen after this long without one
 
 
 @torch.library.custom_op("pd_tp::all_reduce", mutates_args=())
@@ -331,28 +334,36 @@ class RankProcesses:
         self.store_dir = tempfile.mkdtemp(prefix="pd-tp-")  # 0700: this user's alone
         self._procs: list[subprocess.Popen[bytes]] = []
         self.plans: PlanWriter | None = None
+        self._beats: list[int] = []  # per rank: the read end of its heartbeat pipe
+        self._last_beat: list[float] = []
 
     def start(self) -> None:
         """Spawn every rank (they load their shards while rank 0 loads its own)."""
         fds = []
         for rank in range(1, self.size):
             read_fd, write_fd = os.pipe()
+            beat_r, beat_w = os.pipe()
+            os.set_blocking(beat_r, False)
             spec = {
                 "rank": rank,
                 "store_dir": self.store_dir,
                 "plan_fd": read_fd,
+                "beat_fd": beat_w,
                 "machine_nodes": self.machine_nodes,
                 "config": dataclasses.asdict(self.cfg),
             }
             self._procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", _RANK_MAIN, json.dumps(spec)],
-                    pass_fds=(read_fd,),
+                    pass_fds=(read_fd, beat_w),
                     preexec_fn=_die_with_parent,
                 )
             )
             os.close(read_fd)
+            os.close(beat_w)
             fds.append(write_fd)
+            self._beats.append(beat_r)
+            self._last_beat.append(time.monotonic())
         self.plans = PlanWriter(fds, self.cfg.tensor_parallel_timeout_s)
 
     @property
@@ -360,10 +371,21 @@ class RankProcesses:
         return [p.pid for p in self._procs]
 
     def check(self) -> None:
-        """Raise if a rank has exited."""
-        for rank, proc in enumerate(self._procs, start=1):
+        """Raise if a rank has exited, or has not beaten for ``RANK_SILENCE_S`` (frozen: an
+        idle node would otherwise find out only at its next sum)."""
+        now = time.monotonic()
+        for i, proc in enumerate(self._procs):
             if proc.poll() is not None:
-                raise TensorParallelError(f"rank {rank} exited with code {proc.returncode}")
+                raise TensorParallelError(f"rank {i + 1} exited with code {proc.returncode}")
+            try:
+                if os.read(self._beats[i], 4096):
+                    self._last_beat[i] = now
+            except BlockingIOError:
+                pass
+            if now - self._last_beat[i] > RANK_SILENCE_S:
+                raise TensorParallelError(
+                    f"rank {i + 1} silent for {now - self._last_beat[i]:.1f} s (frozen?)"
+                )
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.plans is not None:
@@ -378,6 +400,9 @@ class RankProcesses:
                 proc.kill()
                 proc.wait()
         self._procs = []
+        for fd in self._beats:
+            os.close(fd)
+        self._beats = []
         for name in os.listdir(self.store_dir):
             os.unlink(os.path.join(self.store_dir, name))
         os.rmdir(self.store_dir)
@@ -398,6 +423,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def _beat(fd: int) -> None:
+    """A rank's heartbeat to rank 0 (a frozen process beats no more)."""
+    try:
+        while True:
+            os.write(fd, b"\0")
+            time.sleep(RANK_BEAT_S)
+    except OSError:  # rank 0 is gone
+        return
+
+
 def main(argv: Sequence[str]) -> int:
     """A rank >= 1: build the shard, then run what rank 0 plans until it stops."""
     from pd.engine.config import EngineConfig
@@ -407,6 +442,8 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     fields = spec["config"]  # JSON has no tuples: a repeatable flag's values came as a list
     cfg = EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    # beating from the start: rank 0 counts a rank's silence from its spawn
+    threading.Thread(target=_beat, args=(spec["beat_fd"],), daemon=True).start()
     runner = ModelRunner(
         cfg, rank=spec["rank"], store_dir=spec["store_dir"], machine_nodes=spec["machine_nodes"]
     )

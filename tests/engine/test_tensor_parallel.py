@@ -155,3 +155,23 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
         time.sleep(0.05)
     assert not _alive(pid)
 
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_while_the_node_is_idle_is_found_by_its_silence(tiny_llama_dir: Path) -> None:
+    """No sum waits on an idle node: a frozen rank is found by its missing heartbeat (a byte
+    down a pipe every ``RANK_BEAT_S``), so a cluster's node goes down before work reaches it."""
+    from pd.engine.tensor_parallel import RANK_SILENCE_S
+
+    engine = _engine(tiny_llama_dir, 2)
+    (pid,) = engine.runner.ranks.pids
+    try:
+        engine.runner.check_ranks()  # beating
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(RANK_SILENCE_S + 0.5)
+        with pytest.raises(TensorParallelError, match="rank 1 silent for"):
+            engine.core.step()
+        assert engine.core.fatal_error is not None
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.runner.close()
