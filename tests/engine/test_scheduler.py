@@ -472,3 +472,21 @@ def test_decode_role_caches_a_transferred_prompt_when_it_is_admitted() -> None:
     assert batch.reqs[1].num_cached_tokens == 12
     assert sorted(_drain(s)) == ["a", "b"]
     _assert_idle_and_whole(s)
+
+
+@pytest.mark.parametrize("cls", [Scheduler, PrefillScheduler, DecodeScheduler])
+def test_waiting_is_ordered_by_priority_then_arrival_and_overtaking_is_bounded(cls) -> None:
+    """With one running place: a priority -1 request runs before earlier priority 0 ones, and
+    a stream of better priorities overtakes a waiting request MAX_OVERTAKES times at most."""
+    from pd.core.priority import MAX_OVERTAKES
+
+    s = _make_scheduler(cls, max_running=1, num_slots=4096)
+    for i, (rid, prio) in enumerate([("a", 0), ("b", 0), ("urgent", -1), ("c", 0)]):
+        s.add(_req(rid, 4, base=100 + 10 * i, priority=prio))
+    assert [r.request_id for r in s.waiting] == ["urgent", "a", "b", "c"]
+    s.waiting.clear()
+    s.add(_req("low", 4, priority=3))
+    for i in range(MAX_OVERTAKES + 5):
+        s.add(_req(f"hi{i}", 4, base=200 + 10 * i, priority=-1))
+    ids = [r.request_id for r in s.waiting]
+    assert ids.index("low") == MAX_OVERTAKES

@@ -160,3 +160,35 @@ async def test_a_keys_default_priority_comes_from_key_priority(make_app) -> None
         ServerConfig(api_key=(A,), key_priority=("nope=1",))
     with pytest.raises(ValueError, match="KEY=PRIORITY"):
         ServerConfig(api_key=(A,), key_priority=(f"{A}=high",))
+
+
+@pytest.mark.anyio
+async def test_the_coordinators_queue_for_room_serves_by_priority_then_arrival() -> None:
+    from pd.cluster.policy import NoCapacityError
+    from pd.cluster.room import RoomQueue, RoomTicket
+
+    room = RoomQueue()
+    free = [0]  # bookings the nodes have room for
+    order: list[str] = []
+
+    def book(name: str) -> str:
+        if not free[0]:
+            raise NoCapacityError("full")
+        free[0] -= 1
+        order.append(name)
+        return name
+
+    async def wait(name: str, priority: int) -> Any:
+        return await room.wait(lambda: book(name), 1e18, RoomTicket(), priority=priority)
+
+    tasks = []
+    for name, priority in [("a", 0), ("b", 0), ("urgent", -1), ("c", 0)]:
+        tasks.append(asyncio.ensure_future(wait(name, priority)))
+        await _settle()
+    assert room.num_waiting == 4 and order == []
+    for _ in range(4):  # room for one at a time
+        free[0] += 1
+        room.wake()
+        await _settle()
+    await asyncio.gather(*tasks)
+    assert order == ["urgent", "a", "b", "c"]
