@@ -36,6 +36,7 @@ from pd.server.state import Prepared, ServerState
 from pd.server.streaming import ClientGone, sse_response, sse_steps
 
 Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
+_INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loop (microseconds)
 
 
 class Renderer(Protocol):
@@ -99,7 +100,10 @@ async def serve_generation(
         state.metrics.client_gone.labels(where="body").inc()
         return Response(status_code=499)
     api_key = request.scope.get(API_KEY_SCOPE)
-    peek = await state.in_thread(peek_admission, body)
+    if len(body) <= _INLINE_PEEK_BYTES:
+        peek = peek_admission(body)
+    else:  # a big body takes a while to parse: off the event loop
+        peek = await state.in_thread(peek_admission, body)
     if peek.n > MAX_N:
         raise APIError(f"n={peek.n} choices, at most {MAX_N} in one request", param="n")
     num_choices = peek.n
