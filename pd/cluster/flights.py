@@ -101,8 +101,8 @@ class Flights:
         self._by_id.pop(flight.request_id, None)
 
     async def dispatch(self, flight: Flight) -> None:
-        """Book nodes for the next attempt, waiting in FIFO order while none has room (until
-        the deadline), and send the request to them."""
+        """Book nodes for the next attempt, waiting by priority then arrival while none has
+        room (until the deadline), and send the request to them."""
         if flight.status is FlightStatus.ABORTED:  # while re-routing: ABORT is next
             return
         wire = flight.begin_attempt()
@@ -115,6 +115,7 @@ class Flights:
                 flight.deadline,
                 flight.ticket,
                 first=flight.num_attempts > 1,  # a re-routed request came before those waiting
+                priority=p.priority,
             )
         except TimeoutError as e:
             limit = self.cfg.request_timeout_s

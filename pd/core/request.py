@@ -91,6 +91,7 @@ class Req:
     # with ``params.logprobs`` set: one per output id, in step (else empty)
     output_logprobs: list[TokenLogprobsMsg] = field(default_factory=list)
     token_counts: Any = None  # what its penalties count (pd.engine.penalties); opaque here
+    num_overtaken: int = 0  # later arrivals admitted ahead of it (pd.core.priority)
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -122,6 +123,10 @@ class Req:
         assert not logprobs or len(logprobs) == n, (len(logprobs), n)
         self.num_new_outputs = 0
         return NewOutputs(new, logprobs)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     @property
     def all_ids(self) -> list[int]:

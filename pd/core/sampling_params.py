@@ -40,7 +40,10 @@ class SamplingParams:
     the token is in the output); ``presence_penalty`` p subtracts p once from each token in the
     output. ``min_p``: after the temperature, tokens whose probability is below min_p x the
     top token's are dropped (sampled requests only: it never changes the argmax).
-    ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob."""
+    ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob.
+
+    ``priority`` is no sampling field but travels with them to every queue: vLLM's meaning
+    (lower runs first, default 0; ``pd.core.priority``)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -58,6 +61,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logprobs: int | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -83,6 +87,7 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_int("priority", self.priority, -MAX_INT32 - 1, MAX_INT32)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "stop", tuple(self.stop))

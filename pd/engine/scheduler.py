@@ -2,7 +2,8 @@
 
 The life of a request:
 
-1. ``waiting``: FIFO. Admitted when the running set has room and its KV is expected to fit:
+1. ``waiting``: in priority order, FIFO within one (``pd.core.priority``: lower
+   ``params.priority`` first, none overtaken more than ``MAX_OVERTAKES`` times). Admitted when the running set has room and its KV is expected to fit:
    the tokens it is expected to need (``SlotBudget.expected_len``: its prompt, plus
    ``new_token_ratio`` of what it is expected to generate: at least 512 tokens, or as many as
    it generated already, at most its max_tokens; less the cached prefix) must fit in free + evictable
@@ -50,6 +51,7 @@ from typing import Any, NamedTuple
 from pd.cache.base import BasePrefixCache
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
+from pd.core.priority import insert_ranked
 from pd.core.request import Req, ReqStatus
 from pd.engine.drafter import Drafter
 from pd.engine.sampler import SampledRow
@@ -164,7 +166,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         self.check_request(req)
         req.set_status(ReqStatus.WAITING)
-        self.waiting.append(req)
+        insert_ranked(self.waiting, req)
 
     def abort(self, request_id: str) -> Req | None:
         """Remove a request wherever it is; its slots go to the cache/pool. None if unknown."""

@@ -1,11 +1,16 @@
-"""Admission control: a limit on requests in flight and a bounded FIFO queue in front of it.
+"""Admission control: a limit on sequences in flight and a bounded queue in front of it.
 
 A request comes here once its whole body is in (``pd.server.routes.common``): a client that
-trickles its body never holds a place.
+trickles its body never holds a place. A request of ``n`` choices holds ``n`` places (its n
+sequences decode as n rows), all taken at once and given back together.
 
-1. A request arrives: a free place -> it is admitted at once (``AdmissionTicket``).
-2. No free place -> it waits in the queue, in arrival order; a full queue -> 429 at once.
-3. A finishing request hands its place straight to the oldest waiter (no polling).
+1. A request arrives: enough free places and nobody waiting -> it is admitted at once
+   (``AdmissionTicket``); more places than the server has -> 400.
+2. Else it waits in the queue, ordered by priority then arrival (``pd.core.priority``: none is
+   overtaken more than ``MAX_OVERTAKES`` times); a full queue -> 429 at once.
+3. Finishing requests hand their places straight to the head of the queue, as soon as enough
+   are free for it (no polling; nobody goes around the head, so a large ``n`` is not starved
+   by small ones).
 4. A waiter that leaves (its client disconnected: ``ServerState.admit`` watches) or reaches
    its deadline leaves the queue at once; if a place was handed to it in the same instant, it
    passes the place on.
@@ -17,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 
+from pd.core.priority import insert_ranked
 from pd.server.errors import APIError
 from pd.server.metrics import ServerMetrics
 
@@ -27,15 +32,27 @@ RETRY_AFTER_S = 1
 
 
 class AdmissionTicket:
-    """One admitted request's place; ``release()`` gives it back (idempotent)."""
+    """One admitted request's places; ``release()`` gives them back (idempotent)."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, num_places: int = 1) -> None:
         self._admission: Admission | None = admission
+        self.num_places = num_places
 
     def release(self) -> None:
         admission, self._admission = self._admission, None
         if admission is not None:
-            admission._release()
+            admission._release(self.num_places)
+
+
+class _Waiter:
+    """A request in the queue: True on ``fut`` when its places are handed to it, False when it
+    is refused."""
+
+    def __init__(self, priority: int, num_places: int) -> None:
+        self.priority = priority
+        self.num_places = num_places
+        self.num_overtaken = 0
+        self.fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
 
 class Admission:
@@ -45,8 +62,7 @@ class Admission:
         self.max_queued = max_queued
         self.metrics = metrics
         self.num_inflight = 0
-        # each waiter's future: True when a place is handed to it, False when it is refused
-        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self._waiters: list[_Waiter] = []  # in the order they will be admitted
         self._refusal: Callable[[], APIError] | None = None  # set by close()
         self._empty = asyncio.Event()
         self._empty.set()
@@ -59,20 +75,33 @@ class Admission:
     def is_empty(self) -> bool:
         return self.num_inflight == 0 and not self._waiters
 
-    def try_admit(self) -> AdmissionTicket | None:
-        """A place now, or None when the request would have to wait."""
-        if self.num_inflight < self.max_inflight and not self._waiters:
-            self.num_inflight += 1
+    def try_admit(self, num_places: int = 1) -> AdmissionTicket | None:
+        """``num_places`` now, or None when the request would have to wait."""
+        self._check_places(num_places)
+        if self.num_inflight + num_places <= self.max_inflight and not self._waiters:
+            self.num_inflight += num_places
             self._update_gauges()
-            return AdmissionTicket(self)
+            return AdmissionTicket(self, num_places)
         return None
 
-    async def admit(self, timeout_s: float) -> AdmissionTicket:
-        """A place, now or after waiting in line; 429 when the line is full, 504 when
-        ``timeout_s`` passes first, ``close``'s refusal once closed."""
+    def _check_places(self, num_places: int) -> None:
+        if num_places > self.max_inflight:
+            raise APIError(
+                f"n={num_places} choices need {num_places} admission places at once; this "
+                f"server has {self.max_inflight} (--max-inflight-requests)",
+                param="n",
+            )
+        assert num_places >= 1, num_places
+
+    async def admit(
+        self, timeout_s: float, num_places: int = 1, priority: int = 0
+    ) -> AdmissionTicket:
+        """``num_places`` places, now or after waiting in line (by ``priority``, lower first);
+        400 when the server has fewer, 429 when the line is full, 504 when ``timeout_s``
+        passes first, ``close``'s refusal once closed."""
         if self._refusal is not None:
             raise self._refusal()
-        if (ticket := self.try_admit()) is not None:
+        if (ticket := self.try_admit(num_places)) is not None:
             return ticket
         if len(self._waiters) >= self.max_queued:
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -85,20 +114,21 @@ class Admission:
                 code="server_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        waiter = _Waiter(priority, num_places)
+        fut = waiter.fut
+        insert_ranked(self._waiters, waiter)
         self._update_gauges()
         start = time.perf_counter()
         try:
             await asyncio.wait({fut}, timeout=max(timeout_s, 0.0))
         except BaseException:  # cancelled: the client left while waiting
             if not fut.done():
-                self._leave(fut)
+                self._leave(waiter)
             elif fut.result():
-                self._release()  # a place arrived as we were cancelled: pass it on
+                self._release(num_places)  # places arrived as we were cancelled: pass them on
             raise
         if not fut.done():
-            self._leave(fut)
+            self._leave(waiter)
             self.metrics.rejected.labels(reason="timeout").inc()
             raise APIError(
                 f"request timed out after {timeout_s:.1f} s waiting for admission",
@@ -110,32 +140,41 @@ class Admission:
             assert self._refusal is not None
             raise self._refusal()
         self.metrics.queue_wait.observe(time.perf_counter() - start)
-        return AdmissionTicket(self)
+        return AdmissionTicket(self, num_places)
 
     def close(self, refusal: Callable[[], APIError]) -> None:
         """Refuse every waiter, and every later request, with ``refusal()``."""
         self._refusal = refusal
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(False)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.fut.done():
+                waiter.fut.set_result(False)
         self._update_gauges()
 
-    def _release(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(True)  # the place moves to the waiter: num_inflight unchanged
-                self._update_gauges()
-                return
-        self.num_inflight -= 1
+    def _release(self, num_places: int) -> None:
+        self.num_inflight -= num_places
         assert self.num_inflight >= 0, self.num_inflight
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Places to the head of the queue while enough are free for it (the places move to
+        the waiter: num_inflight counts them at once)."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.fut.done():  # cancelled: it is leaving
+                self._waiters.pop(0)
+                continue
+            if self.num_inflight + head.num_places > self.max_inflight:
+                break
+            self._waiters.pop(0)
+            self.num_inflight += head.num_places
+            head.fut.set_result(True)
         self._update_gauges()
 
-    def _leave(self, fut: asyncio.Future[bool]) -> None:
-        fut.cancel()
-        self._waiters.remove(fut)
-        self._update_gauges()
+    def _leave(self, waiter: _Waiter) -> None:
+        waiter.fut.cancel()
+        self._waiters.remove(waiter)
+        self._hand_out()  # the head may have been what held the next ones back
 
     async def wait_empty(self) -> None:
         """Return once no place is held and nobody waits."""

@@ -35,6 +35,11 @@ class ServerConfig:
         "prompt + completion tokens one API key may use in any 60 s; past it, 429 with "
         "Retry-After (0: no limit)",
     )
+    key_priority: tuple[str, ...] = option(
+        (),
+        "KEY=PRIORITY: the default priority of API key KEY's requests (repeatable; an integer, "
+        "lower runs first, as vLLM's priority; a request's own priority wins; others: 0)",
+    )
     isolate_cache_per_key: bool = option(
         True,
         "with API keys: requests share cached prefixes (and see cached_tokens) only with "
@@ -112,6 +117,8 @@ class ServerConfig:
                     f"an API key must be non-empty printable ASCII without spaces or commas; "
                     f"got one of {len(key)} characters that is not"
                 )
+        object.__setattr__(self, "key_priority", tuple(self.key_priority))
+        self.key_priorities()  # raises on a bad entry
         object.__setattr__(self, "key_groups", tuple(tuple(p) for p in self.key_groups))
         groups: dict[str, str] = {}
         for key, group in self.key_groups:
@@ -153,3 +160,27 @@ class ServerConfig:
         for path in (self.ssl_certfile, self.ssl_keyfile):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"no such TLS file: {path}")
+
+    def key_priorities(self) -> dict[str, int]:
+        """``key_priority`` as API key -> default priority; ValueError for a malformed entry
+        or one that names no configured key (never echoing a key)."""
+        keys = {*self.api_key, *self.admin_api_key}
+        out: dict[str, int] = {}
+        for i, entry in enumerate(self.key_priority):
+            key, sep, value = entry.rpartition("=")
+            try:
+                priority = int(value)
+            except ValueError:
+                priority = None
+            if not sep or priority is None or not -(2**31) <= priority < 2**31:
+                raise ValueError(
+                    f"key_priority entry {i} must be KEY=PRIORITY with an integer priority "
+                    "in [-2^31, 2^31)"
+                )
+            if key not in keys:
+                raise ValueError(
+                    f"key_priority entry {i} names a key that is neither an api_key nor an "
+                    f"admin_api_key ({len(keys)} are configured)"
+                )
+            out[key] = priority
+        return out

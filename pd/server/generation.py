@@ -1,14 +1,17 @@
 """One request's run on the engine: outputs in, text steps out.
 
-Drives ``EngineClient.generate``, detokenizes, applies stop strings (aborting the engine side
-when one is hit), and records the request's metrics. Every exit path that leaves the engine
-still working on the request (stop string, client gone, error) aborts it.
+``Generation`` (one sequence) drives ``EngineClient.generate``, detokenizes, applies stop
+strings (aborting the engine side when one is hit), and records the sequence's metrics. Every
+exit path that leaves the engine still working on it (stop string, client gone, error) aborts
+it. ``Choices`` runs a request's ``n`` sequences (OpenAI's ``n``) and merges their steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -51,6 +54,7 @@ class Generation:
     finish_reason: str | None = None
     num_prompt_tokens: int = field(init=False)
     on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
+    count_prompt: bool = True  # False: on_tokens is told only the outputs (choices after the first)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)
@@ -66,7 +70,7 @@ class Generation:
         outputs: AsyncIterator[RequestOutput] | None = None
         self.metrics.running.inc()
         self.running.add(self.request_id)
-        if self.on_tokens is not None:
+        if self.on_tokens is not None and self.count_prompt:
             self.on_tokens(self.num_prompt_tokens)
         try:
             outputs = self.client.generate(
@@ -140,3 +144,82 @@ class Generation:
             pass
         assert self.finish_reason is not None
         return self.finish_reason
+
+
+class Choices:
+    """The ``n`` choices of one request: one ``Generation`` each, of the same prompt, decoded
+    as separate rows (choice i samples with ``seed + i`` when seeded: vLLM's rule).
+
+    1. Choice 0 starts alone. The engine puts a prompt into its prefix cache at its first token
+       (on the cluster, the prefill node's cache), so once choice 0's first step is out the
+       others start and match the prompt there: its KV is held once (the cache's page-aligned
+       part; only the last partial page is computed again per choice), never copied.
+    2. ``steps`` merges the choices' steps as they come, each with its choice's index.
+    3. Closing ``steps`` (or a choice failing) cancels every choice, which aborts it on the
+       engine (``Generation.steps``).
+    """
+
+    def __init__(self, request_id: str, gens: Sequence[Generation]) -> None:
+        assert gens, "a request has at least one choice"
+        self.request_id = request_id  # the response's id
+        self.gens = list(gens)
+        self.params = gens[0].params
+        self.tokenizer = gens[0].tokenizer
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.gens[0].num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The first choice's: the prompt is counted once (the others find it cached)."""
+        return self.gens[0].num_cached_tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(g.output_ids) for g in self.gens)
+
+    async def steps(self) -> AsyncIterator[tuple[int, Step]]:
+        """(choice index, step) until every choice has had its finishing step. Close it
+        (``aclosing``) when stopping early."""
+        if len(self.gens) == 1:
+            async with aclosing(self.gens[0].steps()) as steps:
+                async for step in steps:
+                    yield 0, step
+            return
+        queue: asyncio.Queue[tuple[int, Step | Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with aclosing(self.gens[i].steps()) as steps:
+                    async for step in steps:
+                        queue.put_nowait((i, step))
+            except Exception as e:  # handed to the reader, which fails the request
+                queue.put_nowait((i, e))
+                return
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(0))]
+        try:
+            num_done = 0
+            while num_done < len(self.gens):
+                i, item = await queue.get()
+                if item is None:
+                    num_done += 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if len(tasks) == 1:  # choice 0's first step: its prompt is cached now
+                    tasks += [asyncio.ensure_future(pump(j)) for j in range(1, len(self.gens))]
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self) -> None:
+        """Run every choice to its end."""
+        async with aclosing(self.steps()) as steps:
+            async for _ in steps:
+                pass
+        assert all(g.finish_reason is not None for g in self.gens)

@@ -2,7 +2,8 @@
 
 - requests in flight (``--max-inflight-per-key``): counted from the moment a request passes
   authentication until its response is over (queued for admission, streaming: all count), so
-  one key can neither take every admission place nor the whole queue;
+  one key can neither take every admission place nor the whole queue. A request of ``n``
+  choices counts ``n`` once its body says so (``WIDEN_SCOPE``), as n requests would;
 - tokens per minute (``--max-tokens-per-minute-per-key``): prompt tokens when the request
   starts on the engine, completion tokens as they come; a request is refused while the key's
   tokens of the last 60 s are at the limit (one admitted under it may take the key past it: a
@@ -29,6 +30,9 @@ from pd.server.metrics import ServerMetrics
 
 WINDOW_S = 60
 TOKEN_METER_SCOPE = "pd.token_meter"  # the ASGI scope entry: a Callable[[int], None]
+# the ASGI scope entry: a Callable[[int], None] that counts a request as that many in flight
+# (its n choices), or raises the 429 that refuses it
+WIDEN_SCOPE = "pd.key_widen"
 # the paths that generate (and so count); each answers one request with one response
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 
@@ -109,9 +113,27 @@ class KeyLimiter:
                 )
         self.num_inflight[key] = self.num_inflight.get(key, 0) + 1
 
-    def end(self, key: str) -> None:
-        """The request ``begin`` counted is over (exactly once per ``begin`` that passed)."""
-        n = self.num_inflight[key] - 1
+    def widen(self, key: str, num_choices: int) -> None:
+        """A request ``begin`` counted as one asks for ``num_choices``: count the rest, or
+        raise the 429 that refuses it (the one stays counted until ``end``)."""
+        extra = num_choices - 1
+        if not extra:
+            return
+        have = self.num_inflight[key] - 1  # the key's others
+        if self.max_inflight and have + num_choices > self.max_inflight:
+            raise rate_limited(
+                f"this request asks for n={num_choices} choices and this API key has {have} "
+                f"in flight besides; its limit is {self.max_inflight} in flight (each choice "
+                "counts); retry when some have finished, or ask for fewer",
+                "key_inflight_limit",
+                1,
+            )
+        self.num_inflight[key] += extra
+
+    def end(self, key: str, num_choices: int = 1) -> None:
+        """The request ``begin`` counted (and ``widen`` widened to ``num_choices``) is over
+        (exactly once per ``begin`` that passed)."""
+        n = self.num_inflight[key] - num_choices
         if n:
             self.num_inflight[key] = n
         else:
@@ -153,7 +175,19 @@ class KeyLimitMiddleware:
             await e.response()(scope, receive, send)
             return
         scope[TOKEN_METER_SCOPE] = lambda n: self.limiter.add_tokens(key, n)
+        held = [1]
+
+        def widen(num_choices: int) -> None:
+            assert held == [1], held  # once a request
+            try:
+                self.limiter.widen(key, num_choices)
+            except APIError:
+                self.metrics.rejected.labels(reason="key_inflight").inc()
+                raise
+            held[0] = num_choices
+
+        scope[WIDEN_SCOPE] = widen
         try:
             await self.app(scope, receive, send)
         finally:
-            self.limiter.end(key)
+            self.limiter.end(key, held[0])

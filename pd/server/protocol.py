@@ -4,8 +4,8 @@ Requests are strict (no "16" for 16, no NaN) so a wrong type is a 400, not a sil
 Every field is one of three kinds, and anything else is refused with a 400 that names it:
 
 - implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
-  ``logprobs``, ``cache_salt``, ...);
-- accepted only at its neutral value (``neutral_values``: ``n=1``, ``best_of=1``,
+  ``logprobs``, ``cache_salt``, ``n`` up to ``MAX_N``, ``priority``, ...);
+- accepted only at its neutral value (``neutral_values``: ``best_of=n``,
   ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
 """
@@ -21,6 +21,7 @@ from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SE
 from pd.server.errors import APIError
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
+MAX_N = 16  # choices one request may ask for
 
 __all__ = [
     "APIError",
@@ -112,7 +113,9 @@ class _OpenAIFields(_SamplerFields):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices, each sampled on its own (MAX_N at most)
+    # vLLM's: lower runs first; None: the API key's default (--key-priority), else 0
+    priority: int | None = Field(default=None, ge=-MAX_INT32 - 1, le=MAX_INT32)
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -123,16 +126,19 @@ class _OpenAIFields(_SamplerFields):
     store: bool | None = None
     service_tier: str | None = None
 
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_SamplerFields.neutral_values,
-        "n": (1,),
-    }
-
     def sampling_kwargs(self) -> dict[str, Any]:
         return {**super().sampling_kwargs(), "min_tokens": self.min_tokens}
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.n > MAX_N:
+            raise APIError(f"n={self.n} choices, at most {MAX_N} in one request", param="n")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise APIError(  # choice i samples with seed + i (vLLM's rule)
+                f"seed={self.seed} with n={self.n}: choice {self.n - 1} would use seed "
+                f"{self.seed + self.n - 1}, past the largest, {MAX_SEED}",
+                param="seed",
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise APIError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
@@ -161,7 +167,6 @@ class CompletionRequest(_OpenAIFields):
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIFields.neutral_values,
         "echo": (False,),
-        "best_of": (None, 1),
         "suffix": (None, ""),
     }
 
@@ -171,6 +176,12 @@ class CompletionRequest(_OpenAIFields):
                 "echo=true with logprobs is not supported: it needs the prompt's logprobs, and "
                 "pd never runs a cached prompt prefix through the model again, so it has none",
                 param="echo",
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(
+                f"best_of={self.best_of} with n={self.n} is not supported: pd returns every "
+                "choice it samples (best_of must equal n, or be left out)",
+                param="best_of",
             )
         super().check_supported()
 

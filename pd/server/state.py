@@ -8,6 +8,7 @@ event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -27,7 +28,7 @@ from pd.server.admission import Admission, AdmissionTicket
 from pd.server.auth import cache_namespace
 from pd.server.config import ServerConfig
 from pd.server.errors import APIError, internal_error
-from pd.server.generation import Generation
+from pd.server.generation import Choices, Generation
 from pd.server.metrics import ServerMetrics
 from pd.server.stream_buffer import StreamBytes
 from pd.server.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
@@ -48,6 +49,7 @@ class Prepared(NamedTuple):
     namespace: str
     stream: bool
     include_usage: bool = False
+    n: int = 1  # choices
 
 
 class ServerState:
@@ -77,6 +79,7 @@ class ServerState:
         self._parse_limiter = anyio.CapacityLimiter(config.num_parse_threads)
         self._is_shutting_down = False
         self._running: set[str] = set()  # ids of the requests running on the engine
+        self.key_priority = config.key_priorities()  # API key -> its requests' default priority
         # No token covers more characters than the longest one in the vocabulary, so a longer
         # text can never fit the context; refusing it spares its tokenization (seconds per MB).
         # Twice the bound, for tokenizers whose normalizer shortens text.
@@ -107,10 +110,13 @@ class ServerState:
             await self.client.abort(request_id)
         return False
 
-    async def admit(self, request: Request, timeout_s: float) -> AdmissionTicket:
-        """An admission place, once the request's body is in: 503 while the engine is not ready
-        or the server shuts down, 429 when the queue is full, 504 past ``timeout_s``;
-        ``ClientGone`` (counted) when the client disconnects while it waits."""
+    async def admit(
+        self, request: Request, timeout_s: float, num_places: int = 1, priority: int = 0
+    ) -> AdmissionTicket:
+        """``num_places`` admission places (a request's choices), once the request's body is
+        in, queued by ``priority``: 503 while the engine is not ready or the server shuts
+        down, 400 when the server has fewer places, 429 when the queue is full, 504 past
+        ``timeout_s``; ``ClientGone`` (counted) when the client disconnects while it waits."""
         if self._is_shutting_down:
             raise self._shutting_down()
         try:
@@ -120,10 +126,11 @@ class ServerState:
             ready = False
         if not ready:
             raise self._unavailable("not_ready", "engine_not_ready", "the engine is not ready")
-        if (ticket := self.admission.try_admit()) is not None:
+        if (ticket := self.admission.try_admit(num_places)) is not None:
             return ticket
+        waiting = self.admission.admit(timeout_s, num_places, priority)
         try:  # its own deadline bounds the wait
-            return await cancel_on_disconnect(request, self.admission.admit(timeout_s), None)
+            return await cancel_on_disconnect(request, waiting, None)
         except ClientGone:
             self.metrics.client_gone.labels(where="queued").inc()
             raise
@@ -132,19 +139,42 @@ class ServerState:
         """Run ``fn(*args)`` in a parse thread (a bounded pool)."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._parse_limiter)
 
-    def new_generation(self, prefix: str, prep: Prepared) -> Generation:
-        return Generation(
-            client=self.client,
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            prompt_ids=prep.prompt_ids,
-            params=prep.params,
-            tokenizer=self.tokenizer,
-            metrics=self.metrics,
-            namespace=prep.namespace,
-            running=self._running,
-        )
+    def priority_for(self, requested: int | None, api_key: str | None) -> int:
+        """A request's priority: its own, else its API key's default, else 0."""
+        if requested is not None:
+            return requested
+        return self.key_priority.get(api_key, 0) if api_key is not None else 0
 
-    async def run(self, request: Request, gen: Generation, deadline: float) -> Response | None:
+    def new_choices(
+        self, prefix: str, prep: Prepared, on_tokens: Callable[[int], None] | None = None
+    ) -> Choices:
+        """The request's ``prep.n`` choices: choice i seeded ``seed + i`` (vLLM's rule), its
+        engine id the response's id with ``-i`` (one choice: the response's id itself)."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        gens = []
+        for i in range(prep.n):
+            params = prep.params
+            if i and params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            gens.append(
+                Generation(
+                    client=self.client,
+                    request_id=request_id if prep.n == 1 else f"{request_id}-{i}",
+                    prompt_ids=prep.prompt_ids,
+                    params=params,
+                    tokenizer=self.tokenizer,
+                    metrics=self.metrics,
+                    namespace=prep.namespace,
+                    running=self._running,
+                    on_tokens=on_tokens,
+                    count_prompt=i == 0,  # the prompt counts once against a key's tokens
+                )
+            )
+        return Choices(request_id, gens)
+
+    async def run(
+        self, request: Request, gen: Generation | Choices, deadline: float
+    ) -> Response | None:
         """Run a non-streaming request; a Response only when there is nothing to answer with."""
         try:
             await cancel_on_disconnect(request, gen.run(), deadline - time.monotonic())
@@ -252,8 +282,10 @@ class ServerState:
         fields: Mapping[str, Any],
         max_tokens: int,
         logit_bias: Mapping[str, float] | None,
+        priority: int = 0,
     ) -> SamplingParams:
-        """``fields``: a request's ``sampling_kwargs()``; checked against the server's limits."""
+        """``fields``: a request's ``sampling_kwargs()``; checked against the server's limits.
+        ``priority``: ``priority_for``'s."""
         cfg = self.config
         stop, stop_ids = fields["stop"], fields["stop_token_ids"]
         if len(stop) > cfg.max_stop_strings:
@@ -274,7 +306,10 @@ class ServerState:
         self.check_ids(stop_ids, "stop_token_ids")
         try:
             return SamplingParams(
-                max_tokens=max_tokens, logit_bias=self._logit_bias(logit_bias), **fields
+                max_tokens=max_tokens,
+                logit_bias=self._logit_bias(logit_bias),
+                priority=priority,
+                **fields,
             )
         except ValueError as e:
             raise APIError(str(e)) from e

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from pd.server.errors import APIError, internal_error
-from pd.server.generation import Generation, Step
+from pd.server.generation import Choices, Step
 from pd.server.stream_buffer import StreamBytes, StreamPipe
 
 logger = logging.getLogger(__name__)
@@ -158,19 +158,20 @@ async def anext_or_none(it: AsyncIterator[T]) -> T | None:
 
 
 async def sse_steps(
-    gen: Generation,
-    make_chunk: Callable[[Step], BaseModel | None],
+    choices: Choices,
+    make_chunk: Callable[[int, Step], BaseModel | None],
     usage_chunk: Callable[[], BaseModel] | None,
     first: BaseModel | None,
     deadline: float,
     on_timeout: Callable[[], APIError],
 ) -> AsyncGenerator[str, None]:
-    """SSE lines of one request; an engine failure mid-stream becomes an error event, and so
-    does the deadline (``time.monotonic()``) passing."""
+    """SSE lines of one request (its choices' steps as they come, each chunk for one choice);
+    an engine failure mid-stream becomes an error event, and so does the deadline
+    (``time.monotonic()``) passing."""
     try:
         if first is not None:
             yield sse_event(first)
-        async with aclosing(gen.steps()) as steps:
+        async with aclosing(choices.steps()) as steps:
             while True:
                 # Only the wait is in the scope (never a yield): past the deadline it cancels
                 # the step, which aborts the engine request.
@@ -180,7 +181,7 @@ async def sse_steps(
                     raise DeadlineExceeded()
                 if step is None:
                     break
-                chunk = make_chunk(step)
+                chunk = make_chunk(*step)
                 if chunk is not None:
                     yield sse_event(chunk)
         if usage_chunk is not None:
@@ -188,6 +189,6 @@ async def sse_steps(
     except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
     except Exception as e:
-        logger.exception("stream %s failed", gen.request_id)
+        logger.exception("stream %s failed", choices.request_id)
         yield sse_event(internal_error(e).to_dict())
     yield _DONE

@@ -422,3 +422,45 @@ def test_speculative_decoding_streams_every_accepted_token_like_hf(live, smollm2
     time.sleep(0.5)  # node stats are published a few times a second
     after = sum(n.num_accepted_draft_tokens for n in cluster.client.stats().nodes)
     assert after - before >= 20, (before, after)  # it did speculate, and drafts were accepted
+
+
+def test_n_choices_share_one_prefill_node_and_equal_hf_greedy(
+    live, smollm2_dir, tokenizer, monkeypatch
+):
+    """n=3 greedy over the cluster: three identical choices equal to HF's greedy text,
+    streamed by index; every choice went to the same prefill node (the one that holds the
+    prompt), and usage counts the prompt once."""
+    coordinator = live.cluster.client.coordinator
+    prefill_of: dict[str, str] = {}
+    route = coordinator.route
+
+    def spy(request_id, prompt_ids, *args, **kwargs):
+        r = route(request_id, prompt_ids, *args, **kwargs)
+        prefill_of[request_id] = r.prefill
+        return r
+
+    monkeypatch.setattr(coordinator, "route", spy)
+    prompt = "Choices: " + " ".join(f"word{i}" for i in range(60))
+    prompt_ids = tokenizer.encode(prompt)
+    want_ids = hf_greedy(smollm2_dir, prompt_ids, 6)
+    want = tokenizer.decode(want_ids, skip_special_tokens=True)
+    client = _client(live)
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3)
+    assert [c.text for c in done.choices] == [want] * 3
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt_ids)
+    assert (
+        done.usage.completion_tokens
+        == sum(len(tokenizer.encode(c.text, add_special_tokens=False)) for c in done.choices)
+        or done.usage.completion_tokens == 18
+    )
+    nodes = {v for k, v in prefill_of.items() if k.startswith(done.id)}
+    assert len([k for k in prefill_of if k.startswith(done.id)]) == 3 and len(nodes) == 1, (
+        prefill_of
+    )
+    parts: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3, stream=True
+    ):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+    assert parts == {0: want, 1: want, 2: want}

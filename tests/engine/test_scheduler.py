@@ -529,3 +529,21 @@ def test_an_answer_that_outruns_its_expectation_is_expected_to_run_as_long_again
     long.fill_len = 5100
     assert s.slots.expected_len(long) == long.max_len == 100 + 8000 - 1  # max_tokens caps it
     assert s.slots.expected_len(_req("short", 100, max_tokens=30)) == 100 + 30 - 1
+
+
+@pytest.mark.parametrize("cls", [Scheduler, PrefillScheduler, DecodeScheduler])
+def test_waiting_is_ordered_by_priority_then_arrival_and_overtaking_is_bounded(cls) -> None:
+    """With one running place: a priority -1 request runs before earlier priority 0 ones, and
+    a stream of better priorities overtakes a waiting request MAX_OVERTAKES times at most."""
+    from pd.core.priority import MAX_OVERTAKES
+
+    s = _make_scheduler(cls, max_running=1, num_slots=4096)
+    for i, (rid, prio) in enumerate([("a", 0), ("b", 0), ("urgent", -1), ("c", 0)]):
+        s.add(_req(rid, 4, base=100 + 10 * i, priority=prio))
+    assert [r.request_id for r in s.waiting] == ["urgent", "a", "b", "c"]
+    s.waiting.clear()
+    s.add(_req("low", 4, priority=3))
+    for i in range(MAX_OVERTAKES + 5):
+        s.add(_req(f"hi{i}", 4, base=200 + 10 * i, priority=-1))
+    ids = [r.request_id for r in s.waiting]
+    assert ids.index("low") == MAX_OVERTAKES

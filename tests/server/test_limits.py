@@ -117,7 +117,7 @@ async def test_refusals_name_the_field(make_app: MakeApp) -> None:
     app, _ = make_app()
     r = await _post(app, _C, {"prompt": "a", "logit_bias": {"5": 101}, "best_of": 3})
     msg = r.json()["error"]["message"]
-    assert "best_of=3 is not supported (only best_of=null or best_of=1)" in msg
+    assert "best_of=3 with n=1 is not supported" in msg and "best_of must equal n" in msg
     r = await _post(app, _C, {"prompt": "a", "echo": True, "logprobs": 2})
     assert (
         "pd never runs a cached prompt prefix through the model again"
@@ -245,7 +245,7 @@ async def test_unexpected_errors_are_500_json(
     def broken(*_: Any) -> Any:
         raise KeyError("boom")
 
-    monkeypatch.setattr(app.state.server, "new_generation", broken)
+    monkeypatch.setattr(app.state.server, "new_choices", broken)
     err = assert_openai_error(await _post(app, _C, {"prompt": "a"}), 500)
     assert err["type"] == "server_error" and "boom" in err["message"]
     assert app.state.server.admission.num_inflight == 0  # its place came back

@@ -47,8 +47,8 @@ def test_openai_client_completions_and_chat(make_app: MakeApp) -> None:
 
         from openai import BadRequestError, NotFoundError
 
-        with pytest.raises(BadRequestError, match="n=1"):
-            client.completions.create(model=MODEL_NAME, prompt="Hi", n=2)
+        with pytest.raises(BadRequestError, match="n=17 choices, at most 16"):
+            client.completions.create(model=MODEL_NAME, prompt="Hi", n=17)
         with pytest.raises(NotFoundError):
             client.completions.create(model="other", prompt="Hi")
     assert fake.aborted == [] and len(fake.finished) == 4

@@ -3,7 +3,9 @@
 1. the body, read under the size cap (413) and the body-read deadline (408, the connection
    closed; both by the middleware), before admission: a slow body never holds a place;
 2. admission (503 while the engine is not ready or the server shuts down, 429 when full, a
-   queue in between, left at once when the client disconnects);
+   queue in between ordered by priority, left at once when the client disconnects): a request
+   of ``n`` choices takes ``n`` places, and counts ``n`` against its key's requests in flight
+   (``peek_admission``: read from the body before it is fully parsed);
 3. parsing, checking, templating and tokenizing in a parse thread (``prepare``; 4xx);
 4. the engine run, bounded by the request's deadline (504, or an error event on a stream);
    each write of the response is bounded too (``WriteTimeoutMiddleware``).
@@ -23,30 +25,51 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
 from pd.server.admission import AdmissionTicket
 from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import validation_error
-from pd.server.generation import Generation, Step
-from pd.server.key_limits import TOKEN_METER_SCOPE
+from pd.server.errors import APIError, validation_error
+from pd.server.generation import Choices, Step
+from pd.server.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
+from pd.server.protocol import MAX_N
 from pd.server.state import Prepared, ServerState
 from pd.server.streaming import ClientGone, sse_response, sse_steps
 
 Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
+_INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loop (microseconds)
 
 
 class Renderer(Protocol):
     """An endpoint's response shapes."""
 
-    def chunk(self, gen: Generation, step: Step) -> BaseModel | None: ...
+    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None: ...
 
-    def usage(self, gen: Generation) -> BaseModel: ...
+    def usage(self, choices: Choices) -> BaseModel: ...
 
-    def first(self, gen: Generation) -> BaseModel | None: ...
+    def first(self, choices: Choices) -> BaseModel | None: ...
 
-    def final(self, gen: Generation) -> BaseModel: ...
+    def final(self, choices: Choices) -> BaseModel: ...
+
+
+class _AdmissionFields(BaseModel):
+    """What admission needs of a body (the rest is parsed after it): any other shape parses
+    as the defaults here, and the full parse answers it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    n: int = 1
+    priority: int | None = None
+
+
+def peek_admission(body: bytes) -> _AdmissionFields:
+    try:
+        fields = _AdmissionFields.model_validate_json(body)
+    except ValidationError:
+        return _AdmissionFields()
+    if fields.n < 1:  # refused by the full parse
+        fields.n = 1
+    return fields
 
 
 def server_state(request: Request) -> ServerState:
@@ -78,20 +101,37 @@ async def serve_generation(
     except ClientDisconnect:
         state.metrics.client_gone.labels(where="body").inc()
         return Response(status_code=499)
+    api_key = request.scope.get(API_KEY_SCOPE)
+    if len(body) <= _INLINE_PEEK_BYTES:
+        peek = peek_admission(body)
+    else:  # a big body takes a while to parse: off the event loop
+        peek = await state.in_thread(peek_admission, body)
+    if peek.n > MAX_N:
+        raise APIError(f"n={peek.n} choices, at most {MAX_N} in one request", param="n")
+    num_choices = peek.n
+    if num_choices > 1 and (widen := request.scope.get(WIDEN_SCOPE)) is not None:
+        try:
+            widen(num_choices)  # the key's requests in flight: n
+        except APIError as e:
+            return e.response()
+    priority = state.priority_for(peek.priority, api_key)
     try:
-        ticket: AdmissionTicket | None = await state.admit(request, timeout_s)
+        ticket: AdmissionTicket | None = await state.admit(
+            request, timeout_s, num_choices, priority
+        )
     except ClientGone:
         return Response(status_code=499)
     try:
-        prep = await state.in_thread(prepare, state, body, request.scope.get(API_KEY_SCOPE))
-        gen = state.new_generation(prefix, prep)
-        gen.on_tokens = request.scope.get(TOKEN_METER_SCOPE)  # per-key tokens per minute
+        prep = await state.in_thread(prepare, state, body, api_key)
+        assert prep.n <= num_choices, (prep.n, num_choices)
+        # per-key tokens per minute
+        choices = state.new_choices(prefix, prep, request.scope.get(TOKEN_METER_SCOPE))
         if prep.stream:
             steps = sse_steps(
-                gen,
-                lambda step: render.chunk(gen, step),
-                (lambda: render.usage(gen)) if prep.include_usage else None,
-                render.first(gen),
+                choices,
+                lambda index, step: render.chunk(choices, index, step),
+                (lambda: render.usage(choices)) if prep.include_usage else None,
+                render.first(choices),
                 deadline,
                 state.timed_out,
             )
@@ -105,9 +145,9 @@ async def serve_generation(
             )
             ticket = None  # the response releases it
             return response
-        if (gone := await state.run(request, gen, deadline)) is not None:
+        if (gone := await state.run(request, choices, deadline)) is not None:
             return gone
-        return Response(render.final(gen).model_dump_json(), media_type="application/json")
+        return Response(render.final(choices).model_dump_json(), media_type="application/json")
     finally:
         if ticket is not None:
             ticket.release()

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
-from pd.server.generation import Generation, Step
+from pd.server.generation import Choices, Generation, Step
 from pd.server.logprobs import chat_logprobs, completion_logprobs
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest
 from pd.server.responses import (
@@ -32,8 +32,11 @@ from pd.server.state import Prepared, ServerState
 router = APIRouter()
 
 
-def usage_of(gen: Generation) -> Usage:
-    return Usage.make(gen.num_prompt_tokens, len(gen.output_ids), gen.num_cached_tokens)
+def usage_of(choices: Choices) -> Usage:
+    """The prompt counted once, the completion tokens of every choice."""
+    return Usage.make(
+        choices.num_prompt_tokens, choices.num_completion_tokens, choices.num_cached_tokens
+    )
 
 
 def prepare_completion(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
@@ -46,9 +49,10 @@ def prepare_completion(state: ServerState, body: bytes, api_key: str | None) -> 
     else:
         prompt_ids = state.prompt_ids(prompt, "prompt")
     max_tokens = state.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
-    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias)
+    priority = state.priority_for(req.priority, api_key)
+    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias, priority)
     namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage)
+    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n)
 
 
 def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
@@ -57,9 +61,10 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
     state.check_model(req.model)
     prompt_ids = state.apply_chat_template([m.template_dict() for m in req.messages])
     max_tokens = state.max_tokens_for(len(prompt_ids), req.requested_max_tokens, "messages")
-    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias)
+    priority = state.priority_for(req.priority, api_key)
+    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias, priority)
     namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage)
+    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n)
 
 
 class _StreamRenderer:
@@ -70,24 +75,26 @@ class _StreamRenderer:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
 
-    def _choice(self, gen: Generation, text: str, finish_reason: str | None, logprobs: Any) -> Any:
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any) -> Any:
         raise NotImplementedError
 
-    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> Any:
+    def _logprobs(self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]) -> Any:
         raise NotImplementedError
 
-    def chunk(self, gen: Generation, step: Step) -> BaseModel | None:
-        """A step's chunk: its text, and its tokens' logprobs when asked for (a step whose
-        tokens make no text yet still carries them)."""
+    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
+        """A step's chunk, for choice ``index``: its text, and its tokens' logprobs when asked
+        for (a step whose tokens make no text yet still carries them)."""
         if not step.text and step.finish_reason is None and not step.logprobs:
             return None
-        logprobs = self._logprobs(gen, step.logprobs) if gen.params.logprobs is not None else None
-        choice = self._choice(gen, step.text, step.finish_reason, logprobs)
-        return self.chunk_model(id=gen.request_id, model=self.model_name, choices=[choice])
+        gen = choices.gens[index]
+        want = gen.params.logprobs is not None
+        logprobs = self._logprobs(gen, index, step.logprobs) if want else None
+        choice = self._choice(index, step.text, step.finish_reason, logprobs)
+        return self.chunk_model(id=choices.request_id, model=self.model_name, choices=[choice])
 
-    def usage(self, gen: Generation) -> BaseModel:
+    def usage(self, choices: Choices) -> BaseModel:
         return self.chunk_model(
-            id=gen.request_id, model=self.model_name, choices=[], usage=usage_of(gen)
+            id=choices.request_id, model=self.model_name, choices=[], usage=usage_of(choices)
         )
 
 
@@ -96,31 +103,35 @@ class CompletionRenderer(_StreamRenderer):
 
     def __init__(self, model_name: str) -> None:
         super().__init__(model_name)
-        self._text_offset = 0  # where the next chunk's tokens start (``text_offset``)
+        # each choice's: where its next chunk's tokens start (``text_offset``)
+        self._text_offsets: dict[int, int] = {}
 
     def _choice(
-        self,
-        gen: Generation,
-        text: str,
-        finish_reason: str | None,
-        logprobs: CompletionLogprobs | None,
+        self, index: int, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None
     ) -> CompletionChoice:
-        return CompletionChoice(text=text, finish_reason=finish_reason, logprobs=logprobs)
+        return CompletionChoice(
+            index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
+        )
 
-    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> CompletionLogprobs:
-        out = completion_logprobs(gen.tokenizer, lps, self._text_offset)
-        self._text_offset += sum(len(t) for t in out.tokens)
+    def _logprobs(
+        self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]
+    ) -> CompletionLogprobs:
+        offset = self._text_offsets.get(index, 0)
+        out = completion_logprobs(gen.tokenizer, lps, offset)
+        self._text_offsets[index] = offset + sum(len(t) for t in out.tokens)
         return out
 
-    def first(self, gen: Generation) -> BaseModel | None:
+    def first(self, choices: Choices) -> BaseModel | None:
         return None
 
-    def final(self, gen: Generation) -> BaseModel:
-        want = gen.params.logprobs is not None
-        logprobs = self._logprobs(gen, gen.output_logprobs) if want else None
-        choice = self._choice(gen, gen.text, gen.finish_reason, logprobs)
+    def final(self, choices: Choices) -> BaseModel:
+        out = []
+        for index, gen in enumerate(choices.gens):
+            want = gen.params.logprobs is not None
+            logprobs = self._logprobs(gen, index, gen.output_logprobs) if want else None
+            out.append(self._choice(index, gen.text, gen.finish_reason, logprobs))
         return CompletionResponse(
-            id=gen.request_id, model=self.model_name, choices=[choice], usage=usage_of(gen)
+            id=choices.request_id, model=self.model_name, choices=out, usage=usage_of(choices)
         )
 
 
@@ -128,25 +139,42 @@ class ChatRenderer(_StreamRenderer):
     chunk_model = ChatCompletionChunk
 
     def _choice(
-        self, gen: Generation, text: str, finish_reason: str | None, logprobs: ChatLogprobs | None
+        self, index: int, text: str, finish_reason: str | None, logprobs: ChatLogprobs | None
     ) -> ChatChunkChoice:
         delta = DeltaMessage(content=text) if text or logprobs else DeltaMessage()
-        return ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        return ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs
+        )
 
-    def _logprobs(self, gen: Generation, lps: Sequence[TokenLogprobsMsg]) -> ChatLogprobs:
+    def _logprobs(
+        self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]
+    ) -> ChatLogprobs:
         return chat_logprobs(gen.tokenizer, lps)
 
-    def first(self, gen: Generation) -> BaseModel | None:
-        role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
-        return ChatCompletionChunk(id=gen.request_id, model=self.model_name, choices=[role])
+    def first(self, choices: Choices) -> BaseModel | None:
+        # the role, once for each choice (as OpenAI streams them)
+        roles = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(len(choices.gens))
+        ]
+        return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=roles)
 
-    def final(self, gen: Generation) -> BaseModel:
-        message = ChatMessageOut(content=gen.text)
-        want = gen.params.logprobs is not None
-        logprobs = chat_logprobs(gen.tokenizer, gen.output_logprobs) if want else None
-        choice = ChatChoice(message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
+    def final(self, choices: Choices) -> BaseModel:
+        out = []
+        for index, gen in enumerate(choices.gens):
+            want = gen.params.logprobs is not None
+            logprobs = chat_logprobs(gen.tokenizer, gen.output_logprobs) if want else None
+            message = ChatMessageOut(content=gen.text)
+            out.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    finish_reason=gen.finish_reason,
+                    logprobs=logprobs,
+                )  # fmt: skip
+            )
         return ChatCompletionResponse(
-            id=gen.request_id, model=self.model_name, choices=[choice], usage=usage_of(gen)
+            id=choices.request_id, model=self.model_name, choices=out, usage=usage_of(choices)
         )
 
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pd.server.errors import APIError
-from pd.server.generation import Generation, Step
+from pd.server.generation import Choices, Step
 from pd.server.protocol import GenerateRequest
 from pd.server.responses import GenerateResponse
 from pd.server.routes.common import json_body, parse_body, serve_generation
@@ -28,12 +28,14 @@ def prepare_generate(state: ServerState, body: bytes, api_key: str | None) -> Pr
         prompt_ids = state.encode(req.text or "", "text")
     sp = req.sampling_params
     max_tokens = state.max_tokens_for(len(prompt_ids), sp.max_new_tokens, "input_ids")
-    params = state.sampling_params(sp.sampling_kwargs(), max_tokens, sp.logit_bias)
+    priority = state.priority_for(None, api_key)
+    params = state.sampling_params(sp.sampling_kwargs(), max_tokens, sp.logit_bias, priority)
     return Prepared(prompt_ids, params, state.namespace(api_key, req.cache_salt), req.stream)
 
 
 class GenerateRenderer:
-    def chunk(self, gen: Generation, step: Step) -> GenerateResponse:
+    def chunk(self, choices: Choices, index: int, step: Step) -> GenerateResponse:
+        gen = choices.gens[index]  # /generate has one choice
         return GenerateResponse(
             id=gen.request_id,
             output_ids=step.token_ids,
@@ -44,14 +46,15 @@ class GenerateRenderer:
             cached_tokens=gen.num_cached_tokens,
         )
 
-    def usage(self, gen: Generation) -> GenerateResponse:
+    def usage(self, choices: Choices) -> GenerateResponse:
         raise AssertionError("/generate streams carry their counts in every chunk")
 
-    def first(self, gen: Generation) -> None:
+    def first(self, choices: Choices) -> None:
         return None
 
-    def final(self, gen: Generation) -> GenerateResponse:
-        return self.chunk(gen, Step(gen.text, gen.output_ids, gen.finish_reason))
+    def final(self, choices: Choices) -> GenerateResponse:
+        gen = choices.gens[0]
+        return self.chunk(choices, 0, Step(gen.text, gen.output_ids, gen.finish_reason))
 
 
 @router.post("/generate", response_model=GenerateResponse, openapi_extra=json_body(GenerateRequest))
