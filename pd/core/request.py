@@ -91,6 +91,7 @@ class Req:
     # with ``params.logprobs`` set: one per output id, in step (else empty)
     output_logprobs: list[TokenLogprobsMsg] = field(default_factory=list)
     token_counts: Any = None  # what its penalties count (pd.engine.penalties); opaque here
+    guide: Any = None  # its grammar's matcher (pd.engine.grammar); opaque here
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)

@@ -22,6 +22,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1 << 18
 MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs: 0..20 (completions' logprobs: 0..5, the server's)
+# A safety net for decoded messages; the server's request body limit is far lower.
+MAX_GRAMMAR_CHARS = 1 << 22
 
 LogitBias = tuple[tuple[int, float], ...]
 
@@ -40,7 +42,9 @@ class SamplingParams:
     the token is in the output); ``presence_penalty`` p subtracts p once from each token in the
     output. ``min_p``: after the temperature, tokens whose probability is below min_p x the
     top token's are dropped (sampled requests only: it never changes the argmax).
-    ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob."""
+    ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob.
+    ``grammar``: an llguidance grammar (its JSON text, e.g. a JSON schema's) every sampled
+    token must follow, EOS only where it accepts (``pd.engine.grammar``); "": none."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -58,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logprobs: int | None = None
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -85,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
