@@ -4,7 +4,8 @@ Requests are strict (no "16" for 16, no NaN) so a wrong type is a 400, not a sil
 Every field is one of three kinds, and anything else is refused with a 400 that names it:
 
 - implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
-  ``logprobs``, ``cache_salt``, ...);
+  ``logprobs``, ``cache_salt``, structured outputs (``response_format``, vLLM's ``guided_*``
+  and ``structured_outputs``: ``pd.server.structured``), ...);
 - accepted only at its neutral value (``neutral_values``: ``n=1``, ``best_of=1``,
   ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
@@ -19,6 +20,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED
 from pd.server.errors import APIError
+from pd.server.structured import grammar_of
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
 
@@ -117,6 +119,13 @@ class _OpenAIFields(_SamplerFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    # structured outputs (``pd.server.structured``): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Harmless: they never change the output.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -129,7 +138,22 @@ class _OpenAIFields(_SamplerFields):
     }
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens}
+        """... with the structured-output fields compiled into one grammar (a 400 if it does
+        not compile)."""
+        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens, "grammar": self.grammar}
+
+    @property
+    def grammar(self) -> str:
+        return grammar_of(
+            {
+                "response_format": self.response_format,
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+                "structured_outputs": self.structured_outputs,
+            }
+        )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -225,13 +249,11 @@ class ChatCompletionRequest(_OpenAIFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools
-    response_format: dict[str, Any] | None = None
 
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIFields.neutral_values,
         "tools": (None, []),
         "tool_choice": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}),
     }
 
     def check_supported(self) -> None:
