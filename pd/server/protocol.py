@@ -222,9 +222,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template, which may use it
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, for the template
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     @property
     def text(self) -> str:
@@ -234,10 +236,11 @@ class ChatMessage(_Strict):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        out = {"role": self.role, "content": self.text}
-        if self.name is not None:
-            out["name"] = self.name
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -246,18 +249,22 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # tool calls (``pd.server.tools``)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # harmless without tools
-
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_OpenAIFields.neutral_values,
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),
-    }
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for i, m in enumerate(self.messages):  # OpenAI's rules
+            if (m.role == "tool") != (m.tool_call_id is not None):
+                raise APIError(
+                    f"messages[{i}]: tool_call_id belongs on a tool message, and a tool "
+                    "message needs one",
+                    param="messages",
+                )
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(f"messages[{i}]: only an assistant has tool_calls", param="messages")
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise APIError(
                 f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs"

@@ -11,8 +11,8 @@ The fields, at most one per request (each names the other it met in its 400):
   (one of the strings), ``guided_grammar`` (a Lark grammar, llguidance's dialect);
 - vLLM's newer ``structured_outputs``: ``{"json" | "regex" | "choice" | "grammar": ...}``.
 
-JSON comes out compact (``whitespace_flexible`` off, as OpenAI's): a small model cannot pad it
-with whitespace until max_tokens.
+JSON comes out in ``json.dumps``' layout (``{"a": 1, "b": 2}``), with no free whitespace: a
+small model cannot pad it with whitespace until max_tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import llguidance
 from pd.engine.grammar import grammar_error
 from pd.server.errors import APIError
 
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+# json.dumps' layout, fixed (no free whitespace: a small model cannot pad the answer with it
+# until max_tokens)
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar")
 
 

@@ -119,3 +119,84 @@ def test_a_schema_that_does_not_compile_is_a_400_that_says_why(served) -> None:
     assert isinstance(body, dict) and body["param"] == "response_format", body
     assert "integr" in body["message"], body
     check_idle(client, app)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+
+
+def test_tool_choice_required_returns_a_parsed_call_for_ten_prompts(served) -> None:
+    """SmolLM2's template shows no tools: only the grammar makes these answers calls."""
+    client, app, oai = served
+
+    def ask(city: str) -> Any:
+        return oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=64,
+            temperature=0.0,
+        )
+
+    with ThreadPoolExecutor(len(CITIES)) as pool:
+        answers = list(pool.map(ask, CITIES))
+    for done in answers:
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
+    check_idle(client, app)
+
+
+def test_a_named_tool_choice_calls_that_function_and_none_calls_nothing(served) -> None:
+    client, app, oai = served
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    named = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=48,
+        temperature=0.0,
+    )
+    calls = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name == "get_time" for c in calls)
+    none = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=4,
+    )
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    check_idle(client, app)
