@@ -39,12 +39,13 @@ PERSON = {
     "required": ["name", "age", "role", "tags"],
 }
 LLM = llguidance.LLMatcher
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 VARIANTS: dict[str, dict[str, object]] = {
     "greedy (baseline)": {"temperature": 0.0},
     "greedy + JSON schema": {
         "temperature": 0.0,
         "grammar": LLM.grammar_from_json_schema(
-            {"type": "array", "items": PERSON}, defaults={"whitespace_flexible": False}
+            {"type": "array", "items": PERSON}, defaults=JSON_LAYOUT
         ),
     },
     "greedy + regex": {"temperature": 0.0, "grammar": LLM.grammar_from_regex(r"([a-z ]+\.)+")},
@@ -53,7 +54,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "temperature": 0.8,
         "seed": 1,
         "grammar": LLM.grammar_from_json_schema(
-            {"type": "array", "items": {"type": "object"}}, defaults={"whitespace_flexible": False}
+            {"type": "array", "items": {"type": "object"}}, defaults=JSON_LAYOUT
         ),
     },
 }
