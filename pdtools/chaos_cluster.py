@@ -208,6 +208,18 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def child_pids(pid: int) -> list[int]:
+    """The children of ``pid`` (of every thread of it), from /proc; [] if it is gone."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(p) for p in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return kids
+
+
 def is_alive(pid: int) -> bool:
     fields = _stat(pid)
     return fields is not None and fields[0] != "Z"

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from pdtools.chaos_cluster import ROLES, Api, Monitor, Pools, ProcessTree
+from pdtools.chaos_cluster import ROLES, Api, Monitor, Pools, ProcessTree, child_pids
 from pdtools.chaos_hostile import (
     hostile_request,
     hostile_requests,
@@ -36,6 +36,8 @@ from pdtools.chaos_hostile import (
 from pdtools.chaos_load import Outcome, References, Spec, send
 
 NODE_FAULTS = ("kill-prefill", "kill-decode", "freeze-short", "freeze-long", "drain")
+# nodes of several ranks (``chaos_soak.py --tp N``): one rank of a node killed, or frozen
+RANK_FAULTS = ("kill-rank", "freeze-rank")
 TRAFFIC_FAULTS = ("flood", "stalled-readers", "slow-bodies", "hostile-input", "junk-frames")
 GAP_S = (2.0, 5.0)  # quiet seconds before each fault of a lane (drawn)
 FAULT_TIMEOUT_S = 420.0  # no fault (its recovery included) may take longer
@@ -122,8 +124,12 @@ class Chaos:
         rec = FaultRecord(name, time.monotonic())
         self.records.append(rec)
         fault: Callable[..., Any] = {
-            "kill": lambda: self.kill(rec, rng, arg),
-            "freeze": lambda: self.freeze(rec, rng, is_long=arg == "long"),
+            "kill": lambda: self.kill_rank(rec, rng) if arg == "rank" else self.kill(rec, rng, arg),
+            "freeze": lambda: (
+                self.freeze_rank(rec, rng)
+                if arg == "rank"
+                else self.freeze(rec, rng, arg == "long")
+            ),
             "drain": lambda: self.drain(rec, rng),
             "flood": lambda: self.flood(rec, rng),
             "stalled": lambda: self.stalled_readers(rec),
@@ -191,6 +197,38 @@ class Chaos:
         if not kept:
             rec.failures.append(f"{node_id} declared dead after a {0.4 * hb:.1f} s freeze")
             await self._restored(rec)
+
+    async def kill_rank(self, rec: FaultRecord, rng: random.Random) -> None:
+        """SIGKILL one rank >= 1 of a node of several (a busy one, if any): the node must go
+        down as one, be found dead and be replaced."""
+        await self._rank_fault(rec, rng, signal.SIGKILL, "SIGKILL")
+
+    async def freeze_rank(self, rec: FaultRecord, rng: random.Random) -> None:
+        """SIGSTOP one rank >= 1 of a node of several, for good: its node stops in a sum and
+        misses its heartbeats; it must be found dead within the timeout (+2 s) and replaced (the
+        kernel kills the frozen rank with its node)."""
+        await self._rank_fault(rec, rng, signal.SIGSTOP, "SIGSTOP")
+
+    async def _rank_fault(self, rec: FaultRecord, rng: random.Random, sig: int, name: str) -> None:
+        role = rng.choice(ROLES)
+        if (victim := await self._victim(rec, rng, role, busy=True)) is None:
+            return
+        ranks = [p for p in child_pids(victim["pid"]) if self.tree.owns(p)]
+        if not ranks:
+            rec.notes.append(f"skipped: {victim['id']} has no rank processes (TP 1?)")
+            return
+        rank_pid = rng.choice(ranks)
+        node_id, limit = victim["id"], self.cfg.heartbeat_s + 10
+        self.doomed[node_id] = time.monotonic()
+        if not self.tree.signal(rank_pid, sig):
+            rec.notes.append(f"skipped: rank pid {rank_pid} is gone")
+            return
+        rec.notes.append(
+            f"{name} a rank (pid {rank_pid}) of {node_id} ({victim['load']} requests on it)"
+        )
+        found = await self._until(lambda p: node_id not in p.ids, limit)
+        rec.timed("found dead", found, f"{node_id}'s rank {name}, still listed after {limit:g} s")
+        await self._restored(rec)
 
     async def drain(self, rec: FaultRecord, rng: random.Random) -> None:
         """Drain one node through ``POST /admin/nodes/{id}/drain``: exactly it must leave; then

@@ -1,6 +1,8 @@
 """What logprobs and penalties cost a decode step: the engine's decode step time at batch 1 and
 32 with each sampling variant beside plain greedy decoding, on the same engine and prompts, the
-variants interleaved in each round (best round of each kept).
+variants interleaved in each round (best round of each kept); then the sampler alone
+(``sample`` on a batch of random logits of the model's vocabulary, the requests' token counts
+kept up to date as in a decode step), which the forward's noise does not hide.
 
     python scripts/bench_sampling.py [--model PATH] [--quantization auto] [--threads 2]
         [--steps 16] [--rounds 3]
@@ -16,9 +18,12 @@ import torch
 # run as a script, scripts/ is on the path: the cpu name of the engine tables
 from bench_attention import _cpu_name
 
+from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.engine.penalties import TokenCounts
+from pd.engine.sampler import make_generator, sample
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
 VARIANTS: dict[str, dict[str, object]] = {
@@ -58,6 +63,32 @@ def decode_step_seconds(
     return dt / steps
 
 
+def sampler_seconds(batch: int, vocab: int, params: SamplingParams, repeat: int) -> float:
+    """Best seconds of one ``sample`` call (with the penalties' counts) on [batch, vocab]."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g)
+    reqs = [Req(f"r{i}", list(range(i, i + 64)), params) for i in range(batch)]
+    for req in reqs:
+        req.output_ids = list(range(1000, 1032))
+        req.generator = make_generator(req.params, 0)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        counts = [TokenCounts.of(r, vocab) for r in reqs]
+        sample(logits, [r.params for r in reqs], [r.generator for r in reqs], (), counts)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _table(title: str, batches: list[int], best: dict[tuple[int, str], float]) -> None:
+    print(f"\n{title}\n\n| variant | batch | ms | vs greedy |\n|---|---|---|---|")
+    for batch in batches:
+        base = best[(batch, "greedy (baseline)")]
+        for name in VARIANTS:
+            s = best[(batch, name)]
+            print(f"| {name} | {batch} | {s * 1e3:.2f} | {s / base:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -88,18 +119,23 @@ def main() -> None:
                 key = (batch, name)
                 best[key] = min(best.get(key, s), s)
                 print(f"round {r + 1}: batch {batch}, {name}: {s * 1e3:.1f} ms", flush=True)
+    vocab = engine.runner.model_config.vocab_size
+    alone: dict[tuple[int, str], float] = {}
+    for batch in batches:
+        for name, kw in VARIANTS.items():
+            params = SamplingParams(max_tokens=100, **kw)  # type: ignore[arg-type]
+            alone[(batch, name)] = sampler_seconds(batch, vocab, params, repeat=10)
     print(
         f"\n{_cpu_name()}, {args.threads} threads; {args.model or 'SmolLM2-135M-Instruct'}, "
-        f"{engine.runner.quantization} weights, vocab {engine.runner.model_config.vocab_size}; "
-        f"decode step after a {args.prompt_len}-token prompt, best of {args.rounds} rounds of "
-        f"{args.steps} steps\n"
+        f"{engine.runner.quantization} weights, vocab {vocab}"
     )
-    print("| variant | batch | ms / step | vs greedy |\n|---|---|---|---|")
-    for batch in batches:
-        base = best[(batch, "greedy (baseline)")]
-        for name in VARIANTS:
-            s = best[(batch, name)]
-            print(f"| {name} | {batch} | {s * 1e3:.1f} | {s / base:.2f}x |")
+    _table(
+        f"Decode step after a {args.prompt_len}-token prompt, best of {args.rounds} rounds of "
+        f"{args.steps} steps (ms a step)",
+        batches,
+        best,
+    )
+    _table("The sampler alone, best of 10 calls (ms a call)", batches, alone)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ leaked. Prints a report (a markdown table for RELIABILITY.md) and exits 1 on any
 Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
 ended with every process in it) at pd serve's engine defaults (int4 weights and compiled decode
 steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
-speculating with ``--speculative-tokens K``; with ``--url`` it tests that server, and signals its
+speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
+of a node is also killed or frozen alone: the node must go down as one and be replaced); with
+``--url`` it tests that server, and signals its
 nodes only with ``--server-pid`` (only processes under that pid). A wrong answer is reported
 with the path that served it (``GET /admin/routes``: its nodes, the prefix expected cached there,
 a pull; its cached tokens; the last fault before it). ``--minutes`` counts from the
@@ -44,7 +46,7 @@ from pdtools.chaos_cluster import (
     rss_mib,
     serve_flags,
 )
-from pdtools.chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
+from pdtools.chaos_faults import NODE_FAULTS, RANK_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
 from pdtools.chaos_load import Outcome, References, long_spec, make_specs, references, send
 from pdtools.chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
 
@@ -86,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--speculative-tokens", type=int, default=0, help="a started server's (0: no speculation)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="a started server's nodes' ranks (tensor parallel); > 1 adds faults on single ranks",
     )
     p.add_argument(
         "--api-key",
@@ -184,7 +192,8 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
 def engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags of a server the soak starts (none: pd serve's defaults)."""
     spec = ["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else []
-    return [*ENGINES[args.engine], *spec]
+    tp = ["--tp", str(args.tp)] if args.tp > 1 else []
+    return [*ENGINES[args.engine], *spec, *tp]
 
 
 async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
@@ -306,7 +315,11 @@ async def _soak(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
     await asyncio.gather(
-        chaos.lane(NODE_FAULTS, faults_end, random.Random(f"{args.seed}/nodes")),
+        chaos.lane(
+            NODE_FAULTS + (RANK_FAULTS if args.tp > 1 else ()),
+            faults_end,
+            random.Random(f"{args.seed}/nodes"),
+        ),
         chaos.lane(TRAFFIC_FAULTS, faults_end, random.Random(f"{args.seed}/traffic")),
         *(
             steady(http, api, refs, 1000 * args.seed + i, load_end, deadline_s, outcomes)

@@ -61,6 +61,7 @@ class TransferAgent:
             cfg.port,
             max_msg_age_s=cfg.max_msg_age_s,
             max_frame_size=cfg.max_frame_bytes,
+            max_conns=cfg.max_conns,
         )
         self._sender = SenderSide(cfg, self._ctrl, self.layout, kind, self._new_send_worker)
         self._receiver = ReceiverSide(

@@ -6,8 +6,8 @@ is dropped and the loop goes on.
 
 Each DEALER sets a random routing id, and the ROUTER seals what it sends back for that id
 (``reply_audience``), so a reply is accepted by the one DEALER it was meant for. Every socket
-refuses frames over ``max_frame_bytes``, and ``recv_all`` reads a bounded batch per call
-(``inbound.py``)."""
+refuses frames over ``max_frame_bytes``, the ROUTER takes at most ``max_conns`` connections at
+once (``conn_cap.py``), and ``recv_all`` reads a bounded batch per call (``inbound.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from transfer.auth import DEFAULT_MAX_AGE_S, Opener, Sealer, reply_audience
+from transfer.conn_cap import MAX_CONNS, ConnectionCap
 from transfer.endpoint import parse_endpoint
 from transfer.inbound import (
     DEFAULT_MAX_TOKENS,
@@ -65,16 +66,19 @@ class ControlPlane:
         max_queued: int = 10_000,
         max_msg_age_s: float = DEFAULT_MAX_AGE_S,
         max_frame_size: int = max_frame_bytes(DEFAULT_MAX_TOKENS),
+        max_conns: int = MAX_CONNS,
     ) -> None:
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.SNDHWM, max_queued)
         limit_frame_size(self._router, max_frame_size)
+        self._cap = ConnectionCap(self._router, max_conns, f"transfer {host}")
         if port:
             self._router.bind(f"tcp://{host}:{port}")
         else:
             port = self._router.bind_to_random_port(f"tcp://{host}")
+        self._cap.start(port)
         self.endpoint = f"tcp://{host}:{port}"
         self._secret, self._max_age_s = secret, max_msg_age_s
         self._max_frame_size = max_frame_size
@@ -155,6 +159,7 @@ class ControlPlane:
     def close(self) -> None:
         for peer in list(self._dealers):
             self.forget(peer)
+        self._cap.close()
         self._router.close(linger=0)
 
     def _decode(self, data: bytes) -> ControlMsg | None:

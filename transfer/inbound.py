@@ -13,8 +13,15 @@ ROUTER and its DEALERs) reads through a ``SealedReader``:
 - **who**: a frame the ``Opener`` refuses is counted against the TCP address that sent it
   (``RejectsByPeer``: the ``max_peers`` addresses with the most, in bounded memory).
 
-What a stranger can make a receiver hold is then bounded by the socket's receive queue
-(``RCVHWM`` frames per connection, libzmq's default 1,000) times the size limit.
+- **connections**: a bound socket takes at most ``max_conns`` connections at once, each
+  queueing at most ``RCVHWM_FRAMES`` frames (``conn_cap.py``).
+- **a short queue, read at speed**: once ``read()`` took a frame, it waits up to
+  ``REFILL_WAIT_MS`` for the next one before it returns: libzmq refills a connection's short
+  queue while we read, and a burst of a peer's messages is read in one call, not a few frames
+  per call.
+
+What a stranger can make a receiver hold is then bounded by the connections it takes times
+their queues times the size limit (``conn_cap.max_queued_bytes``).
 
 The size limit (``max_frame_bytes``) is sized from the largest legitimate frame: one that
 carries a list of token (or slot) ids as long as a request can be, ``max_tokens`` (a prompt of
@@ -41,6 +48,8 @@ FRAME_MARGIN_BYTES = 1 << 20
 # What a socket is sized for when it cannot know the context length (the server binds before
 # its nodes tell theirs): 128 Ki tokens, so ~1.6 MiB.
 DEFAULT_MAX_TOKENS = 1 << 17
+# Once a read took a frame, how long it waits for libzmq to refill a connection's short queue.
+REFILL_WAIT_MS = 1
 
 
 def max_frame_bytes(max_tokens: int) -> int:
@@ -141,7 +150,9 @@ class SealedReader:
             try:
                 parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                if not num_frames or not self._sock.poll(REFILL_WAIT_MS):
+                    break
+                continue
             num_frames += 1
             num_bytes += sum(len(p) for p in parts)
             if len(parts) != (2 if self._is_router else 1):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from transfer import inbound
+from transfer import conn_cap, inbound
 from transfer.auth import DEFAULT_MAX_AGE_S, check_secret, new_secret
 from transfer.endpoint import check_host
 
@@ -55,6 +55,14 @@ class TransferConfig:
     # control frames longer are dropped unread (inbound.py); a node sizes it from its
     # max_model_len
     max_frame_bytes: int = inbound.max_frame_bytes(inbound.DEFAULT_MAX_TOKENS)
+    max_conns: int = field(
+        default=conn_cap.MAX_CONNS,
+        metadata={
+            "help": "TCP connections each internal socket (the server's, a node's inbox and "
+            "transfer port) takes at once, more are cut: bounds what strangers can make it "
+            "hold; must exceed the number of nodes"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_host(self.host)
@@ -67,6 +75,10 @@ class TransferConfig:
         if self.max_frame_bytes < inbound.FRAME_MARGIN_BYTES:
             raise ValueError(
                 f"max_frame_bytes must be >= {inbound.FRAME_MARGIN_BYTES}, got {self.max_frame_bytes}"
+            )
+        if self.max_conns < 2:
+            raise ValueError(
+                f"max_conns must be >= 2 (the server and a peer), got {self.max_conns}"
             )
         if self.max_held_requests < 0:
             raise ValueError(f"max_held_requests must be >= 0, got {self.max_held_requests}")

@@ -9,6 +9,7 @@ from pd.cache.disk_tier import DiskStats, DiskTier
 from pd.cache.host_tier import BaseKVMover, HostTier, TierStats
 from pd.cache.prefix_index import PrefixIndex
 from pd.cache.radix_cache import RadixCache
+from pd.cache.tenants import TenantShares
 from pd.core.kv_pool import SlotAllocator
 
 
@@ -18,13 +19,15 @@ def make_prefix_cache(
     node_id: str,
     host: BaseKVMover | None = None,
     disk: DiskTier | None = None,
+    shares: TenantShares | None = None,
 ) -> BasePrefixCache:
     """The one way every engine and node gets its cache: a RadixCache (over a host tier when
-    ``host`` moves KV to one, and a disk tier below that), or none when disabled."""
+    ``host`` moves KV to one, and a disk tier below that), or none when disabled; both tiers
+    evict fairly between tenants with ``shares``, by global LRU without."""
     if not enabled:
         return NoPrefixCache(allocator)
-    lower = None if host is None else HostTier(host, allocator.page_size, disk)
-    return RadixCache(allocator, node_id, lower=lower)
+    lower = None if host is None else HostTier(host, allocator.page_size, disk, shares)
+    return RadixCache(allocator, node_id, lower=lower, shares=shares)
 
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "NoPrefixCache",
     "PrefixIndex",
     "RadixCache",
+    "TenantShares",
     "TierStats",
     "make_prefix_cache",
 ]

@@ -115,7 +115,9 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` (whole pages) from unlocked leaves, least recently
-        used first, leaf upward, if that many are evictable; returns the tokens freed."""
+        used first, leaf upward, if that many are evictable; returns the tokens freed. A cache
+        that evicts fairly takes each leaf from the tenant most over its share of the pool
+        (``pd.cache.tenants``), in that tenant's own least-recently-used order."""
 
     @property
     @abstractmethod

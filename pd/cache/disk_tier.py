@@ -8,46 +8,86 @@ of ``chunk_tokens`` from the path's root; it is keyed by everything its KV depen
 
     key = sha256(model key | namespace | the path's tokens up to the chunk's end)
 
-The model key (``model_key``) covers the checkpoint, the weight format, the KV dtype and the
-page size, so a file of another model, format or tenant never matches. Chunks are written by
-one writer thread per node (the engine's step only copies the KV out and queues it; a chunk still
-queued counts as held, and a full queue skips the chunk), each to a temporary name and then
-renamed (atomic on one file system); its header repeats the key's parts and
-a sha256 of the payload, checked on every read (a node's start-up scan reads headers only): a
-truncated, corrupt or foreign file is counted, removed and never loaded. Files are evicted oldest first (by modification time, which a read
-refreshes) when the directory passes its byte budget; a file another node removed meanwhile is a
-miss.
+The model key (``model_key``) covers the contents of the checkpoint's weights (``pd.model.
+loader.weights_digest``), the weight format, the KV dtype and the page size, so a file of
+another model, format or tenant never matches. The directory (``pd.cache.disk_dir``) is this
+user's, 0700, bounded as a whole across the nodes that share it, and holds the key that
+authenticates every chunk's header. Chunks are written by one writer thread per node (the
+engine's step only copies the KV out and queues it; a chunk still queued counts as held, and a
+full queue skips the chunk), each to a temporary name and then renamed (atomic on one file
+system).
 
 File layout::
 
-    b"PDKV1\\n" | header length (4 bytes, little endian) | header (JSON) | payload
+    b"PDKV2\n" | header length n (4 bytes, little endian) | header (msgpack, n bytes)
+              | tag (32 bytes) | payload
+    tag = HMAC-SHA256(the directory's key, the bytes before it)
 
-The payload's bytes are the mover's (``BaseKVMover.host_bytes`` and ``device_bytes``); this module never looks
-inside them.
+The header (``ChunkHeaderMsg``) repeats the key's parts and holds the payload's sha256. A read
+checks, in order: the magic, ``n <= MAX_HEADER_BYTES``, the tag (so a file written without the
+key is never parsed), the header's shape (a typed msgspec decode: no recursion, no unknown
+fields), its key, namespace and token path, the payload's length and sha256. A file failing any
+check is counted, removed and never loaded (a node's start-up scan checks all but the payload).
+
+A match (``match``) only asks the file system which chunks exist (a ``stat`` each): the caller
+decides from that whether loading pays before any byte is read (``read_chunks``).
+
+Failures. Every file-system error is contained here: a full disk (ENOSPC, EDQUOT) fails the
+chunk being written (counted); any other error (a read-only or vanished directory, EIO, EACCES)
+turns the tier off, logged once and reported (``DiskStats.is_off``): from then on it holds,
+finds and writes nothing, and the node serves on without it (a restart tries again). An
+insecure directory is refused at start (``InsecurePathError``): that is the operator's to fix.
+
+The payload's bytes are the mover's (``BaseKVMover.host_bytes`` and ``device_bytes``); this
+module never looks inside them.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
+import hmac
 import logging
 import os
 import queue
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
-MAGIC = b"PDKV1\n"
-_SUFFIX = ".kv"
+import msgspec
+
+from pd.cache.disk_dir import CHUNK_SUFFIX, TMP_PREFIX, DiskDir
+from pd.core.private_dir import InsecurePathError
+
+MAGIC = b"PDKV2\n"
+_PREFIX = len(MAGIC) + 4  # the magic and the header's length
+_TAG_BYTES = 32
+MAX_HEADER_BYTES = 1 << 20  # a token path of ~200k tokens; a longer header is rejected unread
 MAX_PENDING_WRITES = 64  # chunks queued for the writer thread; more are skipped
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the chunk fails; the tier stays on
 logger = logging.getLogger(__name__)
 
 
+class ChunkHeaderMsg(msgspec.Struct, forbid_unknown_fields=True):
+    """What a chunk file says it is (authenticated by its tag)."""
+
+    model_key: str
+    namespace: str
+    tokens: list[int]  # the path from its root to the chunk's end
+    payload_bytes: int
+    payload_sha256: bytes
+
+
+_encode_header = msgspec.msgpack.Encoder().encode
+_decode_header = msgspec.msgpack.Decoder(ChunkHeaderMsg).decode
+
+
 class DiskStats(NamedTuple):
-    num_bytes: int  # what the directory holds now (as this node last counted)
+    num_bytes: int  # what the directory holds now, every node's chunks (as last counted)
     max_bytes: int
     num_hit_tokens: int  # prompt tokens loaded from here
     num_loads: int  # chunks loaded
@@ -55,9 +95,17 @@ class DiskStats(NamedTuple):
     load_seconds: float
     num_written: int  # chunks written
     num_write_skipped: int  # chunks not written: the writer was MAX_PENDING_WRITES behind
-    num_write_failed: int  # chunks the disk refused (full, failing)
-    num_rejected: int  # files found truncated, corrupt or foreign, and removed
-    num_evicted: int  # files removed for room
+    num_write_failed: int  # chunks the disk refused (full)
+    num_rejected: int  # files found truncated, corrupt, unauthenticated or foreign, and removed
+    num_evicted: int  # files removed for room (by this node)
+    is_off: bool  # turned off by a file-system error (logged); the node serves without it
+
+
+class ChunkRef(NamedTuple):
+    """A chunk of the matched tokens that exists (as a match found it), not yet read."""
+
+    start: int  # where the chunk begins in the path
+    end: int
 
 
 class Chunk(NamedTuple):
@@ -82,8 +130,21 @@ def chain_key(key: str, namespace: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()[:40]
 
 
+def _chain_keys(
+    key: str, namespace: str, tokens: Sequence[int], first: int, step: int
+) -> Iterator[tuple[int, str]]:
+    """(end, ``chain_key`` of ``tokens[:end]``) for end = first, first + step, ... (within
+    ``tokens``), hashing each token once (a 4k-token match: 64 keys, not 64 prefixes)."""
+    h = hashlib.sha256(f"{key}|{namespace}|".encode())
+    done = 0
+    for end in range(first, len(tokens) + 1, step):
+        h.update(struct.pack(f"<{end - done}i", *tokens[done:end]))
+        done = end
+        yield end, h.copy().hexdigest()[:40]
+
+
 class DiskTier:
-    """Chunks of ``chunk_tokens`` in ``root/<key>/``, at most ``max_bytes`` of them."""
+    """Chunks of ``chunk_tokens`` in ``root/<key>/``; ``root`` holds at most ``max_bytes``."""
 
     def __init__(self, root: str | os.PathLike[str], key: str, chunk_tokens: int, max_bytes: int):
         if chunk_tokens < 1 or max_bytes < 1:
@@ -94,34 +155,60 @@ class DiskTier:
         self.chunk_tokens = chunk_tokens
         self.max_bytes = max_bytes
         self.dir = Path(root) / key
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._num_bytes = sum(_size(p) for p in self.dir.glob("*" + _SUFFIX))
         self._num_hit = self._num_loads = self._num_load_bytes = 0
-        self._num_written = self._num_rejected = self._num_evicted = 0
+        self._num_written = self._num_rejected = 0
         self._num_write_skipped = self._num_write_failed = 0
         self._load_seconds = 0.0
+        self.off_reason: str | None = None
         # chunks queued for the writer thread: file -> (namespace, path, payload)
         self._lock = threading.Lock()
         self._pending: dict[Path, tuple[str, list[int], bytes]] = {}
         self._queue: queue.Queue[Path | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._store: DiskDir | None = None
+        with self._contained("opening"):  # an insecure directory is raised, not contained
+            self._store = DiskDir(Path(root), max_bytes)
+            self.dir = self._store.subdir(key)
+
+    @property
+    def is_on(self) -> bool:
+        return self.off_reason is None
+
+    @contextmanager
+    def _contained(self, doing: str) -> Iterator[None]:
+        """Turn the tier off on a file-system error in the block (logged once), instead of
+        raising it into the caller's step."""
+        try:
+            yield
+        except InsecurePathError:
+            raise
+        except OSError as e:
+            self._turn_off(f"{doing} failed: {e}")
+
+    def _turn_off(self, reason: str) -> None:
+        if self.off_reason is None:
+            self.off_reason = reason
+            logger.error(
+                "disk tier %s is off: %s; the node serves on without it (restart it to try "
+                "the directory again)", self.dir, reason,
+            )  # fmt: skip
 
     # -- writing --------------------------------------------------------------------------------
 
-    def chunk_ends(self, path_len: int, dropped_from: int) -> range:
-        """Ends of the whole chunks of a path of ``path_len`` tokens that hold a token at or
-        after ``dropped_from`` (the chunks to write when those tokens leave the host)."""
-        c = self.chunk_tokens
-        first = (dropped_from // c + 1) * c
-        return range(first, path_len - path_len % c + 1, c)
-
-    def has(self, namespace: str, tokens: Sequence[int]) -> bool:
-        """The chunk ending at ``len(tokens)`` is here, or queued to be written."""
-        file = self._file(namespace, tokens)
-        with self._lock:
-            if file in self._pending:
-                return True
-        return file.exists()
+    def missing(self, namespace: str, tokens: Sequence[int], first: int) -> list[int]:
+        """Ends of the whole chunks of ``tokens``, from the one ending at ``first`` on, that
+        are neither here nor queued to be written (none while the tier is off)."""
+        ends: list[int] = []
+        if not self.is_on:
+            return ends
+        with self._contained("looking up chunks"):
+            for end, name in _chain_keys(self.key, namespace, tokens, first, self.chunk_tokens):
+                file = self.dir / (name + CHUNK_SUFFIX)
+                with self._lock:
+                    queued = file in self._pending
+                if not queued and not _exists(file):
+                    ends.append(end)
+        return ends if self.is_on else []
 
     def write(self, namespace: str, path: Sequence[int], payload: bytes) -> None:
         """Queue the chunk that ends at ``len(path)`` for the writer thread (started on first
@@ -129,12 +216,14 @@ class DiskTier:
         for the disk. With ``MAX_PENDING_WRITES`` queued already, the chunk is skipped
         (counted): a cache may lose what it cannot keep up with."""
         assert len(path) % self.chunk_tokens == 0, (len(path), self.chunk_tokens)
-        target = self._file(namespace, path)
-        if target.exists():
-            os.utime(target)
+        if not self.is_on:
             return
+        target = self._file(namespace, path)
+        with self._contained("refreshing a chunk"):
+            if _touch(target):  # here already: recently used, evicted last
+                return
         with self._lock:
-            if target in self._pending:
+            if target in self._pending or not self.is_on:
                 return
             if len(self._pending) >= MAX_PENDING_WRITES:
                 self._num_write_skipped += 1
@@ -158,6 +247,9 @@ class DiskTier:
             self._queue.put(None)
             self._writer.join()
             self._writer = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def _write_loop(self) -> None:
         while True:
@@ -168,11 +260,18 @@ class DiskTier:
                 with self._lock:
                     namespace, path, payload = self._pending[target]
                 try:
-                    self._write_now(target, namespace, path, payload)
-                except OSError as e:  # a full or failing disk: the chunk is not kept
-                    logger.warning("disk tier: writing %s failed: %s", target.name, e)
-                    with self._lock:
-                        self._num_write_failed += 1
+                    if self.is_on:
+                        self._write_now(target, namespace, path, payload)
+                except OSError as e:
+                    if e.errno in _DISK_FULL:  # the chunk is not kept; others may fit later
+                        logger.warning("disk tier: writing %s failed: %s", target.name, e)
+                        with self._lock:
+                            self._num_write_failed += 1
+                    else:
+                        self._turn_off(f"writing {target.name} failed: {e}")
+                except Exception as e:  # a bug: the tier stops rather than the writer thread
+                    logger.exception("disk tier: writing %s failed", target.name)
+                    self._turn_off(f"writing {target.name} failed: {e!r}")
                 finally:
                     with self._lock:
                         del self._pending[target]
@@ -180,92 +279,124 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write_now(self, target: Path, namespace: str, path: list[int], payload: bytes) -> None:
-        header = json.dumps(
-            {
-                "key": self.key,
-                "namespace": namespace,
-                "tokens": path,
-                "start": len(path) - self.chunk_tokens,
-                "payload_bytes": len(payload),
-                "sha256": hashlib.sha256(payload).hexdigest(),
-            }
-        ).encode()
-        data = MAGIC + struct.pack("<I", len(header)) + header + payload
-        self._make_room(len(data))
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=_SUFFIX)
+        assert self._store is not None
+        header = _encode_header(
+            ChunkHeaderMsg(
+                self.key, namespace, path, len(payload), hashlib.sha256(payload).digest()
+            )
+        )
+        signed = MAGIC + struct.pack("<I", len(header)) + header
+        data = signed + self._store.tag(signed) + payload
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=CHUNK_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            _unlink(Path(tmp))
-            raise
+            kept = self._store.put(Path(tmp), target, len(data))
+        finally:
+            _unlink(Path(tmp))  # gone if it was renamed in
         with self._lock:
-            self._num_bytes += len(data)
-            self._num_written += 1
-
-    def _make_room(self, num_bytes: int) -> None:
-        if self._num_bytes + num_bytes <= self.max_bytes:
-            return
-        files = sorted(self.dir.glob("*" + _SUFFIX), key=_mtime)
-        held = sum(_size(p) for p in files)  # other nodes write here too
-        for p in files:
-            if held + num_bytes <= self.max_bytes:
-                break
-            held -= _size(p)
-            if _unlink(p):
-                with self._lock:
-                    self._num_evicted += 1
-        with self._lock:
-            self._num_bytes = held
+            if kept:
+                self._num_written += 1
+            else:  # larger than the whole bound
+                self._num_write_failed += 1
 
     # -- reading --------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], namespace: str, start: int) -> list[Chunk]:
+    def match(self, tokens: Sequence[int], namespace: str, start: int) -> list[ChunkRef]:
         """The chunks that continue ``tokens`` from the chunk holding position ``start``, in
-        order, as far as the directory has them whole and intact."""
+        order, as far as the directory has them (by name: nothing is read)."""
         c = self.chunk_tokens
+        refs: list[ChunkRef] = []
+        if not self.is_on:
+            return refs
+        first = (start // c + 1) * c
+        with self._contained("looking up chunks"):
+            for end, name in _chain_keys(self.key, namespace, tokens, first, c):
+                if not _exists(self.dir / (name + CHUNK_SUFFIX)):
+                    break
+                refs.append(ChunkRef(end - c, end))
+        return refs if self.is_on else []
+
+    def read_chunks(
+        self, tokens: Sequence[int], refs: Sequence[ChunkRef], namespace: str
+    ) -> list[Chunk]:
+        """The chunks of ``tokens`` at ``refs``, read and checked, as far as they are whole and
+        intact."""
         chunks: list[Chunk] = []
-        for end in range((start // c + 1) * c, len(tokens) + 1, c):
-            chunk = self.read(namespace, tokens[:end])
+        for ref in refs:
+            chunk = self.read(namespace, tokens[: ref.end])
             if chunk is None:
                 break
             chunks.append(chunk)
         return chunks
 
     def read(self, namespace: str, path: Sequence[int]) -> Chunk | None:
-        """The chunk ending at ``len(path)``, checked; None if absent or rejected (removed)."""
+        """The chunk ending at ``len(path)``, checked; None if absent or rejected (removed), or
+        if the tier is off."""
+        if not self.is_on:
+            return None
         file = self._file(namespace, path)
-        try:
-            with open(file, "rb") as f:  # into one writable buffer: the payload is a view of it
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(data)
-        except FileNotFoundError:
-            return None
-        split = _split(data)
-        if split is None or not self._is_of(split[0], namespace, path):
-            self._reject(file, len(data))
-            return None
-        header, payload = split
-        if header.get("sha256") != hashlib.sha256(payload).hexdigest():
-            self._reject(file, len(data))
-            return None
-        os.utime(file)  # recently used: evicted last
-        return Chunk(list(path), len(path) - self.chunk_tokens, payload)
+        with self._contained("reading a chunk"):
+            payload = self._read_payload(file, namespace, path)
+            if payload is None:
+                return None
+            _touch(file)  # recently used: evicted last
+            return Chunk(list(path), len(path) - self.chunk_tokens, payload)
+        return None
 
-    def _is_of(self, header: dict[str, object], namespace: str, path: Sequence[int]) -> bool:
+    def _read_payload(self, file: Path, namespace: str, path: Sequence[int]) -> memoryview | None:
+        try:
+            with open(file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                header = self._read_header(f, size)
+                if header is None or not self._is_of(header, namespace, path):
+                    self._reject(file)
+                    return None
+                data = bytearray(header.payload_bytes)  # one writable buffer: a view of it
+                if f.readinto(data) != len(data) or (
+                    hashlib.sha256(data).digest() != header.payload_sha256
+                ):
+                    self._reject(file)
+                    return None
+        except FileNotFoundError:  # not written, or evicted by another node meanwhile
+            return None
+        return memoryview(data)
+
+    def _read_header(self, f: IO[bytes], size: int) -> ChunkHeaderMsg | None:
+        """The authenticated header of the chunk file ``f`` of ``size`` bytes (read up to the
+        payload), or None if any check fails."""
+        assert self._store is not None
+        head = f.read(_PREFIX)
+        if len(head) < _PREFIX or not head.startswith(MAGIC):
+            return None
+        (n,) = struct.unpack_from("<I", head, len(MAGIC))
+        if n > MAX_HEADER_BYTES or _PREFIX + n + _TAG_BYTES > size:
+            return None
+        body = f.read(n + _TAG_BYTES)
+        if len(body) != n + _TAG_BYTES:
+            return None
+        if not hmac.compare_digest(self._store.tag(head + body[:n]), body[n:]):
+            return None  # not written under this directory's key: never parsed
+        try:
+            header = _decode_header(body[:n])
+        except msgspec.DecodeError:
+            return None
+        if header.payload_bytes != size - _PREFIX - n - _TAG_BYTES:
+            return None
+        return header
+
+    def _is_of(self, header: ChunkHeaderMsg, namespace: str, path: Sequence[int]) -> bool:
         """``header`` names exactly this key, namespace and token path."""
         return (
-            header.get("key") == self.key
-            and header.get("namespace") == namespace
-            and header.get("tokens") == list(path)
+            header.model_key == self.key
+            and header.namespace == namespace
+            and header.tokens == list(path)
         )
 
-    def _reject(self, file: Path, num_bytes: int) -> None:
-        removed = _unlink(file)
+    def _reject(self, file: Path) -> None:
+        _unlink(file)  # the directory's count stays high until a write recounts it
         with self._lock:
             self._num_rejected += 1
-            self._num_bytes -= num_bytes if removed else 0
 
     def note_load(self, num_chunks: int, num_tokens: int, num_bytes: int, seconds: float) -> None:
         self._num_hit += num_tokens
@@ -277,29 +408,18 @@ class DiskTier:
 
     def scan(self) -> list[tuple[str, list[int]]]:
         """(namespace, path) of the longest whole chains the directory holds (every chunk of
-        the path from its root is here and intact), most recently used first; rejected files
-        are removed on the way."""
+        the path from its root is here, with an intact header), most recently used first;
+        rejected files are removed on the way."""
         found: dict[tuple[str, tuple[int, ...]], float] = {}
-        for file in self.dir.glob("*" + _SUFFIX):
-            try:  # the header only: a payload is checked when it is read
-                with open(file, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    size, used = st.st_size, st.st_mtime
-                    head = f.read(len(MAGIC) + 4)
-                    split = _split_header(head, f.read, size)
-            except FileNotFoundError:
-                continue
-            namespace = split.get("namespace") if split else None
-            tokens = split.get("tokens") if split else None
-            if (
-                not isinstance(namespace, str)
-                or not isinstance(tokens, list)
-                or self._file(namespace, tokens) != file
-                or not self._is_of(split, namespace, tokens)  # type: ignore[arg-type]
-            ):
-                self._reject(file, size)
-                continue
-            found[(namespace, tuple(tokens))] = used
+        if not self.is_on:
+            return []
+        with self._contained("scanning"):
+            for file in self.dir.glob("*" + CHUNK_SUFFIX):
+                entry = self._scan_one(file)
+                if entry is not None:
+                    found[(entry[0], tuple(entry[1]))] = entry[2]
+        if not self.is_on:
+            return []
         c = self.chunk_tokens
         parents = {(namespace, tokens[:-c]) for namespace, tokens in found}
         chains = [
@@ -311,10 +431,34 @@ class DiskTier:
         chains.sort(key=lambda chain: -chain[0])
         return [(namespace, path) for _, namespace, path in chains]
 
+    def _scan_one(self, file: Path) -> tuple[str, list[int], float] | None:
+        """(namespace, path, last use) of the chunk file ``file`` by its header, or None (a
+        bad one is rejected)."""
+        try:  # the header only: a payload is checked when it is read
+            with open(file, "rb") as f:
+                st = os.fstat(f.fileno())
+                header = self._read_header(f, st.st_size)
+        except FileNotFoundError:
+            return None
+        if (
+            header is None
+            or header.model_key != self.key
+            or len(header.tokens) % self.chunk_tokens
+            or not header.tokens
+            or self._file(header.namespace, header.tokens) != file
+        ):
+            self._reject(file)
+            return None
+        return header.namespace, header.tokens, st.st_mtime
+
     @property
     def stats(self) -> DiskStats:
+        num_bytes = 0
+        if self._store is not None and self.is_on:
+            with self._contained("counting the directory"):
+                num_bytes = self._store.num_bytes
         return DiskStats(
-            num_bytes=self._num_bytes,
+            num_bytes=num_bytes,
             max_bytes=self.max_bytes,
             num_hit_tokens=self._num_hit,
             num_loads=self._num_loads,
@@ -324,25 +468,30 @@ class DiskTier:
             num_write_skipped=self._num_write_skipped,
             num_write_failed=self._num_write_failed,
             num_rejected=self._num_rejected,
-            num_evicted=self._num_evicted,
+            num_evicted=0 if self._store is None else self._store.num_evicted,
+            is_off=not self.is_on,
         )
 
     def _file(self, namespace: str, tokens: Sequence[int]) -> Path:
-        return self.dir / (chain_key(self.key, namespace, tokens) + _SUFFIX)
+        return self.dir / (chain_key(self.key, namespace, tokens) + CHUNK_SUFFIX)
 
 
-def _size(p: Path) -> int:
+def _exists(p: Path) -> bool:
+    """``p`` exists (an error other than its absence is raised, unlike ``Path.exists``)."""
     try:
-        return p.stat().st_size
+        os.stat(p)
+        return True
     except FileNotFoundError:
-        return 0
+        return False
 
 
-def _mtime(p: Path) -> float:
+def _touch(p: Path) -> bool:
+    """Refresh ``p``'s modification time (its last use); False if it is not there."""
     try:
-        return p.stat().st_mtime
+        os.utime(p)
+        return True
     except FileNotFoundError:
-        return 0.0
+        return False
 
 
 def _unlink(p: Path) -> bool:
@@ -351,32 +500,3 @@ def _unlink(p: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def _split(data: bytearray) -> tuple[dict[str, object], memoryview] | None:
-    """A chunk file's header and a view of its payload, if it is shaped like one (magic,
-    header, payload of the size the header says), else None. The checksum is the caller's."""
-    n = len(MAGIC) + 4
-    header = _split_header(data[:n], lambda k: data[n : n + k], len(data))
-    if header is None:
-        return None
-    (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
-    return header, memoryview(data)[n + header_len :]
-
-
-def _split_header(
-    head: bytes | bytearray, read: Callable[[int], bytes | bytearray], size: int
-) -> dict[str, object] | None:
-    """The header of a chunk file of ``size`` bytes whose first bytes are ``head`` (the magic
-    and the header's length); ``read(n)`` gives the next n bytes. None if the shape is wrong."""
-    n = len(MAGIC)
-    if len(head) < n + 4 or not head.startswith(MAGIC):
-        return None
-    (header_len,) = struct.unpack_from("<I", head, n)
-    try:
-        header = json.loads(read(header_len))
-    except ValueError:
-        return None
-    if not isinstance(header, dict) or header.get("payload_bytes") != size - n - 4 - header_len:
-        return None
-    return header

@@ -1,7 +1,8 @@
 """The host tier: a second, larger KV pool below a node's RadixCache, holding what the device
 pool evicted, so that a prefix pushed out by other traffic is loaded back instead of computed.
 
-On a GPU the host pool is pinned host memory; on the CPU it is a separate pool, so the device
+On a GPU the host pool is host memory (copied through pinned buffers); on the CPU it is a
+separate pool, so the device
 pool's size (``--max-total-tokens``) keeps its meaning. The tier is plain Python: a RadixTree
 whose values are host slots, a SlotAllocator over them, and a ``BaseKVMover`` (the engine's
 torch side) that copies KV between the two pools.
@@ -28,8 +29,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pd.cache.disk_tier import Chunk, DiskStats, DiskTier
+from pd.cache.disk_tier import Chunk, ChunkRef, DiskStats, DiskTier
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeMatch
+from pd.cache.tenants import TenantShares
 from pd.core.kv_pool import SlotAllocator
 
 _RATE_WEIGHT = 0.2  # weight of the newest measurement in a rate's moving average
@@ -82,15 +84,17 @@ class Dropped(NamedTuple):
 
 class BelowHost(NamedTuple):
     """What a match found past the device: in the host tier (``host``, up to its end) and on
-    disk after it (``chunks``)."""
+    disk after it (``refs``: found by name; ``chunks``: read and checked, once ``read_below``
+    ran, as far as they were intact)."""
 
     host: TreeMatch
-    chunks: list[Chunk]
-    read_seconds: float  # reading and checking the chunks
+    refs: list[ChunkRef]
+    chunks: Sequence[Chunk] = ()
+    read_seconds: float = 0.0  # reading and checking the chunks
 
     @property
     def num_tokens(self) -> int:
-        return self.chunks[-1].end if self.chunks else self.host.num_tokens
+        return self.refs[-1].end if self.refs else self.host.num_tokens
 
 
 class TierStats(NamedTuple):
@@ -124,12 +128,19 @@ class Rate:
 class HostTier:
     """KV evicted from a device pool, in a host pool of ``mover.num_slots`` slots."""
 
-    def __init__(self, mover: BaseKVMover, page_size: int, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        mover: BaseKVMover,
+        page_size: int,
+        disk: DiskTier | None = None,
+        shares: TenantShares | None = None,
+    ) -> None:
         if disk is not None and disk.chunk_tokens % page_size:
             raise ValueError(f"disk chunks of {disk.chunk_tokens} tokens, pages of {page_size}")
         self.mover = mover
         self.disk = disk
         self.page_size = page_size
+        self.shares = shares  # fair eviction between tenants (None: global LRU)
         self.allocator = SlotAllocator(mover.num_slots, page_size)
         self.tree = RadixTree(page_size)  # values: host slots
         self._num_cached = 0
@@ -173,9 +184,9 @@ class HostTier:
         dropped: list[Dropped] = []
         if missing <= 0:
             return dropped
-        for node, take in self.tree.evict_order(missing):
+        for node, take in self.tree.evict_order(missing, self.shares):
             path = self.tree.path_tokens(node)
-            if self.disk is not None:
+            if self.disk is not None and self.disk.is_on:
                 self._write_down(node, path, len(path) - take)
             dropped.append(Dropped(node.namespace, path, take))
             self.allocator.free(self.tree.trim_leaf(node, take))
@@ -189,22 +200,20 @@ class HostTier:
         assert self.disk is not None
         values = self.tree.path_values(node)
         c = self.disk.chunk_tokens
-        for end in self.disk.chunk_ends(len(path), dropped_from):
-            if not self.disk.has(node.namespace, path[:end]):
-                payload = self.mover.host_bytes(values[end - c : end])
-                self.disk.write(node.namespace, path[:end], payload)
+        for end in self.disk.missing(node.namespace, path, (dropped_from // c + 1) * c):
+            payload = self.mover.host_bytes(values[end - c : end])
+            self.disk.write(node.namespace, path[:end], payload)
 
     def write_through(self, tokens: Sequence[int], device_slots: Sequence[int], ns: str) -> None:
         """A request reused ``tokens`` (held on the device in ``device_slots``): write their
         whole chunks to disk now, if they are not there, so that a node that dies leaves its
         hot prefixes to its replacement (evicted ones reach disk through this tier anyway)."""
-        if self.disk is None:
+        if self.disk is None or not self.disk.is_on:
             return
         c = self.disk.chunk_tokens
-        for end in range(c, len(tokens) + 1, c):
-            if not self.disk.has(ns, tokens[:end]):
-                payload = self.mover.device_bytes(device_slots[end - c : end])
-                self.disk.write(ns, tokens[:end], payload)
+        for end in self.disk.missing(ns, tokens, c):
+            payload = self.mover.device_bytes(device_slots[end - c : end])
+            self.disk.write(ns, tokens[:end], payload)
 
     def warm_up(self) -> list[tuple[str, list[int]]]:
         """Read the disk's chains into this tier, most recently used first, while it has room
@@ -237,13 +246,22 @@ class HostTier:
 
     def match_below(self, tokens: Sequence[int], namespace: str, device_len: int) -> BelowHost:
         """What this tier, then the disk, hold of ``tokens`` past ``device_len`` tokens (the
-        host path is touched; nothing is locked or loaded)."""
+        host path is touched; nothing is locked, loaded or read from disk: the disk's chunks
+        are found by name, so whether a load pays is decided before any byte is read)."""
         h = self.tree.match(tokens, namespace)
         if self.disk is None:
-            return BelowHost(h, [], 0.0)
+            return BelowHost(h, [])
+        return BelowHost(h, self.disk.match(tokens, namespace, max(device_len, h.num_tokens)))
+
+    def read_below(self, below: BelowHost, tokens: Sequence[int], namespace: str) -> BelowHost:
+        """``below`` with its disk chunks read and checked, cut at the first that is not
+        whole and intact (removed by another node, damaged: rejected)."""
+        if not below.refs:
+            return below
+        assert self.disk is not None
         t0 = time.perf_counter()
-        chunks = self.disk.match(tokens, namespace, max(device_len, h.num_tokens))
-        return BelowHost(h, chunks, time.perf_counter() - t0)
+        chunks = self.disk.read_chunks(tokens, below.refs, namespace)
+        return BelowHost(below.host, below.refs[: len(chunks)], chunks, time.perf_counter() - t0)
 
     def match(self, tokens: Sequence[int], namespace: str) -> TreeMatch:
         """The longest path of ``tokens`` held here (touches it; does not lock)."""
@@ -290,7 +308,7 @@ class HostTier:
     def load_chunks(self, below: BelowHost, start: int, device_slots: Sequence[int]) -> None:
         """Copy the disk chunks' tokens from path position ``start`` on into ``device_slots``
         (one per token)."""
-        assert self.disk is not None and below.chunks
+        assert self.disk is not None and below.chunks and len(below.chunks) == len(below.refs)
         assert len(device_slots) == below.num_tokens - start
         t0 = time.perf_counter() - below.read_seconds
         i = 0

@@ -3,7 +3,8 @@
 A node's key is whole pages of tokens and its value is the slots holding their KV, so a node
 owns whole allocator pages and evicting it frees exactly those. Locks cover the path
 root..node; eviction takes unlocked leaves, least recently used first, trimming a leaf from its
-end by pages when less than the whole leaf is needed. Every insertion and eviction becomes a
+end by pages when less than the whole leaf is needed; with ``shares`` (fair eviction,
+``pd.cache.tenants``) each leaf is the own least recent of the tenant most over its share. Every insertion and eviction becomes a
 CacheEventMsg that the coordinator's PrefixIndex replays. The request-side protocol is in
 ``pd.cache.base``.
 
@@ -29,6 +30,7 @@ from pd.cache.base import (
 )
 from pd.cache.host_tier import HostTier, TierStats
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeInsert
+from pd.cache.tenants import TenantShares
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 
@@ -43,8 +45,10 @@ class RadixCache(BasePrefixCache):
         *,
         max_pending_events: int = 65536,
         lower: HostTier | None = None,
+        shares: TenantShares | None = None,
     ) -> None:
         self.allocator = allocator
+        self.shares = shares  # fair eviction between tenants (None: global LRU)
         self._lower = lower  # the host tier below the device pool, if any
         self.page_size = allocator.page_size
         self.node_id = node_id
@@ -93,6 +97,11 @@ class RadixCache(BasePrefixCache):
         num_load = below.num_tokens - m.num_tokens
         if num_load <= 0 or not self._lower.pays(num_host, num_load - num_host):
             return m
+        if below.refs:  # loading pays: only now are the disk's bytes read
+            below = self._lower.read_below(below, tokens, namespace)
+            num_load = below.num_tokens - m.num_tokens
+            if num_load <= 0:
+                return m
         self.inc_lock_ref(m.last_node)
         self._lower.lock(h)  # making room saves evicted paths into the tier: never over h
         try:
@@ -190,7 +199,7 @@ class RadixCache(BasePrefixCache):
 
     def evict(self, num_tokens: int) -> int:
         freed = 0
-        for node, take in self._tree.evict_order(num_tokens):
+        for node, take in self._tree.evict_order(num_tokens, self.shares):
             path = self._tree.path_tokens(node)
             held = len(path) - take  # tokens of the path this node still holds afterwards
             if self._lower is not None:

@@ -25,6 +25,8 @@ import heapq
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from pd.cache.tenants import TenantShares, tenant_of
+
 
 class RadixNode:
     """One edge of the tree: ``key`` tokens (whole pages) and the values aligned with them."""
@@ -199,34 +201,51 @@ class RadixTree:
                 node.value = node.value[:keep]
         return removed
 
-    def evict_order(self, num_tokens: int) -> Iterator[tuple[RadixNode, int]]:
+    def evict_order(
+        self, num_tokens: int, shares: TenantShares | None = None
+    ) -> Iterator[tuple[RadixNode, int]]:
         """Unlocked leaves, least recently used first, each with how many of its last tokens
         (whole pages) to trim, until ``num_tokens`` are trimmed or nothing is left to trim.
 
+        With ``shares`` (fair eviction, ``pd.cache.tenants``), each leaf comes from the tenant
+        that holds the most tokens of the tree per unit of its weight (ties: the larger tenant
+        name), its own least recent leaf, trimmed no further than that tenant stays the most; without, one order over all tenants (global LRU).
         The caller trims each (``trim_leaf(node, take)``) before asking for the next; a parent
-        whose last child was trimmed away becomes a leaf and joins the order.
+        whose last child was trimmed away becomes a leaf and joins the order (its tenant's).
         """
         ps = self.page_size
-        heap = [
-            (node.last_access, i, node)
-            for i, node in enumerate(self.iter_nodes())
-            if not node.children and node.lock_ref == 0
-        ]
-        heapq.heapify(heap)
-        tiebreak = len(heap)
+        heaps: dict[str, list[tuple[int, int, RadixNode]]] = {}
+        usage: dict[str, int] = {}
+        for i, node in enumerate(self.iter_nodes()):
+            tenant = "" if shares is None else tenant_of(node.namespace)
+            usage[tenant] = usage.get(tenant, 0) + len(node.key)
+            if not node.children and node.lock_ref == 0:
+                heaps.setdefault(tenant, []).append((node.last_access, i, node))
+        tiebreak = sum(len(heap) for heap in heaps.values())
+        for heap in heaps.values():
+            heapq.heapify(heap)
         trimmed = 0
-        while trimmed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while trimmed < num_tokens and heaps:
+            tenant = "" if shares is None else _most_over(usage, heaps, shares)
+            heap = heaps[tenant]
+            _, order, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
             wanted = num_tokens - trimmed
             take = min(len(node.key), wanted + (-wanted) % ps)
+            if shares is not None:  # no page past the point where another tenant is more over
+                take = _fair_take(usage, heaps, shares, tenant, take, ps)
             yield node, take
             trimmed += take
-            if node.parent is None and not parent.is_root and not parent.children:
+            usage[tenant] -= take
+            if node.parent is not None:  # trimmed in part: the rest is still its tenant's LRU
+                heapq.heappush(heap, (node.last_access, order, node))
+            elif not parent.is_root and not parent.children:
                 if parent.lock_ref == 0:
                     heapq.heappush(heap, (parent.last_access, tiebreak, parent))
                     tiebreak += 1
+            if not heap:
+                del heaps[tenant]
 
     def held_len(self, tokens: Sequence[int], namespace: str = "") -> int:
         """How many leading tokens of ``tokens`` the tree holds, in whole pages (read-only:
@@ -321,3 +340,27 @@ class RadixTree:
         else:
             i = next(j for j in range(n) if key[j] != tokens[pos + j])
         return i - i % self.page_size
+
+
+_Heaps = dict[str, list[tuple[int, int, RadixNode]]]
+
+
+def _most_over(usage: dict[str, int], heaps: _Heaps, shares: TenantShares) -> str:
+    """The tenant with an evictable leaf that holds the most tokens per unit of its weight
+    (ties: the larger name, so the order is deterministic)."""
+    return max(heaps, key=lambda t: (usage[t] / shares.weight(t), t))
+
+
+def _fair_take(
+    usage: dict[str, int], heaps: _Heaps, shares: TenantShares, tenant: str, take: int, ps: int
+) -> int:
+    """The pages of ``take`` to trim from ``tenant``'s leaf before another tenant is the most
+    over its share (at least one page): page by page, as if each were chosen on its own."""
+    others = [(usage[t] / shares.weight(t), t) for t in heaps if t != tenant]
+    if not others:
+        return take
+    runner_up, weight = max(others), shares.weight(tenant)
+    n = ps
+    while n < take and ((usage[tenant] - n) / weight, tenant) > runner_up:
+        n += ps
+    return n

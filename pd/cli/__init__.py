@@ -25,8 +25,9 @@ from transfer import TransferConfig
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-# the transfer deadlines every node uses, as --transfer-* flags
-TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s")
+# the transfer deadlines every node uses, and the connections each internal socket takes, as
+# --transfer-* flags
+TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_conns")
 # ``pd serve``'s engine defaults where they differ from ``EngineConfig``'s (those of the library
 # and ``pd generate``: fp32 weights, eager steps): on a CPU, int4 weights and compiled decode
 # steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")
@@ -75,14 +76,21 @@ def add_dataclass_args(
         title = group if isinstance(group, str) else group.get(f.name, "engine")
         add = groups[title].add_argument
         flag = "--" + f.metadata.get("flag", prefix + f.name).replace("_", "-")
+        flags = (flag, *(() if prefix else f.metadata.get("aliases", ())))
         dest, default, help_ = prefix + f.name, f.default, f.metadata.get("help")
         if isinstance(default, bool):
-            add(flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest)
+            add(
+                *flags,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_,
+                dest=dest,
+            )
         elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
-            add(flag, action="append", default=None, help=help_, dest=dest)
+            add(*flags, action="append", default=None, help=help_, dest=dest)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            add(flag, type=kind, default=default, help=help_, dest=dest)
+            add(*flags, type=kind, default=default, help=help_, dest=dest)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -102,23 +110,24 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     --admin-api-key flags."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    kwargs["api_key"] = (
-        *(args.api_key or ()),
-        *read_key_file(args.api_key_file, "--api-key-file"),
-        *envs.PD_API_KEY,
-    )
+    tenants = read_key_file(args.api_key_file, "--api-key-file")
+    admins = read_key_file(args.admin_api_key_file, "--admin-api-key-file")
+    kwargs["api_key"] = (*(args.api_key or ()), *(k for k, _ in tenants), *envs.PD_API_KEY)
     kwargs["admin_api_key"] = (
         *(args.admin_api_key or ()),
-        *read_key_file(args.admin_api_key_file, "--admin-api-key-file"),
+        *(k for k, _ in admins),
         *envs.PD_ADMIN_API_KEY,
     )
+    kwargs["key_groups"] = tuple((k, g) for k, g in (*tenants, *admins) if g is not None)
     return ServerConfig(**kwargs)
 
 
-def read_key_file(path: str | None, flag: str) -> tuple[str, ...]:
-    """The keys in ``path`` (none for None): one a line, or comma-separated as in PD_API_KEY;
-    blank lines are skipped. A file that cannot be read or holds no key is an error; one that
-    group or others may read is served, with a warning (a mounted Kubernetes secret is 0644)."""
+def read_key_file(path: str | None, flag: str) -> tuple[tuple[str, str | None], ...]:
+    """The keys in ``path`` (none for None), each with its key group or None: one a line, or
+    comma-separated as in PD_API_KEY, then optionally a space and the group of the line's keys
+    (``KEY GROUP``); blank lines are skipped. A file that cannot be read or holds no key is an
+    error; one that group or others may read is served, with a warning (a mounted Kubernetes
+    secret is 0644)."""
     if path is None:
         return ()
     try:
@@ -129,14 +138,23 @@ def read_key_file(path: str | None, flag: str) -> tuple[str, ...]:
         raise ValueError(f"{flag} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{flag} {path} is not UTF-8 text") from None
-    keys = tuple(k.strip() for line in text.splitlines() for k in line.split(",") if k.strip())
+    keys: list[tuple[str, str | None]] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if len(fields) > 2:
+            raise ValueError(
+                f"{flag} {path} line {i} has {len(fields)} fields: KEY or KEY GROUP, keys "
+                "comma-separated"
+            )
+        group = fields[1] if len(fields) == 2 else None
+        keys += [(k.strip(), group) for k in fields[0].split(",") if k.strip()] if fields else []
     if not keys:
         raise ValueError(f"{flag} {path} holds no key (one a line)")
     if mode & 0o077:
         logger.warning(
             "%s %s may be read by group or others (mode %o): chmod 600 it", flag, path, mode & 0o777
         )
-    return keys
+    return tuple(keys)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -225,9 +243,12 @@ def _add_security_args(parser: argparse.ArgumentParser) -> None:
             default=None,
             metavar="PATH",
             help=f"--{role}-key's keys read from a file, one a line (a flag's key shows in "
-            f"`ps`; a file's, like {env}'s, does not)",
+            f"`ps`; a file's, like {env}'s, does not); a line `KEY GROUP` puts the key in a key "
+            "group, whose keys share cached prefixes and a cache share (--cache-share)",
         )
-    rest = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name not in keys)
+    rest = tuple(
+        f.name for f in dataclasses.fields(ServerConfig) if f.name not in (*keys, "key_groups")
+    )
     add_dataclass_args(parser, ServerConfig, only=rest, group=title)
 
 
@@ -294,6 +315,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
         "where Ray's autoscaler adds GPU machines for nodes that wait",
     )
+    for role in ("prefill", "decode"):
+        cluster.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"ranks of each {role} node (a GPU each); default: --tensor-parallel-size",
+        )
     cluster.add_argument(
         "--namespace", default="pd", help="with --address: the Ray namespace of the nodes"
     )

@@ -171,6 +171,8 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         keep_nodes=args.keep_nodes,
         prefill_resources=args.prefill_resources,
         decode_resources=args.decode_resources,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         client=client_cfg,
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )

@@ -67,8 +67,11 @@ class NodeActors:
         """Create ``node``'s actor; the returned ref resolves to its ``NodeInfo`` once it is
         up."""
         role, node_id = node.role, node.node_id
+        gpus = self.gpus_of(role, engine_cfg)
+        tp = self.cfg.tensor_parallel_size(role, engine_cfg.tensor_parallel_size)
+        engine_cfg = dataclasses.replace(engine_cfg, tensor_parallel_size=tp)
         options: dict[str, Any] = {"max_concurrency": 4}
-        options.update({"num_gpus": self.gpus, "num_cpus": 1} if self.gpus else {"num_cpus": 0})
+        options.update({"num_gpus": gpus, "num_cpus": 1} if gpus else {"num_cpus": 0})
         if resources := self.cfg.resources(role):
             options["resources"] = resources
         if self.is_detached:  # outlives this server; the next one finds it by name
@@ -82,6 +85,7 @@ class NodeActors:
             host=node_bind_host(self.cfg.address is None),
             debug_checks=envs.PD_DEBUG,
             transfer=dataclasses.replace(self.cfg.transfer, secret=secret),
+            machine_nodes=self.machine_nodes(),
         )
         node.actor = ray.remote(ACTOR_CLASSES[role]).options(**options).remote(engine_cfg, node_cfg)
         return node.actor.start.remote()
@@ -163,6 +167,11 @@ class NodeActors:
         requests aborted)."""
         return ray.get([a.attach.remote(server_addr) for a in running.values()])
 
+    def gpus_of(self, role: str, engine_cfg: EngineConfig) -> float:
+        """GPUs a ``role`` node asks Ray for: a node of N ranks takes N of one machine (one
+        actor asks for them all, so Ray places them together)."""
+        return self.gpus * self.cfg.tensor_parallel_size(role, engine_cfg.tensor_parallel_size)
+
     def threads(self, engine_cfg: EngineConfig) -> int | None:
         """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),
         else on CPU nodes the machine's cores split over the larger pool: a prefill and a
@@ -175,6 +184,19 @@ class NodeActors:
             return engine_cfg.num_threads
         largest = max(self.cfg.num_prefill, self.cfg.num_decode)
         return max(1, (os.cpu_count() or 1) // largest)
+
+    def machine_nodes(self) -> int:
+        """How many pd nodes may share a node's machine (its host tier's default takes its
+        share of the machine's memory): on the private local instance, the cluster's (its
+        pools' sizes now); on a Ray cluster, with GPUs, as many as the Ray node with the most
+        GPUs can hold, else the cluster's (a CPU node asks Ray for no CPU: any number of them
+        may land on one machine). A node started later counts the sizes then: the nodes before
+        it keep their share (its pages resident only as used)."""
+        num_nodes = max(1, sum(self._pools.target.values()))
+        if not (self.is_detached and self.gpus):
+            return num_nodes
+        alive = [n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        return max(1, min(num_nodes, int(max(alive, default=0.0) // self.gpus)))
 
     def _env(self, role: str) -> dict[str, str]:
         """Environment variables for a ``role`` node's process: a CPU prefill node's OpenMP

@@ -86,6 +86,7 @@ from pd.core.options import option
 from pd.core.outputs import ClusterStats, RequestOutput
 from pd.core.sampling_params import SamplingParams
 from transfer.auth import DEFAULT_MAX_AGE_S
+from transfer.conn_cap import MAX_CONNS
 from transfer.endpoint import parse_endpoint
 
 __all__ = [
@@ -152,9 +153,11 @@ class ClusterClient:
         on_node_failed: Callable[[str], None] | None = None,
         resync: Callable[[str], Awaitable[int]] | None = None,
         max_msg_age_s: float = DEFAULT_MAX_AGE_S,
+        max_conns: int = MAX_CONNS,
     ) -> None:
         """``resync(node_id)`` asks a node for its cache snapshot (``MirrorSync``);
-        ``max_msg_age_s``: a frame stamped further from this clock is refused (the nodes')."""
+        ``max_msg_age_s``: a frame stamped further from this clock is refused (the nodes');
+        ``max_conns``: connections the PULL socket takes at once (``transfer.conn_cap``)."""
         self.coordinator = coordinator
         self.cfg = c = cfg or ClientConfig()
         self.pull_addr = pull_addr  # what the PULL socket binds
@@ -166,7 +169,7 @@ class ClusterClient:
         self._num_starting: Counter[str] = Counter()  # nodes being started, per role
         self._handoff = LoopHandoff()
         self._tasks = TaskSet()  # the reader, the watchdog, snapshot requests, retries
-        self.sockets = NodeSockets(max_msg_age_s, self._on_node_msg)
+        self.sockets = NodeSockets(max_msg_age_s, self._on_node_msg, max_conns)
         self.flights = Flights(coordinator, self.sockets, self.nodes, c, self._tasks)
         self.liveness = Liveness(
             c.heartbeat_timeout_s, c.watch_interval_s, c.ping_timeout_s, ping, self.fail_node

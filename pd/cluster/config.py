@@ -35,6 +35,9 @@ class ClusterConfig:
     # Ray custom resources each node of a role asks for, e.g. {"prefill": 1}
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
+    # ranks of each node of a pool (tensor parallel); None: the engine's --tensor-parallel-size
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     drain_timeout_s: float | None = None  # a draining node's requests; None: request_timeout_s
     client: ClientConfig = field(default_factory=ClientConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
@@ -45,6 +48,15 @@ class ClusterConfig:
                 f"need at least {MIN_POOL['prefill']} prefill and {MIN_POOL['decode']} decode "
                 f"node(s), got {self.num_prefill} and {self.num_decode}"
             )
+        num_nodes = self.num_prefill + self.num_decode
+        if num_nodes >= self.transfer.max_conns:  # one each to the server's socket, and the server
+            raise ValueError(
+                f"{num_nodes} nodes need transfer max_conns > {num_nodes} (each internal socket "
+                f"takes one connection per node, and the server's), got {self.transfer.max_conns}"
+            )
+        for size in (self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size):
+            if size is not None and size < 1:
+                raise ValueError(f"a pool's tensor parallel size must be >= 1, got {size}")
         if self.node_gpus is not None and self.node_gpus < 0:
             raise ValueError(f"node_gpus must be >= 0, got {self.node_gpus}")
         for role in ROLES:
@@ -57,6 +69,15 @@ class ClusterConfig:
 
     def resources(self, role: str) -> dict[str, float]:
         return self.prefill_resources if role == "prefill" else self.decode_resources
+
+    def tensor_parallel_size(self, role: str, default: int) -> int:
+        """Ranks of each ``role`` node (``default``: the engine's)."""
+        size = (
+            self.prefill_tensor_parallel_size
+            if role == "prefill"
+            else self.decode_tensor_parallel_size
+        )
+        return default if size is None else size
 
     @property
     def drain_deadline_s(self) -> float:

@@ -4,12 +4,17 @@ booked until the request is prefilled and finished.
 ``route`` is two steps. First ``RoutePolicy.choose`` (``pd.cluster.policy``, whose docstring
 gives the rules): the decode node, the prefill node or none (the decode node prefills the
 request itself: conditional disaggregation), and a pull or not; it books nothing. Then
-``_book``, the one place a route is booked: the decode node's KV slots for prompt +
-max_tokens, the prompt's uncomputed tokens as load on the node that prefills it, the prompt as
+``_book``, the one place a route is booked: the decode node's KV slots for the prompt and the
+answer's expected length (``expected_new_tokens``: at least 512 tokens, at most max_tokens), the
+prompt's uncomputed tokens as load on the node that prefills it, the prompt as
 pending there in the shared mirror (a follower routed before its cache events arrive finds it),
 the pull decision in ``pulls`` (``PullLog``) and the route in ``routes`` (``RouteLog``, for
 ``GET /admin/routes``). ``on_prefilled`` (its first token came) releases the load and the
-pending prompt; ``on_finished`` the slots. Routing a request id that is still booked releases
+pending prompt; ``on_tokens`` grows the booking as the answer grows (to the tokens it has plus
+as many again), so a request without max_tokens, which the server gives the rest of the
+context, holds what it uses, not the context; ``on_finished`` releases the slots, grown or not.
+A decode node's own admission expects no more than this (``SlotBudget.expected_len``), and
+retracts a request when its pool runs out. Routing a request id that is still booked releases
 that booking first.
 
 What the policy chooses over: every node's cache, prefill and decode, replayed from its cache
@@ -27,6 +32,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
@@ -45,6 +51,7 @@ from pd.cluster.policy import (
 from pd.cluster.pulls import Pull, PullCosts, PullLog
 from pd.cluster.route_log import RouteLog
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
+from pd.engine.slots import expected_new_tokens
 
 # CoordinatorConfig, NoCapacityError and POLICIES live with the policy; Pull and PullCosts with
 # pull costing: importable from here too, where callers look for them
@@ -66,13 +73,25 @@ class Route(NamedTuple):
     pull: Pull | None = None  # the prefill node first pulls this prefix
 
 
-class _Booking(NamedTuple):
-    """What ``route`` booked for a request, released by ``on_prefilled``/``on_finished``. The
-    nodes' states, not their ids: a node removed and registered again is a new state."""
+@dataclass(slots=True)
+class _Booking:
+    """What ``route`` booked for a request, grown by ``on_tokens``, released by
+    ``on_prefilled``/``on_finished``. The nodes' states, not their ids: a node removed and
+    registered again is a new state."""
 
     prefill: PrefillState | None  # None: prefilled on the decode node
     decode: DecodeState
-    num_reserved_slots: int  # on the decode node
+    num_reserved_slots: int  # on the decode node; changed only by Coordinator._grow
+    num_prompt_tokens: int
+    max_tokens: int
+    num_output_tokens: int = 0  # what its decode node has streamed so far
+
+
+def _booked_len(page_size: int, num_prompt: int, max_tokens: int, num_output: int) -> int:
+    """KV slots a request with ``num_output`` tokens generated is booked for: its prompt, its
+    output and what it is expected to generate yet, in whole pages."""
+    n = num_prompt + num_output + expected_new_tokens(max_tokens - num_output, num_output)
+    return -(-n // page_size) * page_size
 
 
 class Coordinator:
@@ -134,6 +153,10 @@ class Coordinator:
     def load(self, node_id: str) -> int:
         return self._prefill[node_id].load
 
+    def num_reserved_slots(self, node_id: str) -> int:
+        """KV slots booked on a decode node (more than it has when answers outgrew them)."""
+        return self._decode[node_id].reserved
+
     # -- events, snapshots, measures --------------------------------------------------------
 
     def apply_event(self, event: CacheEventMsg) -> None:
@@ -177,7 +200,8 @@ class Coordinator:
         if request_id in self._requests:
             self.on_finished(request_id)
         page = self.cfg.page_size
-        need = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
+        most = -(-(len(prompt_ids) + max_tokens) // page) * page  # decode nodes take whole pages
+        need = _booked_len(page, len(prompt_ids), max_tokens, 0)
         key = encode_tokens(prompt_ids)
         # The last prompt token is always computed (see BasePrefixCache.match_prompt).
         members = self._membership()
@@ -187,12 +211,14 @@ class Coordinator:
             members,
             len(prompt_ids),
             need,
+            most,
             match,
             allow_local=allow_local,
             decode_only=self.decode_only,
         )
         prompt = InFlight(key, namespace, len(prompt_ids) - choice.num_matched)
-        return self._book(request_id, choice, prompt, need, match)
+        booking = _Booking(choice.prefill, choice.decode, 0, len(prompt_ids), max_tokens)
+        return self._book(request_id, choice, prompt, booking, need, match)
 
     def on_prefilled(self, request_id: str) -> None:
         """The request's first token came: its prefill load is gone, and its decode node is
@@ -216,11 +242,29 @@ class Coordinator:
             if self._prefill.get(node.node_id) is node:  # a removed node took its prompts along
                 self._mirror.remove_pending(node.node_id, inflight.key, inflight.namespace)
 
+    def on_tokens(self, request_id: str, num_tokens: int) -> None:
+        """Its decode node streamed ``num_tokens`` more: the booking grows to its prompt, its
+        output and as many tokens again (``_booked_len``), never shrinks, never past
+        max_tokens. It grows whether or not the node has room: the node retracts a request
+        when its pool runs out, and new requests wait until bookings end."""
+        booking = self._requests.get(request_id)
+        if booking is None or num_tokens <= 0:
+            return
+        booking.num_output_tokens += num_tokens
+        need = _booked_len(
+            self.cfg.page_size,
+            booking.num_prompt_tokens,
+            booking.max_tokens,
+            booking.num_output_tokens,
+        )
+        if need > booking.num_reserved_slots:
+            self._grow(booking, need - booking.num_reserved_slots)
+
     def on_finished(self, request_id: str) -> None:
         self.on_prefilled(request_id)
         booking = self._requests.pop(request_id, None)
         if booking is not None:
-            booking.decode.reserved -= booking.num_reserved_slots
+            self._grow(booking, -booking.num_reserved_slots)
             booking.decode.started.discard(request_id)
 
     def check_integrity(self) -> None:
@@ -243,6 +287,11 @@ class Coordinator:
             assert decode.local_load == sum(f.load for f in decode.local.values()), node_id
             assert all(self._requests[r].decode is decode for r in decode.local)
             assert all(self._requests[r].decode is decode for r in decode.started)
+        for request_id, b in self._requests.items():  # grown to what its output says, no more
+            expected = _booked_len(
+                self.cfg.page_size, b.num_prompt_tokens, b.max_tokens, b.num_output_tokens
+            )
+            assert b.num_reserved_slots == expected, (request_id, b.num_reserved_slots, expected)
         self._mirror.check_integrity(
             (node_id, f.key, f.namespace)
             for node_id, flights in itertools.chain(
@@ -255,13 +304,19 @@ class Coordinator:
     # -- bookkeeping ------------------------------------------------------------------------
 
     def _book(
-        self, request_id: str, choice: Choice, prompt: InFlight, need: int, match: PrefixMatch
+        self,
+        request_id: str,
+        choice: Choice,
+        prompt: InFlight,
+        booking: _Booking,
+        need: int,
+        match: PrefixMatch,
     ) -> Route:
         """The one place a route is booked: ``need`` slots on the decode node, ``prompt`` in
         flight on the node that prefills it (its load there, and pending in the mirror), the
         pull decision and the route in their logs."""
         decode, prefill = choice.decode, choice.prefill
-        decode.reserved += need
+        self._grow(booking, need)
         if prefill is None:
             self.num_local_routes += 1
             decode.local[request_id] = prompt
@@ -271,7 +326,7 @@ class Coordinator:
             self._add_load(prefill, prompt.load)
         prefills = prefill or decode
         self._mirror.add_pending(prefills.node_id, prompt.key, prompt.namespace, after=match)
-        self._requests[request_id] = _Booking(prefill, decode, need)
+        self._requests[request_id] = booking
         if choice.decision is not None:  # weighed, whether or not a pull came of it
             self.pulls.add(choice.decision)
         route = Route(
@@ -282,6 +337,16 @@ class Coordinator:
         )
         self.routes.add(request_id, route)
         return route
+
+    @staticmethod
+    def _grow(booking: _Booking, delta: int) -> None:
+        """The one place a booking's slots change, with its decode node's reservation."""
+        booking.num_reserved_slots += delta
+        booking.decode.reserved += delta
+        assert booking.num_reserved_slots >= 0 and booking.decode.reserved >= 0, (
+            booking.num_reserved_slots,
+            booking.decode.reserved,
+        )
 
     def _add_load(self, node: PrefillState, delta: int) -> None:
         node.load += delta

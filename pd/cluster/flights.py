@@ -8,7 +8,7 @@ one's current attempt. A request's attempts, in the order of the client's reques
 - ``dispatch``: a new wire id; book the nodes with the coordinator, waiting in FIFO order for
   room (``RoomQueue``) until the deadline, then send the request to them (``NodeSockets``).
 - ``on_tokens`` (the reader, for each ``TokenMsg``): tokens, a finish or an error into the
-  flight's mailbox; a failed KV transfer of an attempt that streamed nothing is re-routed after
+  flight's mailbox, the tokens into the attempt's booking (which grows with the answer); a failed KV transfer of an attempt that streamed nothing is re-routed after
   ``retry_delay_s`` (``_retry_later``), unless a node death moves it first.
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
   (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere.
@@ -179,6 +179,8 @@ class Flights:
         self.coordinator.on_prefilled(wire)
         if msg.finished:
             self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
+        else:
+            self.coordinator.on_tokens(wire, len(msg.token_ids))  # its booking grows with it
 
     def on_node_lost(self, node_id: str, why: str) -> None:
         """``node_id`` is gone (dead or removed): each flight it served moves off it."""

@@ -52,6 +52,7 @@ from pd.cluster.placement import (
     pool_capacity,
     ray_autoscaler_max,
     ray_totals,
+    socket_capacity,
 )
 from pd.cluster.pools import NodeState, Pools
 from pd.core.addresses import choose_addrs
@@ -88,6 +89,7 @@ class Cluster:
             on_node_failed=self._on_node_failed,
             resync=self.actors.resync,
             max_msg_age_s=cfg.transfer.max_msg_age_s,
+            max_conns=cfg.transfer.max_conns,
         )
         self._stopping = False
         self._tasks = TaskSet()
@@ -186,7 +188,8 @@ class Cluster:
 
     def capacity(self, role: str, num_other: int) -> Capacity:
         """How many ``role`` nodes the Ray cluster can hold beside ``num_other`` nodes of the
-        other pool (``pd.cluster.placement``). Blocking (it asks Ray): not on the event loop.
+        other pool (``pd.cluster.placement``), and the server's socket can take (its
+        ``--transfer-max-conns``). Blocking (it asks Ray): not on the event loop.
         A CPU node takes in memory the largest resident size a node reports, or before any
         has, its checkpoint's weight files."""
         other = next(r for r in ROLES if r != role)
@@ -194,16 +197,20 @@ class Cluster:
         if not memory:
             model_dir = resolve_model(self.engine_cfg.model)
             memory = float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")))
-        gpus = self.actors.gpus
-        return pool_capacity(
+        cap = pool_capacity(
             role,
-            node_demand(gpus, self.cfg.resources(role), memory),
+            node_demand(
+                self.actors.gpus_of(role, self.engine_cfg), self.cfg.resources(role), memory
+            ),
             other,
-            node_demand(gpus, self.cfg.resources(other), memory),
+            node_demand(
+                self.actors.gpus_of(other, self.engine_cfg), self.cfg.resources(other), memory
+            ),
             num_other,
             ray_totals(is_local=self.cfg.address is None),
             ray_autoscaler_max(),
         )
+        return socket_capacity(cap, num_other, self.cfg.transfer.max_conns)
 
     def drain(self, node_id: str) -> None:
         """Drain ``node_id`` and remove it; its pool's target drops by one. Call on the

@@ -12,7 +12,9 @@ machine's cores and physical memory), raised to what Ray's autoscaler reports it
 cluster to when it runs (its node types' ``max_workers``); the other pool's nodes hold their
 share. Packing is not modelled
 (fractional GPUs over several machines): the count is an upper bound, and a node that Ray
-still cannot place fails its start (``ready_timeout_s``) and lowers the target again.
+still cannot place fails its start (``ready_timeout_s``) and lowers the target again. Nor can
+the cluster grow past what the server's socket takes (``socket_capacity``: one connection per
+node, ``--transfer-max-conns``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def pool_capacity(
     )
     if any(name in held for name in demand) and num_other:
         why += f", of which the {num_other} {other_role} node(s) hold {_resources(held)}"
+    return Capacity(n, why)
+
+
+def socket_capacity(cap: Capacity, num_other: int, max_conns: int) -> Capacity:
+    """``cap``, or fewer where the server's socket could not take them: each internal socket
+    takes ``max_conns`` connections (``transfer.conn_cap``), one per node and one for the
+    server, so at most ``max_conns - 1`` nodes in all."""
+    n = max(0, max_conns - 1 - num_other)
+    if n >= cap.max_nodes:
+        return cap
+    why = (
+        f"each internal socket takes {max_conns} connections (--transfer-max-conns): at most "
+        f"{max_conns - 1} nodes, {num_other} of them in the other pool"
+    )
     return Capacity(n, why)
 
 

@@ -18,7 +18,9 @@ Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exac
    tokens: otherwise an idle cluster would pin every new prefix to the same first node.
 
 ``round_robin``, ``random`` and ``least_load`` are there for comparison.
-Decode node, among those with enough unreserved KV slots for prompt + max_tokens: under
+Decode node, among those with enough unreserved KV slots for the prompt and the answer's
+expected length (``Coordinator.route``; a node too small for prompt + max_tokens is never
+chosen, and when none is large enough the request is refused): under
 ``cache_aware``, the one whose own cache (decode nodes keep what they decoded, mirrored from
 their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
 conversation's next turn returns to the node that has its history and less KV moves; else,
@@ -196,16 +198,17 @@ class RoutePolicy:
         members: Members,
         prompt_len: int,
         need: int,
+        most: int,
         match: PrefixMatch,
         *,
         allow_local: bool,
         decode_only: bool,
     ) -> Choice:
-        """The nodes for a request of ``prompt_len`` tokens that needs ``need`` KV slots on
-        its decode node (module docstring); ``match``: the prompt in the shared index. Raises
-        NoCapacityError if no decode node has room now (or no prefill node accepts when one
-        is needed), ValueError if no decode node ever could."""
-        decode = self._pick_decode(members, need, prompt_len, match)
+        """The nodes for a request of ``prompt_len`` tokens that books ``need`` KV slots on
+        its decode node and may grow to ``most`` (module docstring); ``match``: the prompt in
+        the shared index. Raises NoCapacityError if no decode node has room now (or no prefill
+        node accepts when one is needed), ValueError if no decode node ever could."""
+        decode = self._pick_decode(members, need, most, prompt_len, match)
         held = match.expected_len(decode.index.bit)
         if decode_only and not members.accepting:
             local = True  # no prefill pool: the decode nodes prefill every prompt (warm-ups too)
@@ -278,22 +281,22 @@ class RoutePolicy:
         return decode.local_load + num_local + margin < prefill.load + num_remote
 
     def _pick_decode(
-        self, members: Members, need: int, prompt_len: int, match: PrefixMatch
+        self, members: Members, need: int, most: int, prompt_len: int, match: PrefixMatch
     ) -> DecodeState:
         nodes = members.decode
         if not nodes:  # like the prefill side: one may register (or return) later
             raise NoCapacityError("no decode node is accepting requests")
+        largest = max(d.num_slots for d in nodes)
+        if most > largest:
+            raise ValueError(
+                f"request needs {most} KV slots; the largest decode node has {largest}"
+            )
         fits = [
             (d.num_slots - d.reserved, d.node_id, d)
             for d in nodes
-            if d.num_slots - d.reserved >= need
+            if d.num_slots - d.reserved >= need and d.num_slots >= most
         ]
         if not fits:
-            most = max(d.num_slots for d in nodes)
-            if need > most:
-                raise ValueError(
-                    f"request needs {need} KV slots; the largest decode node has {most}"
-                )
             raise NoCapacityError(f"no decode node has {need} free KV slots right now")
         if self.cfg.policy == "cache_aware":
             # node ids are unique: the states themselves are never compared

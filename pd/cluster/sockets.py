@@ -4,7 +4,8 @@ One PULL socket receives what every node pushes (tokens, cache events, stats, pu
 PUSH socket per node, made at its first message, carries requests, aborts and news of its peers
 to it. Every frame either way is sealed under the cluster secret (``transfer.auth``).
 
-The reader of the PULL socket drops and counts what fails the seal (also by sending address),
+The PULL socket takes at most ``max_conns`` connections at once (``transfer.conn_cap``: what
+strangers can make it hold is bounded whatever they open). Its reader drops and counts what fails the seal (also by sending address),
 decodes each authentic frame and hands the message to ``on_msg``; a message that does not
 decode, or whose handling raises, is counted (``num_bad_msgs``) and dropped, and reading goes on.
 A reader that dies is restarted (``num_reader_restarts``), and ``is_reading`` is false until it
@@ -33,6 +34,7 @@ import zmq.asyncio
 from pd.core.messages import NodeInfo, ServerMsg
 from transfer import inbound
 from transfer.auth import Opener, Sealer
+from transfer.conn_cap import MAX_CONNS, ConnectionCap
 
 logger = logging.getLogger(__name__)
 # What the reader handles between two turns of the event loop.
@@ -54,10 +56,17 @@ class _Link:
 
 
 class NodeSockets:
-    def __init__(self, max_msg_age_s: float, on_msg: Callable[[ServerMsg], None]) -> None:
+    def __init__(
+        self,
+        max_msg_age_s: float,
+        on_msg: Callable[[ServerMsg], None],
+        max_conns: int = MAX_CONNS,
+    ) -> None:
         """``on_msg`` handles each node message read, on the event loop; ``max_msg_age_s``: a
-        frame stamped further from this clock is refused."""
+        frame stamped further from this clock is refused; ``max_conns``: connections the PULL
+        socket takes at once (one per node)."""
         self._max_msg_age_s = max_msg_age_s
+        self._max_conns = max_conns
         self._on_msg = on_msg
         self.rejects = inbound.RejectsByPeer("server")
         self.num_bad_msgs = 0  # node messages dropped: malformed, or their handling raised
@@ -66,6 +75,7 @@ class NodeSockets:
         self._secret = b""  # the cluster's, from ``bind``
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
+        self._cap: ConnectionCap | None = None
         self._opener: Opener | None = None
         self._reader: inbound.SealedReader | None = None
         self._links: dict[str, _Link] = {}  # by node id
@@ -108,7 +118,9 @@ class NodeSockets:
         self._pull = self._ctx.socket(zmq.PULL)
         limit = inbound.max_frame_bytes(max(max_model_len, inbound.DEFAULT_MAX_TOKENS))
         inbound.limit_frame_size(self._pull, limit)
+        self._cap = ConnectionCap(self._pull, self._max_conns, "server")
         self._pull.bind(pull_addr)
+        self._cap.start(int(self._pull.last_endpoint.rsplit(b":", 1)[1]))
         # the reader reads through a plain (blocking-API) socket sharing the same libzmq one
         shadow = zmq.Socket.shadow(self._pull.underlying)
         self._reader = inbound.SealedReader(shadow, self._opener, self.rejects, READ_BUDGET)
@@ -177,6 +189,8 @@ class NodeSockets:
             if link.sock is not None:
                 link.sock.close(linger=0)
                 link.sock = None
+        if self._cap is not None:
+            self._cap.close()
         if self._pull is not None:
             self._pull.close(linger=0)
         if self._ctx is not None:

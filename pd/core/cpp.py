@@ -6,13 +6,16 @@ registers torch operators from C++ (``TORCH_LIBRARY_FRAGMENT``).
 ``load_torch_ops`` compiles it once against the running torch's headers (seconds) into
 ``PD_CACHE_DIR/kernels``, under a name keyed by the source, the compiler, the flags, torch's
 version and the CPU's flags, so a changed source or another machine builds again and concurrent
-builders leave the same file, and loads it into torch's dispatcher. A compiled graph calls such
+builders leave the same file, and loads it into torch's dispatcher. A ``.so`` that another user
+can write is code execution in this process, so ``kernels`` is made 0700, and ``PD_CACHE_DIR``,
+``kernels`` and the library must be this user's (or root's) and writable by neither group nor
+others, else ``InsecurePathError`` names the path and its mode (``pd.core.private_dir``). A compiled graph calls such
 an operator through the dispatcher alone (the same kernels as Python operators calling ctypes
 cost tens of microseconds more a call, a third of an int4 decode step).
 Plain C functions of the same library (what a kernel supports) are read with ctypes.
 
 Where there is no compiler or the build fails, ``load_torch_ops`` logs why and returns None,
-and the caller runs torch's ops instead.
+and the caller runs torch's ops instead (an insecure cache directory is raised, not logged).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch.utils import cpp_extension
 
 from pd.core import envs
+from pd.core.private_dir import InsecurePathError, check_trusted, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,15 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _kernels_dir() -> Path:
+    """``PD_CACHE_DIR/kernels``, made 0700; both checked (``InsecurePathError``)."""
+    root = envs.PD_CACHE_DIR
+    if not os.path.lexists(root):
+        root.mkdir(parents=True, mode=0o755, exist_ok=True)  # models/ in it may be shared
+    check_trusted(root, os.lstat(root), is_dir=True)  # else kernels/ could be swapped
+    return private_dir(root / "kernels")
 
 
 def load_torch_ops(
@@ -103,10 +116,9 @@ def _build(
         ).stdout
         parts = (source, compiler, version, " ".join([*flags, *libs]), _cpu_flags(), also)
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-        out_dir = envs.PD_CACHE_DIR / "kernels"
+        out_dir = _kernels_dir()
         path = out_dir / f"{name}-{key}.so"
         if not path.exists():
-            out_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
                 src = Path(tmp) / f"{name}.cpp"
                 src.write_text(source)
@@ -119,7 +131,10 @@ def _build(
                     timeout=300,
                 )
                 os.replace(built, path)  # atomic: a concurrent builder leaves the same file
+        check_trusted(path, os.lstat(path), is_dir=False)  # what is loaded is this user's
         return path
+    except InsecurePathError:
+        raise  # not a build that failed: an operator's error, which running slower would hide
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("building %s failed (%s): torch's ops instead", name, detail)

@@ -209,13 +209,14 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     host_load_seconds: float = 0.0
     num_host_skipped: int = 0  # host hits computed instead: measured faster than loading
     # the disk tier below the host tier (pd.cache.disk_tier), shared by the host's nodes
-    disk_bytes: int = 0  # what its directory holds (as this node last counted)
+    disk_bytes: int = 0  # what its directory holds, every node's chunks (the shared count)
     num_disk_hit_tokens: int = 0  # hit tokens loaded from disk (of num_hit_tokens)
     num_disk_loads: int = 0  # chunks loaded
     disk_load_bytes: int = 0
     disk_load_seconds: float = 0.0
     num_disk_written: int = 0  # chunks written
-    num_disk_rejected: int = 0  # truncated, corrupt or foreign files removed
+    num_disk_rejected: int = 0  # truncated, corrupt, unauthenticated or foreign files removed
+    disk_off: int = 0  # 1: the disk tier turned itself off after a file-system error
     # the speed pulls are weighed against: prompt tokens computed in pure prefill batches
     num_prefill_tokens: int = 0
     prefill_seconds: float = 0.0

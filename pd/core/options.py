@@ -6,6 +6,7 @@ from dataclasses import field
 from typing import Any
 
 
-def option(default: Any, help: str) -> Any:  # "help": argparse's name
-    """A field with its CLI help text (``pd.cli`` builds flags from these)."""
-    return field(default=default, metadata={"help": help})
+def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:  # argparse's names
+    """A field with its CLI help text (``pd.cli`` builds flags from these) and other flags
+    that set it (``aliases``, e.g. ``("--tp",)``)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})

@@ -21,6 +21,7 @@ from pd.core.messages import NodeStatsMsg
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
+from pd.engine.tensor_parallel import TensorParallelError
 from pd.engine.torch_thread import TorchThread
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,12 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
 
     async def is_ready(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.engine.core.fatal_error is None
 
     async def readiness(self) -> str | None:
-        return None if self._thread.is_alive() else "the engine thread is not running"
+        if not self._thread.is_alive():
+            return "the engine thread is not running"
+        return self.engine.core.fatal_error  # a rank of a tensor-parallel engine gone
 
     def stats(self) -> NodeStatsMsg:
         """The engine's stats, as of its last step (refreshed a few times a second)."""
@@ -79,6 +82,7 @@ class AsyncEngine:
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        self.engine.close()  # a tensor-parallel engine's ranks (they would die with the thread)
 
     def call(self, fn: Any) -> Any:
         """Run ``fn(engine)`` on the engine thread and return its result (for stats, checks)."""
@@ -102,7 +106,7 @@ class AsyncEngine:
             request_id, prompt_ids, params, namespace = arg
             try:
                 self.engine.add_request(prompt_ids, params, request_id, namespace)
-            except ValueError as e:
+            except (ValueError, TensorParallelError) as e:
                 self._deliver(request_id, e)
         elif cmd == "abort":
             out = self.engine.abort(arg)

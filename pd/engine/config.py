@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.cache.tenants import TenantShares
 from pd.core.options import option
 from pd.engine.graphs import parse_buckets
 from pd.model.quant import INT4_GROUP_SIZE, check_quantization, resolve_linear_backend
@@ -69,28 +70,52 @@ class EngineConfig:
     )
     new_token_ratio: float = option(
         0.7,
-        "admission expects a request to decode this fraction of its max_tokens (decaying while "
-        "nothing is retracted); 1.0: the worst case, never retract",
+        "admission expects a request to decode this fraction of its max_tokens, or of 512 "
+        "tokens or as many as it decoded already if fewer (decaying while nothing is "
+        "retracted); 1.0: the worst case of max_tokens up to 512, never retracted",
     )
     max_model_len: int | None = option(None, "context length; default: the model's")
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
     host_cache_tokens: int | None = option(
         None,
         "KV slots of the host tier below each pool (what it evicts); default: 4 x "
-        "max_total_tokens, at most 1/8 of the machine's memory; 0: off",
+        "max_total_tokens, at most 1/8 of the node's share of the machine's memory (physical, "
+        "or the cgroup's limit where lower, over the nodes that may share the machine); 0: off",
     )
     disk_cache_dir: str | None = option(
         None,
         "a disk tier below the host tier, shared by the nodes of one host (a node started "
-        "later reads it up); default: none",
+        "later reads it up); made 0700, refused if another user could write it; default: none",
     )
-    disk_cache_gb: float = option(16.0, "the disk tier directory's bound, GiB")
+    disk_cache_gb: float = option(
+        16.0, "the disk tier directory's bound, GiB, for every node and model sharing it"
+    )
+    cache_eviction: str = option(
+        "fair",
+        "fair: under pressure, the tenant (API key group) holding most of a cache tier per "
+        "unit of its share loses its own least recent prefixes first; lru: one global "
+        "least-recently-used order",
+    )
+    cache_share: tuple[str, ...] = option(
+        (),
+        "GROUP=WEIGHT: a key group's weight in fair eviction (repeatable; default 1 each, a "
+        "key outside any group too)",
+    )
     num_threads: int | None = option(
         None,
         "torch threads per process (per node in a cluster); default: torch's, or in a cluster "
         "on the CPU the machine's cores split over the larger pool's nodes",
     )
     seed: int = option(0, "seed for requests that bring none")
+    tensor_parallel_size: int = option(
+        1,
+        "ranks of each node (tensor parallel: a process and a device each; on a cpu the "
+        "node's threads split over them); the model's heads must split evenly",
+        aliases=("--tp",),
+    )
+    tensor_parallel_timeout_s: float = option(
+        30.0, "seconds a rank waits for another in a step before the node stops as one"
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -124,6 +149,10 @@ class EngineConfig:
             raise ValueError("disk_cache_dir needs the prefix cache and its host tier")
         if not self.disk_cache_gb > 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
+        if self.cache_eviction not in ("fair", "lru"):
+            raise ValueError(f"cache_eviction must be fair or lru, got {self.cache_eviction!r}")
+        object.__setattr__(self, "cache_share", tuple(self.cache_share or ()))  # flag unset: None
+        self.cache_shares()  # raises on a malformed GROUP=WEIGHT
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -141,6 +170,17 @@ class EngineConfig:
         if self.quantization != "auto":
             check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
+        if self.tensor_parallel_size < 1 or not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
+                f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
+            )
+
+    def cache_shares(self) -> TenantShares | None:
+        """The tenants' weights for fair eviction; None: global LRU."""
+        if self.cache_eviction == "lru":
+            return None
+        return TenantShares.parse(self.cache_share)
 
     @property
     def torch_device(self) -> torch.device:

@@ -22,11 +22,12 @@ from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
-from pd.engine.host_pool import HostKVPool, host_tier_slots, make_disk_tier
+from pd.engine.host_pool import make_disk_tier
 from pd.engine.runner import ModelRunner
 from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.engine.stats import stats_msg
+from pd.engine.tensor_parallel import TensorParallelError
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -72,20 +73,35 @@ class EngineCore:
         cfg: EngineConfig,
         node_id: str = "engine",
         scheduler_cls: type[Scheduler] = Scheduler,
+        machine_nodes: int = 1,
+        staged: bool = False,
     ) -> None:
+        """``machine_nodes``: engines that may share this machine's memory (the host tier's
+        default takes its share); ``staged``: a node of a cluster, whose KV the transfer plane
+        moves (a tensor-parallel one keeps every head in rank 0's staging pool for it)."""
         self.cfg = cfg
         self.node_id = node_id
-        self.runner = ModelRunner(cfg)
+        self.staged = staged
+        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, staged=staged)
+        # set when a rank of this tensor-parallel node is gone: every later step raises it
+        self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
-        num_host = host_tier_slots(cfg, self.runner.pool.num_bytes_per_token)
-        host = HostKVPool(self.runner.pool, num_host) if num_host else None
+        host = self.runner.make_host_pool()
         runner = self.runner
         disk = (
-            make_disk_tier(cfg, runner.model_dir, runner.pool, runner.quantization)
+            make_disk_tier(
+                cfg,
+                runner.model_dir,
+                runner.pool,
+                runner.quantization,
+                runner.model_config.num_kv_heads,
+            )
             if host
             else None
         )
-        self.cache = make_prefix_cache(cfg.enable_prefix_cache, self.allocator, node_id, host, disk)
+        self.cache = make_prefix_cache(
+            cfg.enable_prefix_cache, self.allocator, node_id, host, disk, cfg.cache_shares()
+        )
         self.scheduler = scheduler_cls(
             self.allocator,
             self.cache,
@@ -124,6 +140,8 @@ class EngineCore:
         namespace: str = "",
     ) -> Req:
         """A checked request (ValueError, with the numbers, if it can never run here)."""
+        if self.fatal_error is not None:
+            raise TensorParallelError(self.fatal_error)
         vocab = self.runner.model_config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -141,6 +159,13 @@ class EngineCore:
         """Schedule, run and postprocess one batch. ``before_run(batch)`` is a role's look at
         the batch before its forward; what it returns, and ``on_layer_done`` (e.g. a node's
         heartbeat), are called with i as layer i's K/V of the new tokens is in the pool."""
+        if self.fatal_error is not None:
+            raise TensorParallelError(self.fatal_error)
+        try:
+            self.runner.check_ranks()  # a rank that exited: stop before taking work
+        except TensorParallelError as e:
+            self.fatal_error = str(e)
+            raise
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult([], [])
@@ -155,6 +180,13 @@ class EngineCore:
                 self.cache.note_prefill(num_tokens, seconds)
                 self.num_prefill_tokens += num_tokens
                 self.prefill_seconds += seconds
+        except TensorParallelError as e:  # a rank is gone: this node cannot step again
+            logger.error("%s: %s; the node stops", self.node_id, e)
+            self.fatal_error = str(e)
+            if self.staged:  # a cluster's node dies as one: the cluster re-routes the rest
+                raise
+            failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")
+            return StepResult([], failed, len(failed))
         except Exception as e:  # fail this batch's requests rather than retry them forever
             logger.exception("%s: forward of %d requests failed", self.node_id, len(batch.reqs))
             failed = self.scheduler.fail_batch(batch, f"forward failed: {e}")

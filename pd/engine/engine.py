@@ -35,6 +35,10 @@ class Engine:
         self.core = EngineCore(cfg)
         self.cfg = cfg
 
+    def close(self) -> None:
+        """Stop the engine's other ranks, if it has any (tensor parallel)."""
+        self.core.runner.close()
+
     # The core's parts, for callers that inspect them (tests, benchmarks, the server's stats).
     @property
     def runner(self) -> ModelRunner:

@@ -74,6 +74,7 @@ class DecodeGraphs:
         buckets: Sequence[int],
         scratch_slot: int,
         kernel: bool = True,
+        head: bool = True,
     ) -> None:
         if not 0 <= scratch_slot < pool.num_slots:
             raise ValueError(f"scratch slot {scratch_slot} outside the pool ({pool.num_slots})")
@@ -92,7 +93,8 @@ class DecodeGraphs:
         )
         # fp16 weights are packed in an object the tracer cannot enter: such a head (every
         # quantized format has one) runs eagerly after the graph
-        self.head_in_graph = not isinstance(model.lm_head, Fp16Linear)
+        self.head_in_graph = head and not isinstance(model.lm_head, Fp16Linear)
+        self.has_head = head  # False: a tensor-parallel rank >= 1, whose steps end at the norm
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds, for each compiled one
         self.num_runs: dict[int, int] = {}  # bucket -> decode steps it has run
         self.enabled = True  # False: every step eager (benchmarks compare the two)
@@ -149,7 +151,7 @@ class DecodeGraphs:
         self.num_runs[bucket] = self.num_runs.get(bucket, 0) + 1
         with torch.inference_mode():  # the batch's tensors too: the graph was traced so
             out = self._steps[bucket](self._batch(seqs, bucket))[: len(seqs)]
-            return out if self.head_in_graph else self.model.logits(out)
+            return out if self.head_in_graph or not self.has_head else self.model.logits(out)
 
     def _batch(self, seqs: Sequence[SeqInput], bucket: int, num_keys: int = 0) -> DecodeBatch:
         if seqs:

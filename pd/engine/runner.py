@@ -23,9 +23,12 @@ from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
 from pd.engine.grammar import Guide, allocate_masks, make_tokenizer
 from pd.engine.graphs import DecodeGraphs
+from pd.engine.host_pool import HostKVPool, host_tier_slots
 from pd.engine.penalties import TokenCounts
+from pd.engine.rank_kv import RankKV, ShardedHostKVPool, StagingPool
 from pd.engine.sampler import SampledRow, sample
 from pd.engine.spec import verify_row
+from pd.engine.tensor_parallel import RankProcesses, TPGroup, threads_per_rank
 from pd.model import fixed_ops
 from pd.model.config import ModelConfig
 from pd.model.decoder import DecoderLM
@@ -37,36 +40,74 @@ from pd.model.quant import (
     quantize_linears,
     resolve_linear_backend,
 )
+from pd.model.tensor_parallel import TensorParallel, shard_config
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
-        threads = cfg.num_threads or envs.PD_NUM_THREADS
+    """The node's model, or with ``tensor_parallel_size`` N > 1 rank ``rank``'s shard of it
+    (``pd.engine.tensor_parallel``): rank 0 starts ranks 1..N-1 and sends each of them every
+    batch it runs; a rank >= 1 (``store_dir``: where rank 0's group rendezvouses) runs what it
+    is sent and computes no logits."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rank: int = 0,
+        store_dir: str | None = None,
+        machine_nodes: int = 1,
+        staged: bool = False,
+    ) -> None:
+        self.tp_size = cfg.tensor_parallel_size
+        threads = (
+            threads_per_rank(cfg) if self.tp_size > 1 else cfg.num_threads or envs.PD_NUM_THREADS
+        )
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
+        self.rank = rank
+        self.machine_nodes = machine_nodes  # nodes sharing this machine's memory (host tier)
         self.device = cfg.torch_device
+        if self.device.type == "cuda" and self.tp_size > 1:
+            self.device = torch.device("cuda", (self.device.index or 0) + rank)
         self.dtype = cfg.torch_dtype
         self.model_dir = resolve_model(cfg.model)
-        self.model_config = ModelConfig.from_hf(load_config(self.model_dir))
+        self.model_config = ModelConfig.from_hf(load_config(self.model_dir))  # the whole model's
         mc = self.model_config
+        self.shard_config = shard_config(mc, self.tp_size)  # this rank's heads and columns
+        sc = self.shard_config
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         # the weight format, ``auto`` resolved: what the weights are packed as
         self.quantization = cfg.quantization_method(
-            (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size)
+            (mc.hidden_size, sc.num_heads * sc.head_dim, sc.intermediate_size)
         )
         self.deterministic = self._check_deterministic()
+        self.ranks: RankProcesses | None = None
+        self.group: TPGroup | None = None
+        if self.tp_size > 1:
+            if rank == 0:  # the ranks load their shards while this one loads its own
+                self.ranks = RankProcesses(cfg, machine_nodes)
+                self.ranks.start()
+                store_dir = self.ranks.store_dir
+            assert store_dir is not None, "a rank >= 1 joins rank 0's group"
+            self.group = TPGroup(
+                rank,
+                self.tp_size,
+                store_dir,
+                self.device,
+                cfg.tensor_parallel_timeout_s,
+                self.deterministic,
+            )
         self.model = self._load_model()
         self.pool = KVPool(
-            mc.num_layers,
+            sc.num_layers,
             cfg.max_total_tokens + 1,  # + the scratch slot
-            mc.num_kv_heads,
-            mc.head_dim,
+            sc.num_kv_heads,
+            sc.head_dim,
             self.dtype,
             self.device,
         )
@@ -84,8 +125,57 @@ class ModelRunner:
             cfg.buckets,
             cfg.max_total_tokens,
             kernel=cfg.attention_backend == "auto",
+            head=rank == 0,
         )
         self.graphs.compile()
+        # a tensor-parallel node's KV copies, and (rank 0 of a node in a cluster, ``staged``)
+        # the pool of every head the transfer plane moves KV through
+        self.rank_kv: RankKV | None = None
+        self.staging: StagingPool | None = None
+        if self.group is not None:
+            plans = self.ranks.plans if self.ranks is not None else None
+            self.rank_kv = RankKV(self.pool, None, self.group, plans, mc.num_kv_heads)
+            if staged and rank == 0:
+                self.staging = StagingPool(self.rank_kv)
+
+    @property
+    def transfer_pool(self) -> KVPool:
+        """The pool the transfer plane sends from and receives into: this one, or on a
+        tensor-parallel node its staging pool of every head."""
+        return self.staging.pool if self.staging is not None else self.pool
+
+    @property
+    def has_head(self) -> bool:
+        """Whether this runner computes logits (rank 0; the others only their shard's part)."""
+        return self.rank == 0
+
+    def make_host_pool(self) -> HostKVPool | ShardedHostKVPool | None:
+        """The host tier's pool beside this runner's (None: no tier): on a tensor-parallel
+        node each rank's holds its shard, and rank 0's orders the others' copies. Every rank
+        sizes it alike, by the node's bytes per token (all its ranks' shards together)."""
+        node_bytes = self.pool.num_bytes_per_token * self.tp_size
+        num_host = host_tier_slots(self.cfg, node_bytes, self.machine_nodes)
+        if not num_host:
+            return None
+        local = HostKVPool(self.pool, num_host)
+        if self.rank_kv is None:
+            return local
+        self.rank_kv.host = local
+        return ShardedHostKVPool(self.rank_kv, self.staging)
+
+    def check_ranks(self) -> None:
+        """Raise ``TensorParallelError`` if a rank of this node has exited."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def close(self) -> None:
+        """Stop the node's other ranks (rank 0) and leave the group."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     @functools.cached_property
     def grammar_tokenizer(self) -> Any:
@@ -124,7 +214,7 @@ class ModelRunner:
                 self.device,
             )
             return False
-        mc = self.model_config
+        mc = self.shard_config
         heads = (mc.num_heads, mc.num_kv_heads, mc.head_dim)
         kernels = cpu_attention.available(self.dtype, self.device, *heads) and fixed_ops.available()
         if self.cfg.attention_backend != "auto" or not kernels:
@@ -140,8 +230,11 @@ class ModelRunner:
 
     def _load_model(self) -> DecoderLM:
         mc = self.model_config
+        tp = None
+        if self.group is not None:
+            tp = TensorParallel(self.rank, self.tp_size, self.group.reduce)
         with torch.device("meta"):  # no memory, no init: the checkpoint's tensors replace them
-            model = DecoderLM(mc)
+            model = DecoderLM(mc, tp)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
         backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
         if self.deterministic:
@@ -160,7 +253,27 @@ class ModelRunner:
         return_all_logits: bool = False,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run one batch; logits [R, vocab] (or [T, vocab] with return_all_logits)."""
+        """Run one batch; logits [R, vocab] (or [T, vocab] with return_all_logits); on a rank
+        >= 1, the final norm's output instead (it has no head)."""
+        if self.ranks is not None and self.ranks.plans is not None:
+            self.ranks.plans.forward(seqs, return_all_logits)  # the ranks run it beside us
+        if self.staging is None:
+            return self._forward(seqs, return_all_logits, on_layer_done)
+        # a TP node in a cluster: what the ranks' layers wrote reaches the staging pool (and
+        # each layer's hook, e.g. the transfer's send) once the whole forward is done
+        logits = self._forward(seqs, return_all_logits, None)
+        self.staging.mirror([t for s in seqs for t in s.slots[s.num_prefix :]])
+        if on_layer_done is not None:
+            for layer in range(self.model_config.num_layers):
+                on_layer_done(layer)
+        return logits
+
+    def _forward(
+        self,
+        seqs: Sequence[SeqInput],
+        return_all_logits: bool,
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor:
         bucket = None if return_all_logits else self.graphs.bucket_for(seqs)
         if bucket is not None:
             logits = self.graphs.run(seqs, bucket)
@@ -170,6 +283,9 @@ class ModelRunner:
             return logits
         batch = ForwardBatch.build(seqs, self.device, return_all_logits=return_all_logits)
         batch.on_layer_done = on_layer_done
+        if not self.has_head:
+            with torch.inference_mode():
+                return self.model.hidden(batch, self.pool, self.attn)
         return self.model(batch, self.pool, self.attn)
 
     def run(

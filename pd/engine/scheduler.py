@@ -4,7 +4,8 @@ The life of a request:
 
 1. ``waiting``: FIFO. Admitted when the running set has room and its KV is expected to fit:
    the tokens it is expected to need (``SlotBudget.expected_len``: its prompt, plus
-   ``new_token_ratio`` of its max_tokens, less the cached prefix) must fit in free + evictable
+   ``new_token_ratio`` of what it is expected to generate: at least 512 tokens, or as many as
+   it generated already, at most its max_tokens; less the cached prefix) must fit in free + evictable
    slots after what every running request is expected to still take. Admission matches the
    prompt in the prefix cache and locks the match, so those slots cannot be evicted under it. A
    request that shares at least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt
@@ -25,8 +26,10 @@ retracted: its KV goes into the prefix cache (unlocked), and it returns to the f
 ``waiting`` with the tokens it has. When it is admitted again it matches its prompt and output so
 far in the cache and recomputes only what was evicted, then samples its next token (``fill_len``
 is then its whole history). ``new_token_ratio`` decays while nothing is retracted and goes back up
-when something is, as in SGLang. With ``new_token_ratio=1`` admission reserves the worst case and
-nothing is ever retracted.
+when something is, as in SGLang. With ``new_token_ratio=1`` admission reserves the worst case of
+requests whose max_tokens is at most 512, and none of those is ever retracted; a longer answer is
+expected to run as long again as it ran (a request without max_tokens is not booked for the
+whole context), and retraction catches one that outruns that.
 
 The scheduler decides who runs; its part ``slots`` (``pd.engine.slots.SlotBudget``) counts and
 moves the requests' KV slots: the estimates above, growing, caching and releasing.

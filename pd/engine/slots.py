@@ -1,7 +1,8 @@
 """``SlotBudget``: the scheduler's part that keeps a request's KV slots (plain Python).
 
-It answers how many slots a request is expected to take (``expected_len``: its prompt and
-``new_token_ratio`` of its max_tokens) and how many a new request could still be promised
+It answers how many slots a request is expected to take (``expected_len``: its prompt, what it
+has generated, and ``new_token_ratio`` of the tokens it is expected to generate yet,
+``expected_new_tokens``) and how many a new request could still be promised
 (``num_available_tokens``: free + evictable, less what running requests and the role's other
 promises are expected to take yet), and it moves a request's slots: ``grow`` (evicting from the
 prefix cache as needed), ``cache_prompt`` (the computed prompt into the cache while the request
@@ -24,10 +25,23 @@ from pd.core.request import Req
 # Admission estimates at most this many of a request's max_tokens (as SGLang): a chat request
 # without max_tokens may ask for the whole context but rarely uses it.
 CLIP_MAX_TOKENS_ESTIMATE = 4096
+# An answer is expected to run at least this many tokens more, or as many more as it has run
+# already, whichever is more (never past max_tokens): so a request without max_tokens (the
+# server fills in the rest of the context) is booked for what its answer uses, not the context.
+MIN_EXPECTED_NEW_TOKENS = 512
 # new_token_ratio decays from its initial value to MIN_RATIO_FACTOR times it over DECAY_STEPS
 # decode steps without a retraction.
 MIN_RATIO_FACTOR = 0.2
 DECAY_STEPS = 600
+
+
+def expected_new_tokens(num_left: int, num_output: int) -> int:
+    """Tokens a request that generated ``num_output`` and may generate ``num_left`` more is
+    expected to generate yet: as many as it did, at least ``MIN_EXPECTED_NEW_TOKENS``, at most
+    ``num_left``. The coordinator books this on a decode node (plus the prompt and the output),
+    and the node's admission expects ``new_token_ratio`` of it, so the node never expects more
+    than the coordinator booked; both grow as the answer grows."""
+    return max(0, min(num_left, max(MIN_EXPECTED_NEW_TOKENS, num_output)))
 
 
 class SlotBudget:
@@ -70,7 +84,8 @@ class SlotBudget:
         """Tokens of KV the request is expected to hold here at most (admission's estimate)."""
         if self.prompt_only:
             return req.num_prompt_tokens
-        left = req.params.max_tokens - len(req.output_ids)
+        n = len(req.output_ids)
+        left = expected_new_tokens(req.params.max_tokens - n, n)
         guess = math.ceil(min(left, CLIP_MAX_TOKENS_ESTIMATE) * self.new_token_ratio)
         return min(self.max_len(req), max(req.fill_len, req.num_computed) + guess)
 

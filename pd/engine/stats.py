@@ -70,4 +70,5 @@ def _disk_fields(d: DiskStats | None) -> dict[str, int | float]:
         "disk_load_seconds": d.load_seconds,
         "num_disk_written": d.num_written,
         "num_disk_rejected": d.num_rejected,
+        "disk_off": int(d.is_off),
     }

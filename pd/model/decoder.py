@@ -13,6 +13,8 @@ mixture of such experts (``MoE``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ from pd.core.batch import ForwardBatch
 from pd.core.kv_pool import KVPool
 from pd.model.config import ModelConfig
 from pd.model.families import to_decoder_weights
+from pd.model.tensor_parallel import TensorParallel, shard_config, shard_weights
 
 
 class RMSNorm(nn.Module):
@@ -85,6 +88,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.fixed = False  # rotary through pd.model.fixed_ops
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # o_proj by rows
 
     def forward(
         self,
@@ -104,7 +108,8 @@ class Attention(nn.Module):
         qk = self._rotate(qk, *rope)  # q and k heads rotate alike
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
         out = attn.forward(q, k, v, self.layer, batch, pool)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out if self.reduce is None else self.reduce(out)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotate = torch.ops.pd.rotary if self.fixed else apply_rotary
@@ -124,15 +129,19 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.activation = activation
         self.fixed = False  # the gated activation through pd.model.fixed_ops
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # down_proj by rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        out = self.down_proj(self._gated(self.gate_up_proj(x)))
+        return out if self.reduce is None else self.reduce(out)
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fixed:
             op = torch.ops.pd.silu_mul if self.activation == "silu" else torch.ops.pd.gelu_tanh_mul
-            return self.down_proj(op(gate_up))
+            return op(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
+        return act * up
 
 
 class MoE(nn.Module):
@@ -152,6 +161,8 @@ class MoE(nn.Module):
         )
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        # tensor parallel: each expert's partial sums, weighted and added, then one all-reduce
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +176,8 @@ class MoE(nn.Module):
             rows, slot = torch.where(chosen == e)
             y = self.experts[e](x[rows]).float() * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -212,8 +224,14 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The whole model, or with ``tp`` one rank's shard of it (``pd.model.tensor_parallel``):
+    ``config`` is then the shard's (its heads and MLP columns), ``full_config`` the model's."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.full_config = cfg
+        self.tp = tp
+        cfg = shard_config(cfg, tp.size) if tp is not None else cfg
         self.config = cfg
         self.model = DecoderBody(cfg)
         # their tables are not in the checkpoint: made by ``load_weights``
@@ -221,6 +239,14 @@ class DecoderLM(nn.Module):
         self.local_rotary: Rotary | None = None  # a family's local layers' own (Gemma 3)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tie_head()
+        if tp is not None and tp.size > 1:
+            for module in self.modules():
+                if isinstance(module, Attention | MLP | MoE):
+                    module.reduce = tp.reduce
+            for module in self.modules():
+                if isinstance(module, MoE):  # the mixture sums its experts, then reduces once
+                    for expert in module.experts:
+                        expert.reduce = None
 
     @property
     def has_moe(self) -> bool:
@@ -289,7 +315,9 @@ class DecoderLM(nn.Module):
         tied = cfg.tie_word_embeddings
         if tied:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        mapped = to_decoder_weights(cfg, weights)
+        mapped = to_decoder_weights(self.full_config, weights)
+        if self.tp is not None:
+            mapped = shard_weights(self.full_config, mapped, self.tp.rank, self.tp.size)
         # assign: a model built on the meta device takes them
         missing, unexpected = self.load_state_dict(mapped, strict=False, assign=True)
         self._tie_head()
@@ -309,3 +337,4 @@ class DecoderLM(nn.Module):
                 f"checkpoint does not fit {cfg.architecture}: "
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
+

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -38,6 +39,8 @@ _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a conversion's temp dir: a cache dir holding it is complete.
 _MARKER_FILE = "pd_conversion.json"
 _INDEX_FILE = "model.safetensors.index.json"
+# Beside the checkpoint: each weight file's sha256, by the size and times it had when hashed.
+DIGEST_FILE = ".pd-weights-sha256.json"
 
 
 class ModelLoadError(RuntimeError):
@@ -176,6 +179,69 @@ def _check_index(model_dir: Path, weights: dict[str, torch.Tensor]) -> None:
             f"{len(missing)} tensors listed in {index_path} are missing "
             f"(e.g. {missing[0]!r}); shards {shards} absent or incomplete"
         )
+
+
+# ---- what the weights are: the disk tier's model key ------------------------------------------
+
+
+class WeightDigestMsg(msgspec.Struct, forbid_unknown_fields=True):
+    """A weight file's sha256 and the stat it was taken at."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int  # changes on every write, and no user can set it back (unlike mtime)
+    inode: int
+    sha256: str
+
+
+_decode_digests = msgspec.json.Decoder(dict[str, WeightDigestMsg]).decode
+
+
+def weights_digest(model_dir: Path) -> str:
+    """A sha256 over the contents of every ``*.safetensors`` file of ``model_dir`` (by name),
+    so two checkpoints whose files have the same names and sizes but other weights differ.
+    Each file is hashed once (seconds a GiB): the digests are kept beside it in
+    ``DIGEST_FILE`` under the file's size, times and inode, so a changed file is hashed again.
+    Where the directory cannot be written, each start hashes again (logged)."""
+    cache_file = model_dir / DIGEST_FILE
+    try:
+        cached = _decode_digests(cache_file.read_bytes())
+    except (OSError, msgspec.DecodeError):  # none yet, unreadable or malformed: hash again
+        cached = {}
+    digests: dict[str, WeightDigestMsg] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        st = path.stat()
+        now = WeightDigestMsg(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, "")
+        old = cached.get(path.name)
+        if old is not None and (old.size, old.mtime_ns, old.ctime_ns, old.inode) == (
+            now.size, now.mtime_ns, now.ctime_ns, now.inode
+        ):  # fmt: skip
+            digests[path.name] = old
+        else:
+            t0 = time.perf_counter()
+            digests[path.name] = msgspec.structs.replace(now, sha256=_file_digest(path))
+            logger.info("hashed %s in %.1f s", path, time.perf_counter() - t0)
+    if digests != cached:
+        _keep_digests(cache_file, digests)
+    whole = hashlib.sha256()
+    for name, d in digests.items():
+        whole.update(f"{name}\0{d.sha256}\0".encode())
+    return whole.hexdigest()
+
+
+def _keep_digests(cache_file: Path, digests: dict[str, WeightDigestMsg]) -> None:
+    """Write ``digests`` to ``cache_file`` (aside, then renamed in), or log why not."""
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-")
+        os.fchmod(fd, 0o644)  # readable as the weights are (a shared checkpoint)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(digests))
+        os.replace(tmp, cache_file)
+    except OSError as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        logger.info("cannot keep the weights' digests in %s (%s): hashed each start", cache_file, e)
 
 
 # ---- GGUF → HF directory conversion --------------------------------------------------------

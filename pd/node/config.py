@@ -19,6 +19,9 @@ class NodeConfig:
     # (pd.cluster.node_actor, from Ray, inside the node's process); "" outside Ray
     node_ip: str = ""
     ray_node_id: str = ""
+    # pd nodes that may share this node's machine (the launcher counts them): the host tier's
+    # default takes its share of the machine's memory (pd.engine.host_pool)
+    machine_nodes: int = 1
     stats_interval_s: float = 0.2
     idle_poll_ms: int = 5
     # a message the server's socket cannot take for this long is dropped (no server reads:

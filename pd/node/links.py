@@ -2,8 +2,9 @@
 prefill nodes), the ``ServerLink`` it pushes tokens, cache events and stats on, and the
 ``PeerLinks`` to other nodes. Every frame is sealed under the cluster secret
 (``transfer.auth``); what fails the seal is dropped and counted (also by sender), and so is what
-does not decode. The inbox refuses frames over its size limit unread and hands the loop a
-bounded batch per iteration (``transfer.inbound``).
+does not decode. The inbox refuses frames over its size limit unread, takes at most
+``max_conns`` connections at once (``transfer.conn_cap``) and hands the loop a bounded batch
+per iteration (``transfer.inbound``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pd.core.messages import NodeMsg, ServerMsg, TokenLogprobsMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
 from transfer.auth import AuthDrops, Opener, Sealer
+from transfer.conn_cap import MAX_CONNS, ConnectionCap
 from transfer.inbound import ReadBudget, RejectsByPeer, SealedReader, limit_frame_size
 
 logger = logging.getLogger(__name__)
@@ -41,10 +43,14 @@ class Inbox:
         max_msg_age_s: float,
         node_id: str,
         max_frame_size: int,
+        max_conns: int = MAX_CONNS,
     ) -> None:
         self._pull = ctx.socket(zmq.PULL)
         limit_frame_size(self._pull, max_frame_size)
-        self.addr = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{bind_host}')}"
+        self._cap = ConnectionCap(self._pull, max_conns, f"{node_id} inbox")
+        port = self._pull.bind_to_random_port(f"tcp://{bind_host}")
+        self._cap.start(port)
+        self.addr = f"tcp://{host}:{port}"
         self._opener = Opener(secret, self.addr, max_msg_age_s)
         self.rejects = RejectsByPeer(f"{node_id} inbox")
         self._reader = SealedReader(self._pull, self._opener, self.rejects, INBOX_BUDGET)
@@ -84,6 +90,7 @@ class Inbox:
             self._pull.poll(timeout_ms)
 
     def close(self) -> None:
+        self._cap.close()
         self._pull.close(linger=0)
 
 

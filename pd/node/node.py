@@ -49,11 +49,13 @@ from pd.core.messages import NodeInfo, PeerGoneMsg, PullReqMsg
 from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
+from pd.engine.tensor_parallel import TensorParallelError
 from pd.engine.torch_thread import TorchThread
 from pd.node.config import NodeConfig, NodeSettings
 from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
+from pd.node.staged_owner import StagedSlotOwner
 from transfer import TransferAgent
 from transfer.inbound import max_frame_bytes, merge_top
 
@@ -105,7 +107,13 @@ class Node:
         # built on the thread that will step it (pd.engine.torch_thread: one OpenMP team)
         self._thread = TorchThread(f"{node_cfg.node_id}-loop")
         self.core = self._thread.run(
-            lambda: EngineCore(engine_cfg, node_cfg.node_id, role_cls.scheduler_cls)
+            lambda: EngineCore(
+                engine_cfg,
+                node_cfg.node_id,
+                role_cls.scheduler_cls,
+                node_cfg.machine_nodes,
+                staged=True,
+            )
         )
         secret = node_cfg.transfer.secret
         # the largest legitimate frame carries a prompt (or cache path, slots) of max_model_len
@@ -121,18 +129,24 @@ class Node:
             node_cfg.transfer.max_msg_age_s,
             self.node_id,
             frame_limit,
+            node_cfg.transfer.max_conns,
         )
         self.server = ServerLink(
             self._ctx, self.node_id, node_cfg.server_addr, secret, node_cfg.server_send_timeout_ms
         )
         self.peers = PeerLinks(self._ctx, secret)
         slot_owner = role_cls.make_slot_owner(self.core, self.server, self.peers, self.inbox.addr)
-        pool = self.core.runner.pool
+        staging = self.core.runner.staging  # a tensor-parallel node's pool of every head
+        pool = self.core.runner.transfer_pool
         self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
             dataclasses.replace(node_cfg.transfer, host=addrs.host, max_frame_bytes=frame_limit),
             pool.k + pool.v,
             pool.num_layers,
-            slot_owner=slot_owner,
+            slot_owner=(
+                StagedSlotOwner(slot_owner, staging)
+                if staging is not None and slot_owner is not None
+                else slot_owner
+            ),
         )
         self.role = role_cls(
             NodeParts(
@@ -254,6 +268,9 @@ class Node:
         while not self._stopped.is_set():
             try:
                 self.run_once()
+            except TensorParallelError as e:  # a rank is gone: the node goes down as one
+                logger.critical("%s: %s; exiting", self.node_id, e)
+                os._exit(70)  # the cluster sees the actor die and replaces it
             except Exception:
                 logger.exception("%s: loop iteration failed", self.node_id)
                 time.sleep(0.05)

@@ -9,10 +9,14 @@ defaults to loopback for that reason, and ``pd serve`` warns on another); with t
 no admin key nobody may use the admin routes.
 
 A request's namespace scopes prefix-cache sharing on the engine (requests share cached
-prefixes only within one). It is derived, never copied, from the tenant's API key (with
-``isolate_cache_per_key``) and the request's ``cache_salt``: each part is an HMAC keyed by the
-API key, so a key never appears in it in clear (namespaces travel to nodes and into cache
-events), two keys never share a namespace, and salts of different keys never collide.
+prefixes only within one). It is derived, never copied, from the tenant's API key or key group
+(with ``isolate_cache_per_key``, the default) and the request's ``cache_salt``. A key's part is
+an HMAC keyed by the key, so a key never appears in clear (namespaces travel to nodes and into
+cache events) and two keys never share a namespace; keys an admin puts in one group (a line
+``KEY GROUP`` of a key file) share the group's namespace (``pd.cache.tenants.group_namespace``,
+a hash of its name). A salt's part is an HMAC keyed by the key (or the group), so salts of
+different tenants never collide. The namespace's first part names the tenant that fair eviction
+(``pd.cache.tenants``) weighs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import hmac
 from collections.abc import Sequence
 from hashlib import sha256
 from typing import NamedTuple
+
+from pd.cache.tenants import group_namespace
 
 _HEX_CHARS = 32  # 128 bits of each HMAC
 API_KEY_SCOPE = "pd.api_key"  # the ASGI scope entry holding the key a request carried
@@ -65,13 +71,17 @@ class ApiKeys:
         return found
 
 
-def cache_namespace(api_key: str | None, cache_salt: str | None) -> str:
-    """ "" (the shared namespace) when neither part is given. ``api_key`` is passed only when
-    the server isolates caches per key."""
-    secret = (api_key or "").encode()
+def cache_namespace(api_key: str | None, cache_salt: str | None, group: str | None = None) -> str:
+    """ "" (the shared namespace) when no part is given. ``api_key`` and its key ``group`` are
+    passed only when the server isolates caches per key; a group's keys share its namespace."""
     parts = []
-    if api_key is not None:
-        parts.append("k" + _hmac(secret, b"pd.cache-namespace"))
+    if group is not None:
+        secret = b"pd.cache-group\0" + group.encode()  # no key has a NUL: never a key's
+        parts.append(group_namespace(group))
+    else:
+        secret = (api_key or "").encode()
+        if api_key is not None:
+            parts.append("k" + _hmac(secret, b"pd.cache-namespace"))
     if cache_salt is not None:
         parts.append("s" + _hmac(secret, b"pd.cache-salt\0" + cache_salt.encode()))
     return "/".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pd.cache.tenants import check_group_name
 from pd.core.options import option
 
 _MIB = 1 << 20
@@ -35,8 +36,14 @@ class ServerConfig:
         "Retry-After (0: no limit)",
     )
     isolate_cache_per_key: bool = option(
-        False, "requests share cached prefixes only with requests of the same API key"
+        True,
+        "with API keys: requests share cached prefixes (and see cached_tokens) only with "
+        "requests of the same key or key group (a key file's `KEY GROUP` lines); off: all keys "
+        "share one cache, and can tell by cached_tokens what another sent",
     )
+    # (key, group) pairs from the key files' ``KEY GROUP`` lines: a group's keys share a
+    # cache namespace and a share of the cache (``--cache-share``); no flag of its own
+    key_groups: tuple[tuple[str, str], ...] = ()
     max_inflight_requests: int = option(512, "requests generating at once; more wait in a queue")
     max_queued_requests: int = option(4096, "requests waiting for admission; more get 429")
     request_timeout: float = option(600.0, "seconds from arrival until a request is aborted")
@@ -52,6 +59,16 @@ class ServerConfig:
         30.0,
         "a client that takes none of its response's bytes for this long (its socket buffers "
         "full) is cut off, and its request aborted",
+    )
+    max_stream_buffer_bytes: int = option(
+        512 << 10,
+        "bytes of a stream's answer the server holds for a client that reads slower than the "
+        "engine generates; a request that far ahead of its client waits for it",
+    )
+    max_released_stream_bytes: int = option(
+        128 * _MIB,
+        "bytes held for slow clients by all streams whose generation ended, together: such a "
+        "stream gives its admission place back when its unsent bytes fit under this",
     )
     body_read_timeout_s: float = option(
         30.0,
@@ -82,6 +99,10 @@ class ServerConfig:
     ssl_certfile: str | None = option(None, "serve HTTPS: the certificate (PEM; with ssl_keyfile)")
     ssl_keyfile: str | None = option(None, "serve HTTPS: the private key (PEM)")
 
+    def key_group(self) -> dict[str, str]:
+        """key -> its key group, for the keys in one."""
+        return dict(self.key_groups)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", tuple(self.api_key))
         object.__setattr__(self, "admin_api_key", tuple(self.admin_api_key))
@@ -91,8 +112,14 @@ class ServerConfig:
                     f"an API key must be non-empty printable ASCII without spaces or commas; "
                     f"got one of {len(key)} characters that is not"
                 )
-        if self.isolate_cache_per_key and not self.api_key:
-            raise ValueError("isolate_cache_per_key needs at least one api_key")
+        object.__setattr__(self, "key_groups", tuple(tuple(p) for p in self.key_groups))
+        groups: dict[str, str] = {}
+        for key, group in self.key_groups:
+            check_group_name(group)
+            if key not in self.api_key and key not in self.admin_api_key:
+                raise ValueError(f"key group {group!r} names a key that is not an API key")
+            if groups.setdefault(key, group) != group:
+                raise ValueError(f"a key is in two key groups, {groups[key]!r} and {group!r}")
         for name in ("max_inflight_per_key", "max_tokens_per_minute_per_key"):
             value = getattr(self, name)
             if value < 0:
@@ -103,10 +130,11 @@ class ServerConfig:
             "max_inflight_requests", "max_body_bytes", "max_messages", "max_stop_strings",
             "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
             "max_cache_salt_chars", "num_parse_threads", "max_body_bytes_in_flight",
+            "max_stream_buffer_bytes",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queued_requests", "max_connections"):
+        for name in ("max_queued_requests", "max_connections", "max_released_stream_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_body_bytes_in_flight < self.max_body_bytes:

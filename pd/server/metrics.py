@@ -62,7 +62,12 @@ _NODE_COUNTERS = {
     "num_disk_written": ("disk_tier_written", "chunks written to its disk tier"),
     "num_disk_rejected": (
         "disk_tier_rejected",
-        "disk chunks found truncated, corrupt or foreign, and removed",
+        "disk chunks found truncated, corrupt, unauthenticated or foreign, and removed",
+    ),
+    "disk_off": (
+        "disk_tier_off",
+        "1 once its disk tier turned itself off after a file-system error (logged; the node "
+        "serves on without it until restarted)",
     ),
     "num_prefill_tokens": ("prefill_tokens", "prompt tokens computed in pure prefill batches"),
     "prefill_seconds": ("prefill_seconds", "time those pure prefill batches took"),

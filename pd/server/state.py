@@ -29,6 +29,7 @@ from pd.server.config import ServerConfig
 from pd.server.errors import APIError, internal_error
 from pd.server.generation import Generation
 from pd.server.metrics import ServerMetrics
+from pd.server.stream_buffer import StreamBytes
 from pd.server.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,13 @@ class ServerState:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.config = config
+        self._key_group = config.key_group()
         self.vocab_size = len(tokenizer)
         self.admission = Admission(
             config.max_inflight_requests, config.max_queued_requests, metrics
         )
+        # bytes held for slow readers by streams that gave their place back (stream_buffer)
+        self.stream_bytes = StreamBytes(config.max_released_stream_bytes)
         self._parse_limiter = anyio.CapacityLimiter(config.num_parse_threads)
         self._is_shutting_down = False
         self._running: set[str] = set()  # ids of the requests running on the engine
@@ -89,15 +93,16 @@ class ServerState:
         return self._is_shutting_down
 
     async def shut_down(self, grace_s: float) -> bool:
-        """Stop admitting; wait until no request holds or waits for a place, at most
-        ``grace_s`` seconds. True: nothing was left in flight. Else the rest are cut: those
-        waiting for a place get 503, those running are aborted on the engine (their answers
-        end now, finish reason "abort")."""
+        """Stop admitting; wait until no request holds or waits for a place and no stream
+        still sends what its request generated, at most ``grace_s`` seconds. True: nothing
+        was left in flight. Else the rest are cut: those waiting for a place get 503, those
+        running are aborted on the engine (their answers end now, finish reason "abort")."""
         self._is_shutting_down = True
         with anyio.move_on_after(grace_s):
             await self.admission.wait_empty()
+            await self.stream_bytes.wait_empty()  # streams done generating, still sending
         if self.admission.is_empty:
-            return True
+            return self.stream_bytes.num_streams == 0
         self.admission.close(self._shutting_down)
         for request_id in list(self._running):
             await self.client.abort(request_id)
@@ -279,13 +284,31 @@ class ServerState:
             raise APIError(str(e)) from e
 
     def namespace(self, api_key: str | None, cache_salt: str | None) -> str:
+        """The cache namespace of a request of ``api_key``: its key group's or its own with
+        isolation (the default), else the shared one (or the salt's)."""
+        self._check_salt(cache_salt)
+        if not self.config.isolate_cache_per_key or api_key is None:
+            return cache_namespace(None, cache_salt)
+        return cache_namespace(api_key, cache_salt, self._key_group.get(api_key))
+
+    def group_namespace(self, group: str, cache_salt: str | None) -> str:
+        """The namespace a request of key group ``group``'s keys gets (an admin's warmup)."""
+        self._check_salt(cache_salt)
+        groups = sorted(set(self._key_group.values()))
+        if not self.config.isolate_cache_per_key or group not in groups:
+            raise APIError(
+                f"key_group {group!r} is not one of this server's {len(groups)} key groups"
+                + ("" if self.config.isolate_cache_per_key else " (isolate_cache_per_key is off)"),
+                param="key_group",
+            )
+        return cache_namespace(None, cache_salt, group)
+
+    def _check_salt(self, cache_salt: str | None) -> None:
         limit = self.config.max_cache_salt_chars
         if cache_salt is not None and len(cache_salt) > limit:
             raise APIError(
                 f"cache_salt has {len(cache_salt)} characters, at most {limit}", param="cache_salt"
             )
-        tenant = api_key if self.config.isolate_cache_per_key else None
-        return cache_namespace(tenant, cache_salt)
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> LogitBias:
         if not bias:

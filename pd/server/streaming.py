@@ -1,8 +1,10 @@
 """SSE framing, client-disconnect handling and deadlines of the HTTP server.
 
 A stream is ``data: {json}\\n\\n`` events ending with the raw ``data: [DONE]\\n\\n`` sentinel.
-A stream that ends early (its client left, or stopped reading and was cut off by
-``pd.server.middleware.WriteTimeoutMiddleware``) closes its generator at once, which aborts the
+Its request generates into a pipe (``pd.server.stream_buffer``) that the connection empties
+as its client reads: a slow reader holds its admission place while its request generates, not
+while it reads the rest. A stream that ends early (its client left, or stopped reading and was
+cut off by ``pd.server.middleware.WriteTimeoutMiddleware``) closes its generator at once, which aborts the
 request on the engine (in ``Generation``); a plain handler is not cancelled by the server, so
 ``cancel_on_disconnect`` watches for its client leaving (and for one leaving the admission
 queue). A request past its deadline is cancelled the same way (so aborted on the engine) and
@@ -27,6 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from pd.server.errors import APIError, internal_error
 from pd.server.generation import Generation, Step
+from pd.server.stream_buffer import StreamBytes, StreamPipe
 
 logger = logging.getLogger(__name__)
 
@@ -79,24 +82,38 @@ async def cancel_on_disconnect(request: Request, coro: Awaitable[T], timeout_s: 
     return task.result()
 
 
-class _ReleasingStreamingResponse(StreamingResponse):
-    """Closes its generator once the response is over, however it ends (sent, client gone,
-    cut off, or never started), so a request cut short is aborted at once; then calls
-    ``on_close`` (exactly once: the place the request holds is released), and ``on_gone``
-    when its client left before the end."""
+class _PipedStreamingResponse(StreamingResponse):
+    """Runs its generator (the request's SSE text) in a task of its own into a ``StreamPipe``
+    and sends what the pipe holds as the client takes it, so the request generates at the
+    engine's pace, not its client's. ``on_close`` (the admission place) is called exactly once:
+    when the generation has ended and the pipe's bytes fit the server's ``StreamBytes``, or
+    when the response is over, however it ends (sent, client gone, cut off, never started); the
+    generator is closed then too, so a request cut short is aborted at once. ``on_gone`` when
+    its client left before the end."""
 
     def __init__(
         self,
         body: AsyncGenerator[str, None],
-        on_close: Callable[[], None],
+        pipe: StreamPipe,
         on_gone: Callable[[], None],
     ) -> None:
         super().__init__(
-            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            self._sends(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self._body = body
-        self._on_close = on_close
+        self._pipe = pipe
         self._on_gone = on_gone
+
+    async def _pump(self) -> None:
+        try:
+            async for text in self._body:
+                await self._pipe.put(text.encode())
+        finally:
+            self._pipe.close()
+
+    async def _sends(self) -> AsyncGenerator[bytes, None]:
+        while (data := await self._pipe.take()) is not None:
+            yield data
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         is_sent = False
@@ -106,20 +123,31 @@ class _ReleasingStreamingResponse(StreamingResponse):
             await send(message)
             is_sent = message["type"] == "http.response.body" and not message.get("more_body")
 
+        pump = asyncio.ensure_future(self._pump())
         try:
             await super().__call__(scope, receive, send_tracking)
             if not is_sent:  # it returned early: the client disconnected
                 self._on_gone()
         finally:
             with anyio.CancelScope(shield=True):  # bounded: Generation bounds its abort
+                pump.cancel()  # a no-op once the generation is over
+                await asyncio.gather(pump, return_exceptions=True)
                 await self._body.aclose()
-            self._on_close()
+            self._pipe.end()
 
 
 def sse_response(
-    body: AsyncGenerator[str, None], on_close: Callable[[], None], on_gone: Callable[[], None]
+    body: AsyncGenerator[str, None],
+    on_close: Callable[[], None],
+    on_gone: Callable[[], None],
+    max_buffer_bytes: int,
+    budget: StreamBytes,
 ) -> StreamingResponse:
-    return _ReleasingStreamingResponse(body, on_close, on_gone)
+    """The response of a stream: ``on_close`` gives its admission place back once its
+    generation ends and its unsent bytes (at most ``max_buffer_bytes``, then the request
+    waits) fit ``budget``, or when the response is over (``pd.server.stream_buffer``)."""
+    pipe = StreamPipe(max_buffer_bytes, budget, on_close)
+    return _PipedStreamingResponse(body, pipe, on_gone)
 
 
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:

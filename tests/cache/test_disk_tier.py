@@ -3,15 +3,31 @@ mover of test_host_tier.py (each slot's "KV" names the prefix it belongs to): wh
 drops is written in chunks and loaded back from disk with the right KV; a node started on the
 same directory finds and announces it; truncated, corrupt and foreign files (another model,
 another tenant) are rejected, counted and removed; the directory stays within its bytes; nothing
-leaks over many cycles."""
+leaks over many cycles.
+
+And what the directory must not be trusted with (real directories, real modes): a chunk planted
+with its own checksum, a directory another user could write, several nodes writing one
+directory, a match on a prompt whose load does not pay, a header nested deep, a directory that
+turns read-only or vanishes mid-run. Tests may run as root, whom modes do not stop: there a
+directory is made read-only with ``chattr +i`` (ext4 here), as a user with ``chmod``."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import os
 import random
+import shutil
+import stat
+import struct
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from pd.cache import disk_tier
 from pd.cache.disk_tier import DiskTier, chain_key
 from pd.cache.host_tier import HostTier
 from pd.cache.prefix_index import PrefixIndex
@@ -153,3 +169,206 @@ def test_no_slot_host_page_or_file_handle_leaks_over_fifty_cycles(tmp_path: Path
     tier.disk.close()  # the writer thread ends; nothing of it stays open
     assert len(os.listdir("/proc/self/fd")) == fds
     assert not list((tmp_path / "model-a").glob(".tmp-*"))
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def _make_read_only(d: Path) -> Callable[[], None]:
+    """Make the directory ``d`` and its files unwritable by this process (a file system gone
+    read-only): ``chmod`` as a user, ``chattr +i`` as root (whom modes do not stop); -> undo."""
+    paths = [str(d), *(str(p) for p in d.iterdir())]
+    if os.geteuid() != 0:
+        for p in paths:
+            os.chmod(p, 0o500 if os.path.isdir(p) else 0o400)
+        return lambda: [os.chmod(p, 0o700 if os.path.isdir(p) else 0o600) for p in paths]
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", *paths]).returncode:
+        pytest.skip("root, and chattr +i does not work here: no way to make a directory read-only")
+    return lambda: subprocess.run(["chattr", "-i", *paths], check=True)
+
+
+def _make_vanish(d: Path) -> Callable[[], None]:
+    """Put a file where the directory ``d`` is (it was removed and something else made)."""
+    d.rename(d.with_name(d.name + ".gone"))
+    d.write_bytes(b"not a directory")
+    return lambda: None
+
+
+def test_a_chunk_planted_with_its_own_checksum_is_rejected_unread(tmp_path: Path) -> None:
+    """Someone who can write the directory but does not hold its key plants, under a's name,
+    a chunk whose payload is b's KV and whose header carries that payload's right sha256."""
+    root = tmp_path / "kv"
+    cache, tier, mover = _make(root)
+    rng = random.Random(7)
+    a, b = _prompt(rng, 16), _prompt(rng, 16)
+    planter = DiskTier(tmp_path / "elsewhere", "model-a", CHUNK, 2**30)  # its own key, if any
+    wrong_kv = [["", b[: i + 1]] for i in range(CHUNK)]  # PathMover's payload: b's KV
+    planter.write("", a[:CHUNK], json.dumps(wrong_kv).encode())
+    planter.flush()
+    name = chain_key("model-a", "", a[:CHUNK]) + ".kv"
+    shutil.copy(tmp_path / "elsewhere" / "model-a" / name, root / "model-a" / name)
+    assert _run(cache, mover, a + [1]) == 0  # _run checks every slot's KV: none came from it
+    assert tier.disk.stats.num_rejected == 1 and tier.disk.stats.num_hit_tokens == 0
+    assert not (root / "model-a" / name).exists()
+    cache.check_integrity()
+
+
+def test_the_directory_is_made_0700_and_one_another_user_could_write_is_refused(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "kv"
+    DiskTier(root, "model-a", CHUNK, 2**20).close()
+    assert _mode(root) == 0o700 and _mode(root / "model-a") == 0o700
+    root.chmod(0o777)
+    with pytest.raises(PermissionError, match=rf"{root} .*0777.* writable by group or others"):
+        DiskTier(root, "model-a", CHUNK, 2**20)
+    root.chmod(0o755)  # an older pd's directory, owned by this user: made private
+    DiskTier(root, "model-a", CHUNK, 2**20).close()
+    assert _mode(root) == 0o700
+    (root / "model-a").chmod(0o770)
+    with pytest.raises(PermissionError, match=rf"{root / 'model-a'} .*0770"):
+        DiskTier(root, "model-a", CHUNK, 2**20)
+    (root / "model-a").chmod(0o700)
+    key = root / ".pd-key"
+    key.chmod(0o644)
+    with pytest.raises(PermissionError, match=rf"{key} \(mode 0644\) is open to group or others"):
+        DiskTier(root, "model-a", CHUNK, 2**20)
+    key.chmod(0o600)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(root, 65534, 65534)
+        with pytest.raises(PermissionError, match=rf"{root} \(owner uid 65534.* another user"):
+            DiskTier(root, "model-a", CHUNK, 2**20)
+
+
+def test_nodes_sharing_a_directory_keep_it_within_its_bound_together(tmp_path: Path) -> None:
+    nodes = [_make(tmp_path, max_bytes=6000) for _ in range(4)]  # four nodes of one host
+    rng = random.Random(5)
+    most = 0  # the most the directory held after any write
+    for i in range(48):
+        cache, tier, mover = nodes[i % 4]
+        _run(cache, mover, _prompt(rng, 16))
+        tier.disk.flush()
+        most = max(most, sum(f.stat().st_size for f in tmp_path.glob("*/*.kv")))
+    sizes = [f.stat().st_size for f in tmp_path.glob("*/*.kv")]
+    assert 0 < sum(sizes) <= most <= 6000, (len(sizes), sum(sizes), most)
+    stats = [tier.disk.stats for _, tier, _ in nodes]
+    assert sum(s.num_written for s in stats) > len(sizes) and sum(s.num_evicted for s in stats)
+    assert all(s.num_bytes >= sum(sizes) for s in stats)  # the shared count: high, never low
+
+
+def test_a_match_reads_no_chunk_until_loading_pays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, tier, mover = _make(tmp_path)
+    rng = random.Random(8)
+    a = _prompt(rng, 20)
+    _run(cache, mover, a)
+    _push_down(cache, mover, rng)
+    assert tier.disk is not None and cache.match_prefix(a[:1]).num_tokens == 0
+    read = tier.disk.read
+    reads: list[int] = []
+    monkeypatch.setattr(tier.disk, "read", lambda ns, p: reads.append(len(p)) or read(ns, p))
+    tier.prefill_rate.value, tier.disk_rate.value = 1e9, 1.0  # computing is far faster
+    for _ in range(3):  # a request waiting is matched again each step
+        assert cache.match_prefix(a + [7]).num_tokens == 0
+    assert reads == [] and tier.stats.num_skipped == 3
+    tier.prefill_rate.value, tier.disk_rate.value = 1.0, 1e12  # now loading pays
+    assert _run(cache, mover, a + [7]) == 16
+    assert reads == [8, 16] and tier.disk.stats.num_loads == 2  # each chunk read once
+    cache.check_integrity()
+
+
+def test_a_header_nested_deep_or_too_long_is_rejected_and_counted_never_raised(
+    tmp_path: Path,
+) -> None:
+    """Headers that pass the tag (as a buggy writer holding the key would leave them) but are
+    nested 100,000 deep (JSON and msgpack), or that claim 4 GiB: a node starting on the
+    directory, and a read, skip and count each."""
+    _, tier, _ = _make(tmp_path)
+    assert tier.disk is not None
+    key = tmp_path / ".pd-key"
+    bodies = [
+        b"[" * 100_000 + b"]" * 100_000,
+        b"\x91" * 100_000 + b"\x01",
+        b'{"key": "model-a", "tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ]
+    paths = [[i] * CHUNK for i in range(len(bodies) + 1)]
+    for body, path in zip([*bodies, None], paths):
+        if body is None:  # a length of 4 GiB - 1, on a file of 80 bytes
+            data = disk_tier.MAGIC + struct.pack("<I", 2**32 - 1) + b"x" * 70
+        else:
+            data = disk_tier.MAGIC + struct.pack("<I", len(body)) + body
+            if key.exists():
+                data += hmac.new(key.read_bytes(), data, hashlib.sha256).digest()
+            data += b"\0" * 16
+        (tmp_path / "model-a" / (chain_key("model-a", "", path) + ".kv")).write_bytes(data)
+    cache, tier, mover = _make(tmp_path)  # its start-up scan reads every header
+    assert tier.disk is not None and tier.disk.stats.num_rejected == len(paths)
+    assert not list((tmp_path / "model-a").glob("*.kv")) and not tier.disk.stats.is_off
+    assert _run(cache, mover, paths[0] + [1]) == 0
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("failure", ["read-only", "vanished"])
+def test_a_directory_that_fails_mid_run_turns_the_tier_off_and_the_cache_serves_on(
+    tmp_path: Path, failure: str
+) -> None:
+    cache, tier, mover = _make(tmp_path)
+    assert tier.disk is not None
+    rng = random.Random(9)
+    a = _prompt(rng, 24)
+    _run(cache, mover, a)
+    _push_down(cache, mover, rng, 4)  # a: on disk only
+    written = tier.disk.stats.num_written
+    undo = (_make_read_only if failure == "read-only" else _make_vanish)(tmp_path / "model-a")
+    try:
+        for i in range(4):  # a's chunks found, refreshed, read; new ones written: all fail
+            assert _run(cache, mover, a + [i]) in (0, 24) or i  # its KV checked, whatever hit
+            _push_down(cache, mover, rng)
+        disk = tier.disk.stats
+        assert disk.is_off and disk.num_written == written
+        assert tier.disk.match(a, "", 0) == [] and tier.disk.scan() == []
+        assert _run(cache, mover, a + [9]) >= 0  # serves on, the tier off
+        cache.check_integrity()
+    finally:
+        undo()
+
+
+def test_checkpoints_alike_in_names_and_sizes_but_not_weights_get_other_model_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model key hashes the weights' contents, once: the digest is kept beside them and
+    taken again only for a file that changed (here: other bytes, the same size and mtime)."""
+    import torch
+
+    from pd.core.kv_pool import KVPool
+    from pd.engine.config import EngineConfig
+    from pd.engine.host_pool import make_disk_tier
+    from pd.model import loader
+
+    hashed: list[str] = []
+    digest = loader._file_digest
+    monkeypatch.setattr(loader, "_file_digest", lambda p: hashed.append(p.name) or digest(p))
+    pool = KVPool(2, 16, 2, 8, torch.float32)
+
+    def key(model: Path) -> str:
+        cfg = EngineConfig(model=str(model), disk_cache_dir=str(tmp_path / "kv"))
+        tier = make_disk_tier(cfg, model, pool, "none", pool.num_kv_heads)
+        assert tier is not None
+        tier.close()
+        return tier.key
+
+    models = [tmp_path / "a", tmp_path / "b"]
+    for i, m in enumerate(models):
+        m.mkdir()
+        (m / "config.json").write_text("{}")
+        (m / "model.safetensors").write_bytes(bytes([i]) * 4096)
+    first = [key(m) for m in models]
+    assert first[0] != first[1] and hashed == ["model.safetensors"] * 2
+    assert [key(m) for m in models] == first and len(hashed) == 2  # kept beside the weights
+    weights = models[0] / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(bytes([7]) * 4096)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same size and mtime
+    assert key(models[0]) not in first and len(hashed) == 3

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pd.cache.base import NoPrefixCache
 from pd.cache.radix_cache import RadixCache
 from pd.cache.radix_tree import RadixNode
+from pd.cache.tenants import TenantShares, tenant_of
 from pd.core.kv_pool import SlotAllocator
 
 
@@ -206,8 +207,9 @@ class _RefCache:
     """The cache as a flat dict: every cached page-prefix (namespace, tokens[:k*ps]) with its
     last access time and lock count. Eviction removes the least recently used leaf page."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, shares: TenantShares | None = None) -> None:
         self.ps = page_size
+        self.shares = shares  # fair: the page comes from the tenant most over its share
         self.time: dict[tuple[str, tuple[int, ...]], int] = {}
         self.locks: Counter[tuple[str, tuple[int, ...]]] = Counter()
         self.clock = 0
@@ -243,6 +245,14 @@ class _RefCache:
             leaves = [p for p in self.time if p not in parents and not self.locks[p]]
             if not leaves:
                 break
+            if self.shares is not None:
+                shares = self.shares
+                usage = Counter(tenant_of(ns) for ns, _ in self.time)
+                most = max(
+                    {tenant_of(ns) for ns, _ in leaves},
+                    key=lambda t: (usage[t] * self.ps / shares.weight(t), t),
+                )
+                leaves = [p for p in leaves if tenant_of(p[0]) == most]
             times = sorted(self.time[p] for p in leaves)
             assert len(times) < 2 or times[0] < times[1], "LRU tie: the order is not defined"
             del self.time[min(leaves, key=self.time.__getitem__)]
@@ -285,11 +295,11 @@ def _tokens(page_size: int) -> st.SearchStrategy[list[int]]:
 
 
 class _Driver:
-    def __init__(self, page_size: int, num_pages: int) -> None:
+    def __init__(self, page_size: int, num_pages: int, shares: TenantShares | None) -> None:
         self.ps = page_size
         self.allocator = SlotAllocator(num_pages * page_size, page_size)
-        self.cache = RadixCache(self.allocator, "p0")
-        self.ref = _RefCache(page_size)
+        self.cache = RadixCache(self.allocator, "p0", shares=shares)
+        self.ref = _RefCache(page_size, shares)
         self.running: list[_Req] = []
         self.readers: list[tuple[list[int], str, int, RadixNode]] = []
 
@@ -373,10 +383,17 @@ class _Driver:
         assert self.allocator.num_free_pages == self.allocator.num_pages
 
 
-def _drive(data: st.DataObject, page_size: int, num_pages: int) -> None:
-    d = _Driver(page_size, num_pages)
+# tenants "" (both), "ka" (both of its namespaces, weight 1) and "kb" (weight 2)
+_TENANT_NAMESPACES = ["", "lora-1", "ka", "ka/s1", "kb"]
+_SHARES = TenantShares({"kb": 2.0})
+
+
+def _drive(
+    data: st.DataObject, page_size: int, num_pages: int, shares: TenantShares | None = None
+) -> None:
+    d = _Driver(page_size, num_pages, shares)
     tokens = _tokens(page_size)
-    namespaces = st.sampled_from(["", "lora-1"])
+    namespaces = st.sampled_from(["", "lora-1"] if shares is None else _TENANT_NAMESPACES)
     for _ in range(data.draw(st.integers(1, 40), label="steps")):
         ops = ["start", "read", "evict"]
         if d.running:
@@ -418,6 +435,20 @@ def test_property_page_size_1(data: st.DataObject) -> None:
 @given(data=st.data())
 def test_property_page_size_16(data: st.DataObject) -> None:
     _drive(data, page_size=16, num_pages=12)
+
+
+@pytest.mark.timeout(60)
+@_PROPERTY
+@given(data=st.data())
+def test_property_fair_eviction_page_size_1(data: st.DataObject) -> None:
+    _drive(data, page_size=1, num_pages=24, shares=_SHARES)
+
+
+@pytest.mark.timeout(60)
+@_PROPERTY
+@given(data=st.data())
+def test_property_fair_eviction_page_size_16(data: st.DataObject) -> None:
+    _drive(data, page_size=16, num_pages=12, shares=_SHARES)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -150,11 +150,11 @@ class Harness:
         node.beat()
         return node
 
-    def request(self, rid: str) -> None:
+    def request(self, rid: str, params: SamplingParams = PARAMS) -> None:
         async def run() -> None:
             outs = self.outputs.setdefault(rid, [])
             try:
-                stream: AsyncIterator[RequestOutput] = self.client.generate(rid, PROMPT, PARAMS)
+                stream: AsyncIterator[RequestOutput] = self.client.generate(rid, PROMPT, params)
                 async for out in stream:
                     outs.append(out)
             except Exception as e:  # the test looks at it
@@ -286,6 +286,36 @@ async def test_requests_wait_in_fifo_order_for_room_until_their_deadline() -> No
         assert not h.client.coordinator._requests  # nothing stays booked
         aborts = [m.request_id for m in await _drain(p) if isinstance(m, AbortMsg)]
         assert {"r2", "r3"} <= set(aborts)  # the nodes were told to forget them
+
+
+async def test_thirty_two_requests_without_max_tokens_go_to_one_decode_node_at_once() -> None:
+    """The path where a booking binds: the client's dispatch, the room queue, the coordinator.
+    32 requests without max_tokens (each given the rest of a 4,096-token context) and one
+    decode node of 32,768 slots: all 32 are sent at once, none waits (booking prompt +
+    max_tokens sent 8 and queued 24). The bookings grow with the tokens the node streams,
+    and all of them, grown, are released when the answers end."""
+    n, ctx, slots = 32, 4096, 32768
+    params = SamplingParams(max_tokens=ctx - len(PROMPT), temperature=0.0)
+    async with _harness() as h:
+        p, d = h.add("prefill-0"), h.add("decode-0", slots=slots)
+        coord = h.client.coordinator
+        for i in range(n):
+            h.request(f"r{i}", params)
+        sent = [(await p.recv_until(PrefillReqMsg)).request_id for _ in range(n)]
+        assert sorted(sent) == sorted(f"r{i}" for i in range(n))
+        assert h.client.stats().num_queued == 0
+        assert coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
+        for i in range(n):
+            d.tokens(f"r{i}", [5] * 600)  # past the first 512: booked for as many again
+        await _until(lambda: coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
+        coord.check_integrity()
+        for i in range(n):
+            d.tokens(f"r{i}", [5], finished=True)
+        for i in range(n):
+            await h.wait_done(f"r{i}")
+            assert len(h.tokens_of(f"r{i}")) == 601
+        assert coord.num_reserved_slots("decode-0") == 0 and not h.errors
+        coord.check_integrity()
 
 
 async def _drain(node: FakeNode) -> list[Any]:

@@ -14,8 +14,13 @@ from typing import NamedTuple
 
 import pytest
 
+from pd.cache import NoPrefixCache
 from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
+from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
+from pd.core.request import Req
+from pd.core.sampling_params import SamplingParams
+from pd.engine.slots import SlotBudget
 from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
@@ -720,3 +725,73 @@ def test_balance_keeps_a_near_tie_disaggregated() -> None:
     coord = _local_coordinator(balance=True, num_prefill=1)
     _insert(coord, "d0", _tokens(0, 5))
     assert coord.route("r", _tokens(0, 640), 32).prefill == "p0"
+
+
+@pytest.mark.timeout(10)
+def test_requests_without_max_tokens_book_what_their_answers_use() -> None:
+    """32 chat requests without max_tokens (the server gives each the rest of an 8,192-token
+    context) on one decode node of 32,768 slots: all 32 are booked at once, 400 + 512 slots
+    each (booking prompt + max_tokens, 8,192 each, let 4 in and made the 5th wait). Each
+    booking grows with its answer, to its tokens and as many again, past the node's slots if
+    need be (the node retracts when its pool runs out); new requests wait meanwhile, and every
+    slot comes back when they finish."""
+    ctx, slots, prompt_len, n = 8192, 32768, 400, 32
+    coord = _make_coordinator(1, decode_slots=(slots,))
+    for i in range(n):
+        route = coord.route(f"r{i}", _tokens(10_000 * (i + 1), prompt_len), ctx - prompt_len)
+        assert route.decode == "d0"
+    coord.check_integrity()
+    assert coord.num_reserved_slots("d0") == n * (prompt_len + 512)
+    for i in range(n):  # the first token, then 99 more in bursts: within the first 512
+        coord.on_prefilled(f"r{i}")
+        for num in (1, 50, 49):
+            coord.on_tokens(f"r{i}", num)
+    assert coord.num_reserved_slots("d0") == n * (prompt_len + 100 + 512)
+    coord.check_integrity()
+    for i in range(n):  # 700 tokens each: booked for 1,400
+        coord.on_tokens(f"r{i}", 600)
+    assert coord.num_reserved_slots("d0") == n * (prompt_len + 1400) > slots
+    coord.check_integrity()
+    with pytest.raises(NoCapacityError, match="912 free KV slots"):
+        coord.route("late", _tokens(0, prompt_len), ctx - prompt_len)
+    coord.on_tokens("r0", 10_000)  # never past prompt + max_tokens
+    coord.check_integrity()
+    for i in range(n):
+        coord.on_finished(f"r{i}")
+        coord.on_tokens(f"r{i}", 5)  # after its end: nothing grows
+    assert coord.num_reserved_slots("d0") == 0
+    coord.check_integrity()
+    # a request that may never fit is still refused on prompt + max_tokens, with pages
+    with pytest.raises(ValueError, match="32769 KV slots; the largest decode node has 32768"):
+        coord.route("huge", _tokens(0, 400), slots - 400 + 1)
+    page = _make_coordinator(1, decode_slots=(1024,), page_size=16)
+    page.route("p", _tokens(0, 10), 8)  # 18 tokens: two pages
+    assert page.num_reserved_slots("d0") == 32
+    page.on_tokens("p", 3)
+    page.check_integrity()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_decode_node_never_expects_more_than_the_coordinator_booked(page_size: int) -> None:
+    """The two views of one request: the coordinator's booking and the decode node's
+    admission estimate (``SlotBudget.expected_len``, in whole pages), at every ratio the node
+    may be at, before and as its answer grows; the node's never exceeds the booking, so the
+    node admits what the coordinator sent it while the bookings fit its slots."""
+    for prompt_len, max_tokens in [(10, 8), (400, 7792), (3000, 100), (100, 600), (5, 9000)]:
+        for num_output in (0, 1, 100, 511, 512, 513, 2000, max_tokens - 1):
+            if not 0 <= num_output < max_tokens:
+                continue
+            coord = _make_coordinator(1, decode_slots=(1 << 20,), page_size=page_size)
+            coord.route("r", _tokens(0, prompt_len), max_tokens)
+            coord.on_tokens("r", num_output)
+            booked = coord.num_reserved_slots("d0")
+            coord.check_integrity()
+            for ratio in (1.0, 0.7, 0.14):
+                alloc = SlotAllocator(16384, page_size)
+                budget = SlotBudget(alloc, NoPrefixCache(alloc), new_token_ratio=ratio)
+                req = Req("r", _tokens(0, prompt_len), SamplingParams(max_tokens=max_tokens))
+                req.output_ids = [7] * num_output
+                req.fill_len = prompt_len + num_output
+                expected = alloc.num_pages_for(budget.expected_len(req)) * page_size
+                assert expected <= booked, (prompt_len, max_tokens, num_output, ratio)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pd.cluster.placement import max_nodes, node_demand, pool_capacity
+from pd.cluster.placement import (
+    Capacity,
+    max_nodes,
+    node_demand,
+    pool_capacity,
+    socket_capacity,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,3 +97,43 @@ def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
     assert threads(None, num_decode=1) == 8  # 1 prefill + 1 decode: all the cores each
     assert threads(3) == 3  # --num-threads: each node's, as the user asked
     assert threads(3, threads_per_node=1) == 1
+
+
+def test_a_pool_is_bounded_by_the_connections_each_socket_takes() -> None:
+    """32 connections a socket (``--transfer-max-conns``): 31 nodes, the server the 32nd."""
+    roomy = Capacity(100, "a prefill node takes memory 0.75 GiB; ...")
+    cap = socket_capacity(roomy, 3, 32)
+    assert cap.max_nodes == 28
+    assert cap.why == (
+        "each internal socket takes 32 connections (--transfer-max-conns): at most 31 nodes, "
+        "3 of them in the other pool"
+    )
+    tight = Capacity(5, "memory")
+    assert socket_capacity(tight, 3, 32) is tight  # Ray's bound is the lower
+    assert socket_capacity(roomy, 40, 32).max_nodes == 0
+
+
+def test_a_node_of_n_ranks_takes_n_gpus_of_one_machine_and_the_pools_count_them() -> None:
+    from pd.cluster.config import ClusterConfig
+    from pd.cluster.coordinator import CoordinatorConfig
+    from pd.cluster.launcher import Cluster
+    from pd.engine.config import EngineConfig
+
+    cfg = ClusterConfig(num_prefill=1, num_decode=2, prefill_tensor_parallel_size=4)
+    cluster = Cluster(EngineConfig(tensor_parallel_size=2), cfg, CoordinatorConfig())
+    cluster.actors.gpus = 1.0  # as connect() resolves it on a cluster with GPUs
+    prefill = cluster.actors.gpus_of("prefill", cluster.engine_cfg)
+    decode = cluster.actors.gpus_of("decode", cluster.engine_cfg)
+    assert (prefill, decode) == (4.0, 2.0)
+    # 8 GPUs (one machine of 8): a TP-4 prefill node beside two TP-2 decode nodes fills it
+    cap = pool_capacity(
+        "prefill",
+        node_demand(prefill, {}, 0),
+        "decode",
+        node_demand(decode, {}, 0),
+        2,
+        {"CPU": 64, "GPU": 8},
+        None,
+    )
+    assert cap.max_nodes == 1
+    assert "a prefill node takes CPU 1, GPU 4" in cap.why and "hold CPU 2, GPU 4" in cap.why

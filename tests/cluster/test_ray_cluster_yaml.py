@@ -50,9 +50,14 @@ def test_ray_cluster_yaml_passes_rays_validation() -> None:
 def test_each_role_has_a_worker_type_with_its_resource_and_none_lands_on_the_head() -> None:
     types = _load()["available_node_types"]
     by_resource = {name: t["resources"] for name, t in types.items() if t.get("resources")}
-    assert by_resource == {"prefill_worker": {"prefill": 1}, "decode_worker": {"decode": 1}}
+    assert by_resource == {
+        "prefill_worker": {"prefill": 1},
+        "decode_worker": {"decode": 1},
+        # the 8-GPU machine of tensor-parallel nodes: one TP-4 prefill, two TP-2 decode nodes
+        "tp8_worker": {"prefill": 1, "decode": 2},
+    }
     assert types["head"]["resources"] == {}
-    for name in by_resource:
+    for name in ("prefill_worker", "decode_worker"):
         assert types[name]["min_workers"] >= 1, name  # the first node of each pool has a home
 
 

@@ -1,6 +1,7 @@
 """``pd serve``'s API keys from a file (``--api-key-file``) and the environment (``PD_API_KEY``),
-which ``ps`` does not show, unlike ``--api-key``'s; and the warning of a server open to the
-network (a non-loopback ``--host``, no key). The colocated engine on a tiny model."""
+which ``ps`` does not show, unlike ``--api-key``'s; the warning of a server open to the network
+(a non-loopback ``--host``, no key); and the cache isolated per key (or key group) by default,
+so ``cached_tokens`` tells no key what another sent. The colocated engine on a tiny model."""
 
 from __future__ import annotations
 
@@ -75,3 +76,42 @@ def test_a_server_on_a_non_loopback_host_without_a_key_warns_at_start(
     line = next(s for s in log.read_text().splitlines() if OPEN_WARNING in s)
     assert "WARNING" in line and f"--host 0.0.0.0 {OPEN_WARNING}" in line, line
     assert f"whoever reaches port {port} may use the API" in line, line
+
+
+GROUP_KEYS = ("tenant-a-0123456789", "tenant-b-0123456789", "tenant-c-0123456789")
+GROUPED = "tenant-d-0123456789"
+# ~150 tokens, the same text for every key
+SECRET_PROMPT = "Internal memo for the finance team only: the quarterly numbers are " * 12
+
+
+def _cached_tokens(http: httpx.Client, key: str) -> int:
+    body = {"prompt": SECRET_PROMPT, "max_tokens": 1, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cached_tokens_never_show_another_keys_prompt_but_a_groups_keys_share(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Keys A, B and C, then C and D in one group (``KEY GROUP`` lines): B sent after A the
+    prompt A sent twice gets cached_tokens 0 (the oracle is closed by default); D gets the
+    cache that C, of its group, filled."""
+    a, b, c = GROUP_KEYS
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"{a}\n{b}\n{c} team-cd\n{GROUPED} team-cd\n")
+    key_file.chmod(0o600)
+    server = serve_colocated(
+        tiny_llama_dir, tmp_path / "serve.log", "--api-key-file", str(key_file)
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert _cached_tokens(http, a) == 0
+            hit = _cached_tokens(http, a)
+            assert hit > 100, hit  # A's own prompt is cached for A
+            assert _cached_tokens(http, b) == 0, "key B saw key A's cached prompt"
+            assert _cached_tokens(http, c) == 0  # another tenant again
+            assert _cached_tokens(http, GROUPED) == hit  # C's group shares C's cache
+            assert _cached_tokens(http, b) == hit  # B's own, second time
+    finally:
+        server.end()

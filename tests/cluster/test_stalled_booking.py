@@ -1,7 +1,8 @@
 """A booking follows the work, not the client: the HTTP server over a ``ClusterClient`` whose
 nodes are fakes (their sockets, driven by the test; no model, no Ray), and a client that never
-reads its stream. The coordinator frees the decode booking when the node's finish is read,
-while the stream is still blocked on the client; the write timeout then cuts the stream."""
+reads its stream. The coordinator frees the decode booking when the node's finish is read, and
+the server the admission place, while the stream is still blocked on the client; the write
+timeout then cuts the stream."""
 
 from __future__ import annotations
 
@@ -80,10 +81,14 @@ async def test_a_stalled_stream_holds_no_decode_booking_once_its_node_finished(
             # freed when the reader reads the finish, though the stream is blocked on its client
             await _until(lambda: not coordinator._requests)
             coordinator.check_integrity()
-            assert client_gone(app, "stalled") == 0, "the booking was freed only by the cut"
-            assert admission.num_inflight == 1  # the stream still waits on its client
-            await _until(lambda: client_gone(app, "stalled") == 1, timeout_s=WRITE_TIMEOUT_S + 10)
+            # its generation is over: its admission place comes back too, while the rest of
+            # its answer waits in its pipe (held by the server's budget) for its client
             await _until(lambda: admission.num_inflight == 0)
+            assert client_gone(app, "stalled") == 0, "freed only by the cut"
+            held = app.state.server.stream_bytes
+            assert held.num_streams == 1 and 0 < held.num_bytes <= held.max_bytes
+            await _until(lambda: client_gone(app, "stalled") == 1, timeout_s=WRITE_TIMEOUT_S + 10)
+            await _until(lambda: held.num_streams == 0 and held.num_bytes == 0)
             sock.close()
             assert client.loop is not None
             closing = asyncio.run_coroutine_threadsafe(client.close(), client.loop)
@@ -93,4 +98,4 @@ async def test_a_stalled_stream_holds_no_decode_booking_once_its_node_finished(
             node.close()
         ctx.term()
     metrics = app.state.server.metrics.render().decode()
-    assert 'pd_requests_total{finish_reason="abort"} 1.0' in metrics
+    assert 'pd_requests_total{finish_reason="length"} 1.0' in metrics  # it generated it all

@@ -116,6 +116,39 @@ def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
     _assert_no_leak(restarted)
 
 
+@pytest.mark.timeout(120)
+def test_a_disk_tier_gone_read_only_mid_run_is_turned_off_and_the_engine_answers_on(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The disk directory turns read-only while prefixes wait there (the file system remounted
+    read-only after errors): the engine's step raises nothing, every answer equals the cold
+    one, and the tier is off and says so in the node's stats."""
+    from tests.cache.test_disk_tier import _make_read_only
+
+    kw = {"max_total_tokens": 256, "page_size": 16, "disk_cache_dir": str(tmp_path)}
+    tiered = _engine(tiny_llama_dir, 256, **kw)
+    cold = _engine(tiny_llama_dir, 0, max_total_tokens=384, enable_prefix_cache=False)
+    vocab = tiered.runner.model_config.vocab_size
+    systems = [_prompt(192, seed, vocab) for seed in range(4)]
+    for s in systems:
+        _one(tiered, s + [1])
+    disk = tiered.cache.lower.disk
+    disk.flush()
+    assert disk.stats.num_written > 0
+    (model_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    undo = _make_read_only(model_dir)
+    try:
+        for i, s in enumerate([*systems, *systems]):  # on disk, then pushed down again
+            prompt = s + _prompt(5, 400 + i, vocab)
+            assert _one(tiered, prompt)[0] == _one(cold, prompt)[0], i
+            disk.flush()
+        stats = tiered.core.stats("prefill")
+        assert stats.disk_off == 1 and disk.stats.is_off
+        _assert_no_leak(tiered)
+    finally:
+        undo()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smollm2_from_the_host_tier_equals_hf(smollm2_dir: Path) -> None:

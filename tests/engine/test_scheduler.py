@@ -4,6 +4,7 @@ tokens from a script."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -32,6 +33,7 @@ def _make_scheduler(
     max_running: int = 8,
     budget: int = 64,
     max_model_len: int = 512,
+    new_token_ratio: float = 1.0,
 ) -> Scheduler:
     alloc = SlotAllocator(num_slots, page_size)
     prefix_cache = RadixCache(alloc, "n") if cache else NoPrefixCache(alloc)
@@ -42,6 +44,7 @@ def _make_scheduler(
         max_prefill_tokens=budget,
         max_model_len=max_model_len,
         eos_token_ids=[EOS],
+        new_token_ratio=new_token_ratio,
     )
 
 
@@ -472,3 +475,57 @@ def test_decode_role_caches_a_transferred_prompt_when_it_is_admitted() -> None:
     assert batch.reqs[1].num_cached_tokens == 12
     assert sorted(_drain(s)) == ["a", "b"]
     _assert_idle_and_whole(s)
+
+
+def test_thirty_two_requests_without_max_tokens_run_on_one_decode_node() -> None:
+    """32 chat requests without max_tokens (the server gives each the rest of SmolLM2's
+    8,192-token context) on one decode node of pd's default 32,768 slots, half of them
+    prefilled by a prefill node and half here: every one is taken at once. Expecting
+    ``new_token_ratio`` of the whole context (clipped to 4,096) took 10 (3,268 slots each);
+    now a request is expected to run 512 tokens, or as many again as it ran, so the node is
+    bounded by the KV answers use. As they decode, the expectations grow with them."""
+    ctx, prompt_len, n = 8192, 400, 32
+    s = _make_scheduler(
+        DecodeScheduler, num_slots=32768, cache=False, max_running=64, budget=16384,
+        max_model_len=ctx, new_token_ratio=0.7,  # pd's default
+    )  # fmt: skip
+    assert isinstance(s, DecodeScheduler)
+    reqs = [
+        _req(f"r{i}", prompt_len, max_tokens=ctx - prompt_len, base=1000 * (i + 1))
+        for i in range(n)
+    ]
+    for r in reqs[: n // 2]:  # their KV comes from a prefill node
+        s.incoming.expect(r, "prefill-0")
+        assert s.incoming.reserve(r.request_id, prompt_len, None) is not None, r.request_id
+        s.incoming.landed(r.request_id)
+        assert s.incoming.admit(r.request_id, 7) is r
+    for r in reqs[n // 2 :]:  # prefilled here
+        s.add(r)
+    _run(s)
+    assert len(s.running) == n and not s.waiting
+    ratio = s.slots.new_token_ratio  # decays a little each decode step
+    assert s.slots.expected_len(reqs[0]) == prompt_len + 1 + math.ceil(512 * ratio)
+    for _ in range(20):
+        _run(s)
+        s.check_integrity()
+    ratio = s.slots.new_token_ratio
+    assert s.slots.expected_len(reqs[0]) == prompt_len + 21 + math.ceil(512 * ratio)
+    assert s.stats().num_retracted == 0
+    for r in reqs:
+        s.abort(r.request_id)
+    _assert_idle_and_whole(s)
+
+
+def test_an_answer_that_outruns_its_expectation_is_expected_to_run_as_long_again() -> None:
+    """Past 512 tokens a request is expected to generate as many again as it has (its
+    max_tokens caps it); a request with a small max_tokens is expected to use all of it."""
+    s = _make_scheduler(num_slots=8192, cache=False, max_model_len=8192)
+    long = _req("long", 100, max_tokens=8000)
+    assert s.slots.expected_len(long) == 100 + 512
+    long.output_ids = [7] * 1000
+    long.fill_len = 1100
+    assert s.slots.expected_len(long) == 1100 + 1000
+    long.output_ids = [7] * 5000
+    long.fill_len = 5100
+    assert s.slots.expected_len(long) == long.max_len == 100 + 8000 - 1  # max_tokens caps it
+    assert s.slots.expected_len(_req("short", 100, max_tokens=30)) == 100 + 30 - 1

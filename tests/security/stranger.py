@@ -20,8 +20,9 @@ stderr):
   round-robin over the targets (``k`` sockets each, default 1; a target sends once in ``e``
   rounds, default every one), each sending its frames in turn (and frames of ``n`` zero bytes
   among them), never blocking (a full queue skips), until ``seconds`` pass or ``m`` frames
-  went to each target (default: no limit), then waits up to ``linger_s`` (default 10) for
-  its queues to drain; result: ``{"num_sent": [n, ...]}``
+  went to each target (default: no limit), keeps its connections open ``hold_s`` seconds
+  more (default 0: a receiver that does not read holds what they sent), then waits up to
+  ``linger_s`` (default 10) for its queues to drain; result: ``{"num_sent": [n, ...]}``
   per target (every frame counted is delivered before the exit, but to a receiver that drops
   the connection: frames over its size limit)
 
@@ -98,7 +99,12 @@ def _probe(dist: Any, host: str, port: int, timeout_s: float) -> tuple[threading
 
 
 def _flood(
-    targets: list[dict[str, Any]], seconds: float, max_frames: float, linger_s: float, ctx: Any
+    targets: list[dict[str, Any]],
+    seconds: float,
+    max_frames: float,
+    linger_s: float,
+    ctx: Any,
+    hold_s: float = 0.0,
 ) -> Any:
     import zmq
 
@@ -130,6 +136,7 @@ def _flood(
         n += 1
         if not num_sent:  # every queue is full: wait for the receivers, do not spin
             time.sleep(0.001)
+    time.sleep(hold_s)
     for _, sock, _, _ in socks:
         sock.close()  # what it queued is delivered by ctx.term()
     return {"num_sent": sent}
@@ -154,7 +161,10 @@ def main() -> None:
         elif "flood" in action:
             max_frames = action.get("max_frames", float("inf"))
             linger_s = action.get("linger_s", 10.0)
-            results.append(_flood(action["flood"], action["seconds"], max_frames, linger_s, ctx))
+            hold_s = action.get("hold_s", 0.0)
+            results.append(
+                _flood(action["flood"], action["seconds"], max_frames, linger_s, ctx, hold_s)
+            )
         else:
             raise ValueError(f"unknown action {sorted(action)}")
     ctx.term()  # every frame sent is delivered first (LINGER)

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pd.cache.tenants import group_namespace
 from pd.cli import main as pd_main
 from pd.cluster.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
@@ -245,6 +246,21 @@ def test_warmup_tokenizes_checks_and_namespaces_prompts_as_requests_are(tokenize
         (prompts, namespace), = admin.warmed  # fmt: skip
         assert prompts == [encode_prompt(tokenizer, text), ids]
         assert namespace == cache_namespace(KEY if isolate else None, "team-a")
+
+
+def test_warmup_of_a_key_group_warms_the_namespace_its_keys_get(tokenizer) -> None:
+    """``"key_group"``: the group's namespace, the one its keys' requests get; an unknown group
+    (or isolation off) is a 400 naming it."""
+    admin = FakeAdmin()
+    app = _app(tokenizer, admin, key_groups=((TENANT_KEY, "team-a"),))
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        body = {"prompts": [[11, 22, 33]], "key_group": "team-a"}
+        assert c.post("/admin/warmup", json=body, headers=AUTH).status_code == 200
+        r = c.post("/admin/warmup", json={**body, "key_group": "team-b"}, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert "key_group 'team-b' is not one of this server's 1 key groups" in r.text
+    (_, namespace), = admin.warmed  # fmt: skip
+    assert namespace == cache_namespace(TENANT_KEY, None, "team-a") == group_namespace("team-a")
 
 
 def test_pd_scale_and_pd_status_talk_to_the_server(tokenizer, capsys, monkeypatch) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pd.cache.tenants import group_namespace, tenant_of
 from pd.core import envs
 from pd.server import ServerConfig
 from pd.server.auth import cache_namespace
@@ -140,16 +141,37 @@ def test_api_keys_from_a_file(
         args = build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / name)])
         with pytest.raises(ValueError, match=f"--api-key-file {tmp_path / name}.*{match}"):
             server_config(args)
-    (tmp_path / "spaced").write_text("two words\n")
+    (tmp_path / "spaced").write_text("three words here\n")
     args = build_parser().parse_args(["serve", "--admin-api-key-file", str(tmp_path / "spaced")])
-    with pytest.raises(ValueError, match="without spaces or commas"):
+    with pytest.raises(ValueError, match="line 1 has 3 fields: KEY or KEY GROUP"):
         server_config(args)
+
+
+def test_key_groups_from_a_file(tmp_path: Path) -> None:
+    """``KEY GROUP`` lines put keys in a group (commas still separate keys); a key in two
+    groups, or a group name with a '=', is refused naming the groups."""
+    from pd.cli import build_parser, server_config
+
+    keys = tmp_path / "keys"
+    keys.write_text("t-alone\nt-a1,t-a2 team-a\n  t-b1   team-b\n")
+    keys.chmod(0o600)
+    args = build_parser().parse_args(["serve", "--api-key-file", str(keys)])
+    cfg = server_config(args)
+    assert cfg.api_key == ("t-alone", "t-a1", "t-a2", "t-b1") and cfg.isolate_cache_per_key
+    assert cfg.key_group() == {"t-a1": "team-a", "t-a2": "team-a", "t-b1": "team-b"}
+    for text, match in (
+        ("t-a1 team-a\nt-a1 team-b\n", "in two key groups, 'team-a' and 'team-b'"),
+        ("t-a1 team=a\n", "without spaces, '=' or ','"),
+    ):
+        keys.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            server_config(args)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"isolate_cache_per_key": True}, "needs at least one api_key"),
+        ({"api_key": ("k",), "key_groups": (("x", "g"),)}, "names a key that is not an API"),
         ({"api_key": ("has space",)}, "printable ASCII without spaces"),
         ({"api_key": ("",)}, "non-empty"),
         ({"max_inflight_requests": 0}, "max_inflight_requests must be >= 1, got 0"),
@@ -177,6 +199,14 @@ def test_cache_namespaces_hide_keys_and_never_collide() -> None:
     assert all(a not in ns and b not in ns and "s1" not in ns for ns in names.values())
     assert cache_namespace(a, "s1") == cache_namespace(a, "s1")  # stable across restarts
     assert cache_namespace(None, "s1") == cache_namespace(None, "s1")
+    # a group's keys share its namespaces, salted ones too; no other key's or group's
+    grouped = {cache_namespace(key, salt, "team") for key in (a, b) for salt in (None, "s1")}
+    assert len(grouped) == 2 and not grouped & set(names.values())
+    assert cache_namespace(a, None, "team") == group_namespace("team")
+    assert cache_namespace(a, "s1", "team") != cache_namespace(a, "s1", "team2")
+    assert tenant_of(cache_namespace(a, "s1", "team")) == group_namespace("team")
+    assert tenant_of(cache_namespace(a, "s1")) == cache_namespace(a, None)
+    assert tenant_of(cache_namespace(None, "s1")) == tenant_of("") == ""
 
 
 @pytest.mark.anyio

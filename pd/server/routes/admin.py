@@ -52,6 +52,7 @@ class WarmupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompts: list[str | list[int]] = Field(min_length=1, max_length=MAX_WARMUP_PROMPTS)
     cache_salt: str | None = Field(default=None, min_length=1)  # as a request's
+    key_group: str | None = Field(default=None, min_length=1)  # warm that group's cache
 
 
 def _admin(request: Request) -> ClusterAdmin:
@@ -125,7 +126,10 @@ def _warmup_prompts(state: ServerState, body: WarmupRequest) -> list[list[int]]:
 @router.post("/warmup")
 async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
-    namespace = state.namespace(request.scope.get(API_KEY_SCOPE), body.cache_salt)
+    if body.key_group is not None:
+        namespace = state.group_namespace(body.key_group, body.cache_salt)
+    else:
+        namespace = state.namespace(request.scope.get(API_KEY_SCOPE), body.cache_salt)
     prompts = await state.in_thread(_warmup_prompts, state, body)  # tokenizing takes a while
     results = await _admin(request).warmup(prompts, namespace)
     return {

@@ -9,7 +9,9 @@
    each write of the response is bounded too (``WriteTimeoutMiddleware``).
 
 The admission place is released when the response is over: at once for an error or a plain
-answer, when the stream ends (however it ends) for a stream. A client that leaves is counted
+answer; for a stream, when its generation ends and what its client has not read yet fits the
+server's budget for slow readers (``pd.server.stream_buffer``), or when the stream ends,
+however it ends, if that comes first. A client that leaves is counted
 (``pd_server_client_gone_total``) and answered nothing (499 in the access log).
 """
 
@@ -94,7 +96,13 @@ async def serve_generation(
                 state.timed_out,
             )
             left = state.metrics.client_gone.labels(where="running")
-            response = sse_response(steps, on_close=ticket.release, on_gone=left.inc)
+            response = sse_response(
+                steps,
+                on_close=ticket.release,
+                on_gone=left.inc,
+                max_buffer_bytes=state.config.max_stream_buffer_bytes,
+                budget=state.stream_bytes,
+            )
             ticket = None  # the response releases it
             return response
         if (gone := await state.run(request, gen, deadline)) is not None:
