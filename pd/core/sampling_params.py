@@ -22,6 +22,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1 << 18
 MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs: 0..20 (completions' logprobs: 0..5, the server's)
+# A safety net for decoded messages; the server's request body limit is far lower.
+MAX_GRAMMAR_CHARS = 1 << 22
 
 LogitBias = tuple[tuple[int, float], ...]
 
@@ -41,6 +43,8 @@ class SamplingParams:
     output. ``min_p``: after the temperature, tokens whose probability is below min_p x the
     top token's are dropped (sampled requests only: it never changes the argmax).
     ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob.
+    ``grammar``: an llguidance grammar (its JSON text, e.g. a JSON schema's) every sampled
+    token must follow, EOS only where it accepts (``pd.engine.grammar``); "": none.
 
     ``priority`` is no sampling field but travels with them to every queue: vLLM's meaning
     (lower runs first, default 0; ``pd.core.priority``)."""
@@ -62,6 +66,7 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     priority: int = 0
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -90,6 +95,8 @@ class SamplingParams:
         _check_int("priority", self.priority, -MAX_INT32 - 1, MAX_INT32)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))

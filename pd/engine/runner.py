@@ -7,8 +7,10 @@ allocator hands out: the compiled steps' scratch slot for padding rows."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +21,7 @@ from pd.core.request import Req
 from pd.engine import cpu_attention
 from pd.engine.attention import make_attention_backend
 from pd.engine.config import EngineConfig
+from pd.engine.grammar import Guide, allocate_masks, make_tokenizer
 from pd.engine.graphs import DecodeGraphs
 from pd.engine.host_pool import HostKVPool, host_tier_slots
 from pd.engine.penalties import TokenCounts
@@ -38,6 +41,7 @@ from pd.model.quant import (
     resolve_linear_backend,
 )
 from pd.model.tensor_parallel import TensorParallel, shard_config
+from pd.model.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +177,15 @@ class ModelRunner:
             self.group.close()
             self.group = None
 
+    @functools.cached_property
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's tokenizer (``pd.engine.grammar``), built when a guided request first
+        needs it: seconds, which an engine that never sees a grammar never spends."""
+        tokenizer = load_tokenizer(self.model_dir)
+        return make_tokenizer(
+            tokenizer, self.model_config.vocab_size, eos_token_ids(self.model_dir)
+        )
+
     @property
     def extend_attention_dtype(self) -> torch.dtype | None:
         """The dtype long prefill chunks attend in, if not the model's (never when
@@ -284,24 +297,35 @@ class ModelRunner:
         drafts: Sequence[Sequence[int]] = (),
     ) -> list[SampledRow]:
         """Forward one scheduled batch and sample each request's next token (``banned``: per
-        request, ids it must not sample).
+        request, ids it must not sample; a request with a grammar samples only what it allows).
 
         ``drafts[i]`` (for the first len(drafts) requests, decoding ones): tokens guessed to
         follow request i, which then has 1 + len(drafts[i]) one-token rows in ``seqs`` (its
-        last token, then each draft token); its row is ``spec.verify``'s verdict on them."""
+        last token, then each draft token); its row is ``spec.verify``'s verdict on them (on the
+        draft's prefix its grammar accepts)."""
         logits = self.forward(seqs, on_layer_done=on_layer_done)
         vocab = logits.shape[-1]
         counts = [TokenCounts.of(r, vocab) for r in reqs]  # None: no penalties
+        guides, failed = self._guides(reqs)
         if not any(drafts):
             params, gens = [r.params for r in reqs], [r.generator for r in reqs]
-            return sample(logits, params, gens, banned, counts)
+            masks = self._masks(guides, vocab)
+            return _with_failed(sample(logits, params, gens, banned, counts, masks), failed)
         verdicts: dict[int, SampledRow] = {}
         plain: list[int] = []  # the requests sampled as usual ...
         last_rows: list[int] = []  # ... and the logits row of each
         row = 0
         for i, req in enumerate(reqs):
             draft = drafts[i] if i < len(drafts) else ()
-            if draft:
+            guide = guides[i]
+            if draft and guide is not None:
+                draft_masks = allocate_masks(len(draft) + 1, vocab)
+                kept = guide.fill_draft(draft, draft_masks, 0)
+                rows = logits[row : row + len(kept) + 1]
+                verdicts[i] = verify_row(
+                    rows, kept, req.params, req.generator, counts[i], draft_masks[: len(kept) + 1]
+                )
+            elif draft:
                 rows = logits[row : row + len(draft) + 1]
                 verdicts[i] = verify_row(rows, draft, req.params, req.generator, counts[i])
             else:
@@ -315,6 +339,39 @@ class ModelRunner:
                 [reqs[i].generator for i in plain],
                 [banned[i] for i in plain] if banned else (),
                 [counts[i] for i in plain],
+                self._masks([guides[i] for i in plain], vocab),
             )
         )
-        return [verdicts[i] if i in verdicts else next(sampled) for i in range(len(reqs))]
+        rows_out = [verdicts[i] if i in verdicts else next(sampled) for i in range(len(reqs))]
+        return _with_failed(rows_out, failed)
+
+    def _guides(self, reqs: Sequence[Req]) -> tuple[list[Guide | None], dict[int, str]]:
+        """Each request's grammar guide, up to date with its output (None: no grammar), and the
+        requests whose grammar failed (it does not compile here, or the output broke it)."""
+        guides: list[Guide | None] = []
+        failed: dict[int, str] = {}
+        for i, req in enumerate(reqs):
+            try:
+                guides.append(Guide.of(req, lambda: self.grammar_tokenizer))
+            except ValueError as e:
+                guides.append(None)
+                failed[i] = str(e)
+        return guides, failed
+
+    @staticmethod
+    def _masks(guides: Sequence[Guide | None], vocab: int) -> list[torch.Tensor | None]:
+        """Each guided row's bitmask of the tokens its grammar allows next (None elsewhere)."""
+        if all(g is None for g in guides):
+            return []
+        masks = allocate_masks(len(guides), vocab)
+        for r, guide in enumerate(guides):
+            if guide is not None:
+                guide.fill(masks, r)
+        return [masks[r] if g is not None else None for r, g in enumerate(guides)]
+
+
+def _with_failed(rows: list[SampledRow], failed: dict[int, str]) -> list[SampledRow]:
+    """``rows`` with the rows of the requests whose grammar failed replaced by their error."""
+    for i, error in failed.items():
+        rows[i] = SampledRow(-1, error)
+    return rows

@@ -4,8 +4,8 @@ Each row goes through the same fixed steps, in vLLM's order:
 
 1. ``process_logits``, the per-request logits processing (greedy too): ``logit_bias`` added,
    the penalties applied (``pd.engine.penalties``), then ``banned`` ids (min_tokens) set to
-   -inf (vLLM bans before the penalties: the same, a penalty keeps -inf at -inf). A later
-   per-request mask (a grammar's) joins here.
+   -inf (vLLM bans before the penalties: the same, a penalty keeps -inf at -inf), and the
+   tokens its grammar does not allow (``masks``, ``pd.engine.grammar``) set to -inf.
 2. Greedy: the argmax. Sampled: ``probs_from_logits``: divided by the temperature, cut by
    min_p, top_k, then top_p; one draw (``draw``).
 3. With ``params.logprobs`` set, ``token_logprobs``: the log-softmax of step 1's logits
@@ -26,6 +26,7 @@ import torch
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.sampling_params import MIN_TEMPERATURE, SamplingParams
+from pd.engine.grammar import apply_masks_
 from pd.engine.penalties import TokenCounts, apply_penalties_
 
 # What a logprob of -inf (a banned token) is sent as: JSON has no infinity (vLLM sends the same)
@@ -64,11 +65,13 @@ def sample(
     generators: Sequence[torch.Generator | None],
     banned: Sequence[frozenset[int]] = (),
     counts: Sequence[TokenCounts | None] = (),
+    masks: Sequence[torch.Tensor | None] = (),
 ) -> list[SampledRow]:
     """logits: [R, vocab] float32 -> R sampled rows; ``banned[r]``: ids row r must not sample
     (e.g. EOS before ``min_tokens``); ``counts[r]``: row r's token counts, for its penalties
-    (None, or no entry: it has none)."""
-    logits, errors = _processed(logits, params, banned, counts)
+    (None, or no entry: it has none); ``masks[r]``: row r's grammar bitmask, [ceil(vocab / 32)]
+    int32 (None, or no entry: it has no grammar)."""
+    logits, errors = _processed(logits, params, banned, counts, masks)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for r, p in enumerate(params):
@@ -189,15 +192,19 @@ def _processed(
     params: Sequence[SamplingParams],
     banned: Sequence[frozenset[int]],
     counts: Sequence[TokenCounts | None],
+    masks: Sequence[torch.Tensor | None] = (),
 ) -> tuple[torch.Tensor, dict[int, str]]:
     """The batch's logits with each row processed (``process_logits``, then its ``banned`` ids
-    at -inf): a copy, only when some row needs it; and the rows whose logit_bias names a token
-    outside the vocabulary."""
+    and what its grammar's mask rules out at -inf): a copy, only when some row needs it; and
+    the rows that fail: a logit_bias token outside the vocabulary, or no token left to sample
+    under a grammar."""
     banned = list(banned) + [frozenset()] * (len(params) - len(banned))
     counts = list(counts) + [None] * (len(params) - len(counts))
+    masks = list(masks) + [None] * (len(params) - len(masks))
+    guided = [r for r in range(len(params)) if masks[r] is not None]
     rows = [r for r, p in enumerate(params) if p.logit_bias or banned[r] or counts[r] is not None]
     errors: dict[int, str] = {}
-    if not rows:
+    if not rows and not guided:
         return logits, errors
     logits = logits.float().clone()
     vocab = logits.shape[-1]
@@ -209,6 +216,16 @@ def _processed(
             continue
         if banned[r]:
             logits[r, [t for t in banned[r] if t < vocab]] = float("-inf")
+    if guided:  # the batch's guided rows at once
+        sub = logits[guided]  # [g, vocab], a copy
+        apply_masks_(sub, torch.stack([masks[r] for r in guided]))  # type: ignore[misc]
+        logits[guided] = sub
+        for r, top in zip(guided, sub.amax(dim=-1).tolist()):
+            if top == float("-inf") and r not in errors:
+                errors[r] = (
+                    "the grammar allows no token the request may sample here (min_tokens or "
+                    "stop_token_ids ban every token it allows)"
+                )
     return logits, errors
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pd.core.sampling_params import SamplingParams
+from pd.engine.grammar import apply_masks_
 from pd.engine.penalties import TokenCounts
 from pd.engine.sampler import SampledRow, draw, probs_from_logits, process_logits, token_logprobs
 
@@ -94,12 +95,17 @@ def verify_row(
     params: SamplingParams,
     generator: torch.Generator | None,
     counts: TokenCounts | None = None,
+    masks: torch.Tensor | None = None,
 ) -> SampledRow:
     """``verify``'s verdict as ``sample``'s row: the last token, the accepted draft before it,
     and (with ``params.logprobs``) each appended token's logprobs, from its position's
-    processed logits; the row's error where ``sample`` would fail it."""
+    processed logits; the row's error where ``sample`` would fail it. ``masks``: the grammar's
+    bitmask of each position, [len(draft) + 1, ceil(vocab / 32)] int32
+    (``grammar.Guide.fill_draft``: a draft the grammar accepts)."""
     try:
         processed = _processed(logits, draft, params, counts)
+        if masks is not None:
+            apply_masks_(processed, masks)
         tokens = _accept(processed, draft, params, generator)
     except (RuntimeError, ValueError) as e:  # as ``sample``: this request alone fails
         return SampledRow(-1, f"sampling failed: {e}")

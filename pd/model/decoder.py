@@ -337,4 +337,3 @@ class DecoderLM(nn.Module):
                 f"checkpoint does not fit {cfg.architecture}: "
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
-

@@ -39,12 +39,18 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[s
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` through the chat template, with the generation prompt."""
+    """Token ids of ``messages`` through the chat template, with the generation prompt (and
+    ``tools``, OpenAI's tool definitions, for a template that shows them to the model)."""
     _require_chat_template(tokenizer)
     encoded = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=True,
+        tokenize=True,
     )
     # transformers 5 returns a BatchEncoding here; 4.x returned the id list itself.
     if isinstance(encoded, Mapping):

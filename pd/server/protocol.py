@@ -4,7 +4,9 @@ Requests are strict (no "16" for 16, no NaN) so a wrong type is a 400, not a sil
 Every field is one of three kinds, and anything else is refused with a 400 that names it:
 
 - implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
-  ``logprobs``, ``cache_salt``, ``n`` up to ``MAX_N``, ``priority``, ...);
+  ``logprobs``, ``cache_salt``, ``n`` up to ``MAX_N``, ``priority``, structured outputs
+  (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``:
+  ``pd.server.structured``), ...);
 - accepted only at its neutral value (``neutral_values``: ``best_of=n``,
   ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
@@ -19,6 +21,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED
 from pd.server.errors import APIError
+from pd.server.structured import grammar_of
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
 MAX_N = 16  # choices one request may ask for
@@ -120,6 +123,13 @@ class _OpenAIFields(_SamplerFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    # structured outputs (``pd.server.structured``): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Harmless: they never change the output.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -127,7 +137,22 @@ class _OpenAIFields(_SamplerFields):
     service_tier: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens}
+        """... with the structured-output fields compiled into one grammar (a 400 if it does
+        not compile)."""
+        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens, "grammar": self.grammar}
+
+    @property
+    def grammar(self) -> str:
+        return grammar_of(
+            {
+                "response_format": self.response_format,
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+                "structured_outputs": self.structured_outputs,
+            }
+        )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -209,9 +234,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template, which may use it
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, for the template
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     @property
     def text(self) -> str:
@@ -221,10 +248,11 @@ class ChatMessage(_Strict):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        out = {"role": self.role, "content": self.text}
-        if self.name is not None:
-            out["name"] = self.name
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -233,20 +261,22 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # tool calls (``pd.server.tools``)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # harmless without tools
-    response_format: dict[str, Any] | None = None
-
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_OpenAIFields.neutral_values,
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}),
-    }
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for i, m in enumerate(self.messages):  # OpenAI's rules
+            if (m.role == "tool") != (m.tool_call_id is not None):
+                raise APIError(
+                    f"messages[{i}]: tool_call_id belongs on a tool message, and a tool "
+                    "message needs one",
+                    param="messages",
+                )
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(f"messages[{i}]: only an assistant has tool_calls", param="messages")
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise APIError(
                 f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs"

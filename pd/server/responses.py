@@ -76,7 +76,15 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # pd.server.tools.ToolCall.openai()
+
+    @model_serializer(mode="wrap")
+    def _without_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:  # an answer without calls has no such key (OpenAI)
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):

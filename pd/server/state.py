@@ -50,6 +50,7 @@ class Prepared(NamedTuple):
     stream: bool
     include_usage: bool = False
     n: int = 1  # choices
+    tools: Any = None  # chat: the tool calls to parse out of the answer (pd.server.tools.Tools)
 
 
 class ServerState:
@@ -168,6 +169,7 @@ class ServerState:
                     running=self._running,
                     on_tokens=on_tokens,
                     count_prompt=i == 0,  # the prompt counts once against a key's tokens
+                    tools=prep.tools,
                 )
             )
         return Choices(request_id, gens)
@@ -251,13 +253,15 @@ class ServerState:
         self._check_chars(len(text), param)
         return encode_prompt(self.tokenizer, text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> list[int]:
         limit = self.config.max_messages
         if len(messages) > limit:
             raise APIError(f"{len(messages)} messages, at most {limit}", param="messages")
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools)
         except Exception as e:  # no template, or the template rejects the conversation
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
 

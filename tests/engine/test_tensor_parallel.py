@@ -156,7 +156,6 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
     assert not _alive(pid)
 
 
-
 @pytest.mark.timeout(120)
 def test_a_rank_frozen_while_the_node_is_idle_is_found_by_its_silence(tiny_llama_dir: Path) -> None:
     """No sum waits on an idle node: a frozen rank is found by its missing heartbeat (a byte

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
+from pd.engine.grammar import grammar_error
+from pd.server.errors import APIError
 from pd.server.generation import Choices, Generation, Step
 from pd.server.logprobs import chat_logprobs, completion_logprobs
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -28,6 +31,7 @@ from pd.server.responses import (
 )
 from pd.server.routes.common import json_body, parse_body, serve_generation
 from pd.server.state import Prepared, ServerState
+from pd.server.tools import Tools
 
 router = APIRouter()
 
@@ -59,12 +63,31 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     req.check_supported()
     state.check_model(req.model)
-    prompt_ids = state.apply_chat_template([m.template_dict() for m in req.messages])
+    tools = Tools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tools is not None and req.stream:
+        raise APIError(
+            "stream=true with tools is not supported yet (tool_choice=none is): ask without "
+            "a stream",
+            param="stream",
+        )
+    fields = req.sampling_kwargs()
+    if tools is not None and tools.is_forced:
+        if fields["grammar"]:
+            raise APIError(
+                f"tool_choice={json.dumps(req.tool_choice)} and a structured output each "
+                "constrain the answer: send one",
+                param="tool_choice",
+            )
+        fields["grammar"] = tools.grammar()
+        if error := grammar_error(fields["grammar"]):
+            raise APIError(f"the tools' parameters do not compile: {error}", param="tools")
+    messages = [m.template_dict() for m in req.messages]
+    prompt_ids = state.apply_chat_template(messages, req.tools if tools is not None else None)
     max_tokens = state.max_tokens_for(len(prompt_ids), req.requested_max_tokens, "messages")
     priority = state.priority_for(req.priority, api_key)
-    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias, priority)
+    params = state.sampling_params(fields, max_tokens, req.logit_bias, priority)
     namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n)
+    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n, tools)
 
 
 class _StreamRenderer:
@@ -162,19 +185,23 @@ class ChatRenderer(_StreamRenderer):
     def final(self, choices: Choices) -> BaseModel:
         out = []
         for index, gen in enumerate(choices.gens):
-            want = gen.params.logprobs is not None
-            logprobs = chat_logprobs(gen.tokenizer, gen.output_logprobs) if want else None
-            message = ChatMessageOut(content=gen.text)
-            out.append(
-                ChatChoice(
-                    index=index,
-                    message=message,
-                    finish_reason=gen.finish_reason,
-                    logprobs=logprobs,
-                )  # fmt: skip
-            )
+            out.append(self._choice(index, gen))
         return ChatCompletionResponse(
             id=choices.request_id, model=self.model_name, choices=out, usage=usage_of(choices)
+        )
+
+    def _choice(self, index: int, gen: Generation) -> ChatChoice:
+        message = ChatMessageOut(content=gen.text)
+        finish_reason = gen.finish_reason
+        if gen.tools is not None:
+            content, calls = gen.tools.parse(gen.text)
+            if calls:
+                message = ChatMessageOut(content=content, tool_calls=[c.openai() for c in calls])
+                finish_reason = "tool_calls"
+        want = gen.params.logprobs is not None
+        logprobs = chat_logprobs(gen.tokenizer, gen.output_logprobs) if want else None
+        return ChatChoice(
+            index=index, message=message, finish_reason=finish_reason, logprobs=logprobs
         )
 
 

@@ -1,0 +1,173 @@
+"""Tool calls on chat completions: ``tools`` and ``tool_choice`` -> what the chat template is
+given, the grammar a required call is sampled under, and the answer's ``tool_calls``.
+
+1. ``tool_choice`` (OpenAI's): ``"none"`` (the template is not given the tools, nothing is
+   parsed), ``"auto"`` (the default with tools: the template is given them, and the answer's
+   calls are parsed out when it makes some), ``"required"`` or a named function
+   (``{"type": "function", "function": {"name": ...}}``): the answer is sampled under a grammar
+   that admits only calls (of that function), so it always parses.
+2. The calls are written as Hermes/Qwen blocks, ``<tool_call>\\n{"name": ..., "arguments":
+   {...}}\\n</tool_call>``, one after another; ``parse`` also reads a Llama-3 answer that is
+   one JSON object ``{"name": ..., "parameters": {...}}``.
+3. An answer with calls has ``finish_reason: "tool_calls"``, each call's ``arguments`` the
+   JSON text of its arguments, and the text outside the blocks (if any) as its content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from pd.server.errors import APIError
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# json.dumps' layout, as chat templates show calls; fixed: a small model cannot pad a call
+# with whitespace until max_tokens
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools as checked, and its ``tool_choice``: ``auto``, ``required``, or the
+    name of the one function it must call."""
+
+    functions: Mapping[str, Mapping[str, Any]]  # name -> its parameters' JSON schema
+    choice: str
+    parallel: bool = True
+
+    @classmethod
+    def of(
+        cls, tools: Sequence[Any] | None, tool_choice: Any, parallel: bool | None
+    ) -> Tools | None:
+        """The checked tools (None where nothing is to be parsed: no tools, or ``"none"``);
+        APIError (400) for a malformed tool or choice."""
+        functions = _functions(tools or [])
+        if tool_choice is None:
+            tool_choice = "auto" if functions else "none"
+        if tool_choice == "none":
+            return None
+        if not functions:
+            raise APIError(
+                f"tool_choice={json.dumps(tool_choice)} needs tools", param="tool_choice"
+            )
+        if tool_choice in ("auto", "required"):
+            return cls(functions, tool_choice, parallel is not False)
+        name = _named(tool_choice)
+        if name not in functions:
+            raise APIError(
+                f"tool_choice names {name!r}, which is not among the tools "
+                f"({', '.join(sorted(functions))})",
+                param="tool_choice",
+            )
+        return cls(functions, name, parallel is not False)
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice != "auto"
+
+    def grammar(self) -> str:
+        """The grammar of an answer that is only calls (of the named function, or of any); ""
+        for ``auto``."""
+        if not self.is_forced:
+            return ""
+        names = list(self.functions) if self.choice == "required" else [self.choice]
+        schema = {
+            "x-guidance": _LAYOUT,
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": n}, "arguments": self.functions[n]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for n in names
+            ],
+        }
+        nl = json.dumps("\n")
+        more = f" ({nl} call)*" if self.parallel else ""
+        lark = (
+            f"start: call{more}\n"
+            f"call: {json.dumps('<tool_call>' + chr(10))} body {json.dumps(chr(10) + '</tool_call>')}\n"
+            f"body: %json {json.dumps(schema)}\n"
+        )
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the content left, the calls) of an answer: its ``<tool_call>`` blocks that name a
+        tool, else the whole answer as one Llama-3 JSON call; no call: (text, [])."""
+        calls = []
+        for block in _BLOCK.findall(text):
+            call = self._call(block, "arguments")
+            if call is not None:
+                calls.append(call)
+        if calls:
+            rest = _BLOCK.sub("", text).strip()
+            return rest or None, calls
+        call = self._call(text.strip(), "parameters") or self._call(text.strip(), "arguments")
+        return (None, [call]) if call is not None else (text, [])
+
+    def _call(self, text: str, args_key: str) -> ToolCall | None:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.functions:
+            return None
+        args = obj.get(args_key, {})
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _functions(tools: Sequence[Any]) -> dict[str, Mapping[str, Any]]:
+    out: dict[str, Mapping[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not (
+            isinstance(tool, Mapping) and tool.get("type") == "function" and isinstance(fn, Mapping)
+        ):
+            raise APIError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}',
+                param="tools",
+            )
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object"})
+        if not isinstance(name, str) or not name or not isinstance(params, Mapping):
+            raise APIError(
+                f"tools[{i}].function needs a non-empty name and an object of parameters",
+                param="tools",
+            )
+        if name in out:
+            raise APIError(f"two tools are named {name!r}", param="tools")
+        out[name] = params
+    return out
+
+
+def _named(tool_choice: Any) -> str:
+    fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function" and name):
+        raise APIError(
+            f"tool_choice must be none, auto, required or "
+            f'{{"type": "function", "function": {{"name": ...}}}}; got {json.dumps(tool_choice)}',
+            param="tool_choice",
+        )
+    return str(name)

@@ -1,0 +1,202 @@
+"""Structured outputs through the HTTP API with the official openai client, over the colocated
+engine with SmolLM2-135M-Instruct under uvicorn on loopback: ``beta.chat.completions.parse``
+with a Pydantic model returns a parsed object for every prompt (issue 44's acceptance), vLLM's
+``guided_*`` fields hold on completions and chat, and a schema llguidance cannot compile is a
+400 that says why, with nothing queued."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server.conftest import check_idle, colocated_app, serve
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+class City(BaseModel):
+    country: str = Field(max_length=16)
+    coastal: bool
+    size: Literal["small", "medium", "large"]
+
+
+CITIES = [
+    "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Mumbai", "Rome",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """(the AsyncEngine, the app, an openai client of the server)."""
+    from openai import OpenAI
+
+    client, app = colocated_app(smollm2_dir, max_total_tokens=4096)
+    with serve(app) as url:
+        yield (
+            client,
+            app,
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120),
+        )
+    client.shutdown()
+
+
+def test_parse_returns_a_parsed_object_for_ten_prompts(served) -> None:
+    """Ten requests at once (they share the engine's batches: the masks of many rows a step)."""
+    client, app, oai = served
+
+    def parse(city: str) -> Any:
+        return oai.beta.chat.completions.parse(
+            model="tiny",
+            messages=[{"role": "user", "content": f"Describe the city of {city} as JSON."}],
+            response_format=City,
+            max_tokens=48,
+            temperature=0.0,
+        )
+
+    with ThreadPoolExecutor(len(CITIES)) as pool:
+        answers = list(pool.map(parse, CITIES))
+    for done in answers:
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, City), choice.message
+    check_idle(client, app)
+
+
+def test_guided_fields_hold_on_completions_and_chat_streamed_or_not(served) -> None:
+    client, app, oai = served
+    choices = ["red", "green", "blue"]
+    done = oai.completions.create(
+        model="tiny",
+        prompt="My favourite colour is",
+        max_tokens=8,
+        extra_body={"guided_choice": choices},
+    )
+    assert done.choices[0].text in choices and done.choices[0].finish_reason == "stop"
+    stream = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Give me a phone number."}],
+        max_tokens=24,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": r"\+1-[0-9]{3}-[0-9]{4}"}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert re.fullmatch(r"\+1-[0-9]{3}-[0-9]{4}", text), text
+    done = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Any JSON object, please."}],
+        max_tokens=48,
+        temperature=0.7,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
+    if done.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(done.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a prefix of an object
+        assert done.choices[0].message.content.startswith("{")
+    check_idle(client, app)
+
+
+def test_a_schema_that_does_not_compile_is_a_400_that_says_why(served) -> None:
+    from openai import BadRequestError
+
+    client, app, oai = served
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}
+    with pytest.raises(BadRequestError) as err:
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            response_format=bad,  # type: ignore[arg-type]
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "response_format", body
+    assert "does not compile" in body["message"] and "integr" in body["message"], body
+    check_idle(client, app)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+
+
+def test_tool_choice_required_returns_a_parsed_call_for_ten_prompts(served) -> None:
+    """SmolLM2's template shows no tools: only the grammar makes these answers calls."""
+    client, app, oai = served
+
+    def ask(city: str) -> Any:
+        return oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=64,
+            temperature=0.0,
+        )
+
+    with ThreadPoolExecutor(len(CITIES)) as pool:
+        answers = list(pool.map(ask, CITIES))
+    for done in answers:
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
+    check_idle(client, app)
+
+
+def test_a_named_tool_choice_calls_that_function_and_none_calls_nothing(served) -> None:
+    client, app, oai = served
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    named = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=48,
+        temperature=0.0,
+    )
+    calls = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name == "get_time" for c in calls)
+    none = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=4,
+    )
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    check_idle(client, app)
