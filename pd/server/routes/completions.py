@@ -185,12 +185,12 @@ class ChatRenderer(_StreamRenderer):
     def final(self, choices: Choices) -> BaseModel:
         out = []
         for index, gen in enumerate(choices.gens):
-            out.append(self._choice(index, gen))
+            out.append(self._final_choice(index, gen))
         return ChatCompletionResponse(
             id=choices.request_id, model=self.model_name, choices=out, usage=usage_of(choices)
         )
 
-    def _choice(self, index: int, gen: Generation) -> ChatChoice:
+    def _final_choice(self, index: int, gen: Generation) -> ChatChoice:
         message = ChatMessageOut(content=gen.text)
         finish_reason = gen.finish_reason
         if gen.tools is not None:
