@@ -232,7 +232,7 @@ def hostile_requests(
         Hostile("max_tokens -1", "POST", c, _j({**cmpl, "max_tokens": -1})),
         Hostile("max_tokens as a string", "POST", c, _j({**cmpl, "max_tokens": "16"})),
         Hostile("top_p 2", "POST", c, _j({**cmpl, "top_p": 2})),
-        Hostile("n 2", "POST", c, _j({**cmpl, "n": 2})),
+        Hostile("n 17", "POST", c, _j({**cmpl, "n": 17})),
         Hostile("unknown field", "POST", c, _j({**cmpl, "mirostat": 1})),
         Hostile("33 stop strings", "POST", c, _j({**cmpl, "stop": [f"s{i}" for i in range(33)]})),
         Hostile("stop string of 1025 chars", "POST", c, _j({**cmpl, "stop": ["x" * 1025]})),

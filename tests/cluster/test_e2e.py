@@ -181,7 +181,7 @@ def test_32_concurrent_requests_complete_correctly(live, smollm2_dir, tokenizer)
         ({"model": "no-such-model", "prompt": "hi"}, 404),
         ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 4}, 400),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400),
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400),  # n up to 16
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400),
         ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
