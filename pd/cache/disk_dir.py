@@ -130,7 +130,7 @@ class DiskDir:
                     continue
                 if e.name.startswith(TMP_PREFIX):
                     if now - st.st_mtime > STALE_TMP_SECONDS:
-                        _unlink(Path(e.path))
+                        unlink_if_there(Path(e.path))
                 elif e.name.endswith(CHUNK_SUFFIX):
                     files.append((st.st_mtime, st.st_size, Path(e.path)))
         files.sort()
@@ -139,7 +139,7 @@ class DiskDir:
             if held + room <= self.max_bytes:
                 break
             held -= size
-            if _unlink(path):
+            if unlink_if_there(path):
                 self.num_evicted += 1
         return held
 
@@ -152,7 +152,8 @@ def _entries(path: Path) -> list[os.DirEntry[str]]:
         return []
 
 
-def _unlink(p: Path) -> bool:
+def unlink_if_there(p: Path) -> bool:
+    """Remove ``p``; False if it was already gone (another node removed it first)."""
     try:
         p.unlink()
         return True
@@ -191,7 +192,7 @@ def _load_key(path: Path) -> bytes:
             except FileExistsError:
                 pass
         finally:
-            _unlink(Path(tmp))
+            unlink_if_there(Path(tmp))
     fd = _open_private(path, os.O_RDONLY)
     try:
         key = os.read(fd, KEY_BYTES + 1)

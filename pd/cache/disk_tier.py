@@ -60,7 +60,7 @@ from typing import IO, NamedTuple
 
 import msgspec
 
-from pd.cache.disk_dir import CHUNK_SUFFIX, TMP_PREFIX, DiskDir
+from pd.cache.disk_dir import CHUNK_SUFFIX, TMP_PREFIX, DiskDir, unlink_if_there
 from pd.core.private_dir import InsecurePathError
 
 MAGIC = b"PDKV2\n"
@@ -293,7 +293,7 @@ class DiskTier:
                 f.write(data)
             kept = self._store.put(Path(tmp), target, len(data))
         finally:
-            _unlink(Path(tmp))  # gone if it was renamed in
+            unlink_if_there(Path(tmp))  # gone if it was renamed in
         with self._lock:
             if kept:
                 self._num_written += 1
@@ -394,7 +394,7 @@ class DiskTier:
         )
 
     def _reject(self, file: Path) -> None:
-        _unlink(file)  # the directory's count stays high until a write recounts it
+        unlink_if_there(file)  # the directory's count stays high until a write recounts it
         with self._lock:
             self._num_rejected += 1
 
@@ -489,14 +489,6 @@ def _touch(p: Path) -> bool:
     """Refresh ``p``'s modification time (its last use); False if it is not there."""
     try:
         os.utime(p)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink(p: Path) -> bool:
-    try:
-        p.unlink()
         return True
     except FileNotFoundError:
         return False
