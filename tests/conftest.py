@@ -67,7 +67,7 @@ _TINY_DIMS: dict[str, Any] = dict(
     pad_token_id=2,
 )
 
-TINY_KINDS = ("llama", "llama_tied", "qwen2", "llama3")
+TINY_KINDS = ("llama", "llama_tied", "qwen2", "llama3", "llama_kv3")
 
 
 def _make_tiny_config(kind: str, vocab_size: int) -> Any:
@@ -77,6 +77,10 @@ def _make_tiny_config(kind: str, vocab_size: int) -> Any:
         return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=False, **_TINY_DIMS)
     if kind == "llama_tied":
         return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **_TINY_DIMS)
+    if kind == "llama_kv3":  # SmolLM2's heads (9 over 3 KV heads): TP 2 splits them 1 and 2
+        dims = {**_TINY_DIMS, "hidden_size": 144, "intermediate_size": 192}
+        dims.update(num_attention_heads=9, num_key_value_heads=3)
+        return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=False, **dims)
     if kind == "qwen2":
         return Qwen2Config(
             vocab_size=vocab_size,
@@ -187,6 +191,13 @@ def family_dir(
 def tiny_llama_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
     """Llama, GQA 4/2 heads, head_dim 16, 3 layers, untied embeddings."""
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_kv3_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    """Llama with SmolLM2's heads, 9 over 3 KV heads (head_dim 16): sizes that do not divide
+    the KV heads split them unevenly (``pd.model.tensor_parallel``)."""
+    return tiny_model_factory("llama_kv3")
 
 
 @pytest.fixture(scope="session")

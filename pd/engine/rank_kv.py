@@ -47,6 +47,9 @@ class RankKV:
         self._heads = [kv_heads_of(num_kv_heads, r, size) for r in range(size)]
         # the first rank holding each KV head (the ranks past the heads hold copies)
         self._owners = [r for r in range(size) if r == 0 or self._heads[r] != self._heads[r - 1]]
+        # a collective moves one shape from every rank: a rank of fewer heads (a size that
+        # does not divide the KV heads) pads its part to the most any rank holds
+        self._width = max(len(h) for h in self._heads)
 
     def order(self, op: KVOp, src: Sequence[int], dst: Sequence[int]) -> bool:
         """Rank 0: order ``op`` on every other rank; False (nothing ordered) for no slots."""
@@ -81,17 +84,27 @@ class RankKV:
     def gather(self, where: str, slots: Sequence[int]) -> torch.Tensor | None:
         """Every head of ``slots`` (``[num_layers, 2, n, num_kv_heads, head_dim]``) on rank 0;
         None elsewhere."""
-        parts = self.group.gather(self._read(where, slots).contiguous())
-        return torch.cat([parts[r] for r in self._owners], dim=3) if parts else None
+        parts = self.group.gather(self._padded(self._read(where, slots)))
+        if not parts:
+            return None
+        return torch.cat([parts[r][:, :, :, : len(self._heads[r])] for r in self._owners], dim=3)
+
+    def _padded(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` (``[..., heads, head_dim]``) widened to ``_width`` heads, contiguous."""
+        short = self._width - kv.shape[3]
+        if short == 0:
+            return kv.contiguous()
+        return torch.cat([kv, kv.new_zeros((*kv.shape[:3], short, kv.shape[4]))], dim=3)
 
     def scatter(self, where: str, slots: Sequence[int], full: torch.Tensor | None = None) -> None:
         """Rank 0's ``full`` (every head of ``slots``) into each rank's heads of them."""
         d = self.device
-        mine = torch.empty((d.num_layers, 2, len(slots), d.num_kv_heads, d.head_dim), dtype=d.dtype)
+        mine = torch.empty((d.num_layers, 2, len(slots), self._width, d.head_dim), dtype=d.dtype)
         parts: tuple[torch.Tensor, ...] = ()
         if full is not None:
-            parts = tuple(full[:, :, :, h.start : h.stop].contiguous() for h in self._heads)
+            parts = tuple(self._padded(full[:, :, :, h.start : h.stop]) for h in self._heads)
         self.group.scatter(mine, parts)
+        mine = mine[:, :, :, : d.num_kv_heads]
         if where == "host":
             self._host.put_kv("host", mine, slots)
         else:

@@ -40,7 +40,7 @@ from pd.model.quant import (
     quantize_linears,
     resolve_linear_backend,
 )
-from pd.model.tensor_parallel import TensorParallel, shard_config
+from pd.model.tensor_parallel import TensorParallel, kv_heads_of, shard_config
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,15 +76,19 @@ class ModelRunner:
         self.model_dir = resolve_model(cfg.model)
         self.model_config = ModelConfig.from_hf(load_config(self.model_dir))  # the whole model's
         mc = self.model_config
-        self.shard_config = shard_config(mc, self.tp_size)  # this rank's heads and columns
-        sc = self.shard_config
+        self.shard_config = shard_config(mc, self.tp_size, rank)  # this rank's heads, columns
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        # the weight format, ``auto`` resolved: what the weights are packed as
+        # the weight format, ``auto`` resolved: what the weights are packed as (the same on
+        # every rank: the linears' inputs of each rank's shard)
+        shards = [shard_config(mc, self.tp_size, r) for r in range(self.tp_size)]
         self.quantization = cfg.quantization_method(
-            (mc.hidden_size, sc.num_heads * sc.head_dim, sc.intermediate_size)
+            {mc.hidden_size}
+            | {s.num_heads * s.head_dim for s in shards}
+            | {s.intermediate_size for s in shards}
         )
+        sc = self.shard_config
         self.deterministic = self._check_deterministic()
         self.ranks: RankProcesses | None = None
         self.group: TPGroup | None = None
@@ -153,7 +157,9 @@ class ModelRunner:
         """The host tier's pool beside this runner's (None: no tier): on a tensor-parallel
         node each rank's holds its shard, and rank 0's orders the others' copies. Every rank
         sizes it alike, by the node's bytes per token (all its ranks' shards together)."""
-        node_bytes = self.pool.num_bytes_per_token * self.tp_size
+        kv, size = self.model_config.num_kv_heads, self.tp_size
+        node_heads = sum(len(kv_heads_of(kv, r, size)) for r in range(size))
+        node_bytes = self.pool.num_bytes_per_token // self.shard_config.num_kv_heads * node_heads
         num_host = host_tier_slots(self.cfg, node_bytes, self.machine_nodes)
         if not num_host:
             return None

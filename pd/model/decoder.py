@@ -231,7 +231,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.full_config = cfg
         self.tp = tp
-        cfg = shard_config(cfg, tp.size) if tp is not None else cfg
+        cfg = shard_config(cfg, tp.size, tp.rank) if tp is not None else cfg
         self.config = cfg
         self.model = DecoderBody(cfg)
         # their tables are not in the checkpoint: made by ``load_weights``

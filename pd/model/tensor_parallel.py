@@ -12,9 +12,13 @@ them:
                                                                          their weighted sum
     embedding, norms, router, LM head: whole on every rank (replicated)
 
-Heads: rank r has q heads ``[r*H/N, (r+1)*H/N)``. KV heads split the same way when N divides
-them; when N exceeds them (N a multiple of KV), each KV head is replicated on N/KV ranks, rank r
-holding head ``r // (N/KV)`` (vLLM's choice): a q head always finds its KV head on its rank.
+Heads: when N is at most the KV heads (KV), rank r holds KV heads ``[r*KV//N, (r+1)*KV//N)``
+and the q heads that read them (H/KV per KV head). N need not divide KV: the heads split by
+whole KV heads, as evenly as they go (SmolLM2's 3 KV heads over 2 ranks: 1 and 2, with 3 and 6
+q heads), and the ranks' slot numbers stay the same. When N exceeds KV (N a multiple of KV that
+divides H), rank r has q heads ``[r*H/N, (r+1)*H/N)`` and each KV head is replicated on N/KV
+ranks, rank r holding head ``r // (N/KV)`` (vLLM's choice): a q head always finds its KV head
+on its rank.
 
 The embedding and LM head stay whole: a vocabulary-parallel head saves each rank
 ``vocab*hidden*(N-1)/N`` weights but adds a gather of the logits every step, and only rank 0
@@ -43,19 +47,18 @@ class TensorParallel(NamedTuple):
 
 
 def check_divides(mc: ModelConfig, size: int) -> None:
-    """Raise, naming both numbers, unless a node of ``size`` ranks can split ``mc``."""
+    """Raise, naming the numbers, unless a node of ``size`` ranks can split ``mc``."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {size}")
     if size == 1:
         return
     problems = []
-    if mc.num_heads % size:
-        problems.append(f"the model's {mc.num_heads} attention heads")
-    kv = mc.num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
+    h, kv = mc.num_heads, mc.num_kv_heads
+    if size > kv and (size % kv or h % size):
         problems.append(
-            f"its {kv} key/value heads (they split when the size divides them, and are "
-            f"replicated when it is a multiple of them)"
+            f"the model's {h} attention heads and {kv} key/value heads (a size up to {kv} "
+            f"splits the key/value heads; a larger one must be a multiple of {kv} that "
+            f"divides {h})"
         )
     for name, n in (("intermediate", mc.intermediate_size), ("expert", mc.moe_intermediate_size)):
         if n % size:
@@ -63,19 +66,20 @@ def check_divides(mc: ModelConfig, size: int) -> None:
     if problems:
         raise ValueError(
             f"tensor parallel size {size} does not divide {' nor '.join(problems)}; choose a "
-            f"size that divides {mc.num_heads} heads"
+            f"size up to {kv}, or a multiple of {kv} that divides {h}"
         )
 
 
-def shard_config(mc: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's shard: its heads and MLP columns (the shapes its modules have)."""
+def shard_config(mc: ModelConfig, size: int, rank: int = 0) -> ModelConfig:
+    """The config of rank ``rank``'s shard: its heads and MLP columns (the shapes its modules
+    have; the heads of two ranks differ where ``size`` does not divide the KV heads)."""
     check_divides(mc, size)
     if size == 1:
         return mc
     return dataclasses.replace(
         mc,
-        num_heads=mc.num_heads // size,
-        num_kv_heads=max(1, mc.num_kv_heads // size),
+        num_heads=len(q_heads_of(mc, rank, size)),
+        num_kv_heads=len(kv_heads_of(mc.num_kv_heads, rank, size)),
         intermediate_size=mc.intermediate_size // size,
         moe_intermediate_size=mc.moe_intermediate_size // size,
         # the heads' scale is the whole model's (head_dim is kept), so nothing else changes
@@ -86,10 +90,19 @@ def kv_heads_of(num_kv_heads: int, rank: int, size: int) -> range:
     """The model's KV heads that rank ``rank`` of ``size`` holds (one, replicated, if the size
     exceeds them)."""
     if size <= num_kv_heads:
-        per = num_kv_heads // size
-        return range(rank * per, (rank + 1) * per)
+        return range(rank * num_kv_heads // size, (rank + 1) * num_kv_heads // size)
     head = rank // (size // num_kv_heads)
     return range(head, head + 1)
+
+
+def q_heads_of(mc: ModelConfig, rank: int, size: int) -> range:
+    """The model's query heads that rank ``rank`` of ``size`` holds: those that read its KV
+    heads (a slice of one KV head's where the KV heads are replicated)."""
+    h, kv = mc.num_heads, mc.num_kv_heads
+    if size <= kv:
+        mine = kv_heads_of(kv, rank, size)
+        return range(mine.start * (h // kv), mine.stop * (h // kv))
+    return range(rank * h // size, (rank + 1) * h // size)
 
 
 def shard_weights(
@@ -100,7 +113,7 @@ def shard_weights(
     if size == 1:
         return weights
     d, h = mc.head_dim, mc.num_heads
-    q_heads = range(rank * h // size, (rank + 1) * h // size)
+    q_heads = q_heads_of(mc, rank, size)
     kv_heads = kv_heads_of(mc.num_kv_heads, rank, size)
     # qkv rows: [q heads | k heads | v heads], head_dim rows each
     qkv_rows = torch.cat(

@@ -1,5 +1,6 @@
-"""Prefill and decode nodes of different tensor-parallel sizes on a live Ray cluster (the tiny
-model: 4 heads, 2 KV heads; real rank processes over gloo): for each pair (p, d) of sizes in
+"""Prefill and decode nodes of different tensor-parallel sizes on a live Ray cluster (the kv3
+tiny model: SmolLM2's 9 heads over 3 KV heads, which a TP-2 node splits 1 and 2 over its
+ranks; real rank processes over gloo): for each pair (p, d) of sizes in
 {1, 2}² but (1, 1) (every other cluster test), greedy answers at fp32 equal HF's, cold and on
 a cache hit (the decode node's own prefix: only the rest moves), 16 at once as one at a time;
 KV leaves and enters a node through its rank 0's staging pool (``pd.engine.rank_kv``)."""
@@ -41,13 +42,13 @@ def _generate(live: LiveCluster, ids: list[int]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=lambda p: f"p{p[0]}d{p[1]}")
-def live(request: pytest.FixtureRequest, tiny_llama_dir: Path, ray_session: None) -> Iterator[Any]:
+def live(request: pytest.FixtureRequest, tiny_kv3_dir: Path, ray_session: None) -> Iterator[Any]:
     p, d = request.param
     engine = {"quantization": "none", "max_total_tokens": 2048, "compile_buckets": "off"}
     live, stop = start_live_cluster(
         1,
         1,
-        model=str(tiny_llama_dir),
+        model=str(tiny_kv3_dir),
         engine_kwargs=engine,
         prefill_tensor_parallel_size=p,
         decode_tensor_parallel_size=d,
@@ -58,10 +59,10 @@ def live(request: pytest.FixtureRequest, tiny_llama_dir: Path, ray_session: None
         stop()  # type: ignore[operator]
 
 
-def test_answers_equal_hf_cold_warm_and_sixteen_at_once(live: LiveCluster, tiny_llama_dir) -> None:
+def test_answers_equal_hf_cold_warm_and_sixteen_at_once(live: LiveCluster, tiny_kv3_dir) -> None:
     system = _prompt(40, 7)
     prompts = [system + _prompt(3 + i % 5, 100 + i) for i in range(16)]
-    expected = [hf_greedy(tiny_llama_dir, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+    expected = [hf_greedy(tiny_kv3_dir, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
     cold = _generate(live, prompts[0])
     assert cold["output_ids"] == expected[0]
     with ThreadPoolExecutor(16) as pool:
@@ -72,7 +73,7 @@ def test_answers_equal_hf_cold_warm_and_sixteen_at_once(live: LiveCluster, tiny_
     assert warm["output_ids"] == expected[0]
     turn2 = prompts[0] + warm["output_ids"] + _prompt(4, 999)  # a conversation's next turn
     assert _generate(live, turn2)["output_ids"] == hf_greedy(
-        tiny_llama_dir, turn2, MAX_TOKENS, ignore_eos=True
+        tiny_kv3_dir, turn2, MAX_TOKENS, ignore_eos=True
     )
     wait_idle_and_check(live)
 
@@ -86,14 +87,14 @@ def _ranks(node_pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def faulty(tiny_llama_dir: Path, ray_session: None) -> Iterator[Any]:
+def faulty(tiny_kv3_dir: Path, ray_session: None) -> Iterator[Any]:
     from pd.cluster.client import ClientConfig
 
     engine = {"max_total_tokens": 2048, "compile_buckets": "off"}
     live, stop = start_live_cluster(
         1,
         1,
-        model=str(tiny_llama_dir),
+        model=str(tiny_kv3_dir),
         engine_kwargs=engine,
         policy="round_robin",
         client=ClientConfig(heartbeat_timeout_s=HEARTBEAT_S, request_timeout_s=90.0),
@@ -107,7 +108,7 @@ def faulty(tiny_llama_dir: Path, ray_session: None) -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("fault", ["kill-decode-rank", "freeze-prefill-rank"])
-def test_a_rank_killed_or_frozen_takes_its_node_down_as_one(faulty, tiny_llama_dir, fault) -> None:
+def test_a_rank_killed_or_frozen_takes_its_node_down_as_one(faulty, tiny_kv3_dir, fault) -> None:
     """Rank 1 of the TP-2 decode node killed (its node exits at its next step), or rank 1 of
     the TP-2 prefill node frozen (its node stops in a sum and misses its heartbeats), under a
     steady stream of requests: every answer is HF's or (a stream that had started on the dead
@@ -121,7 +122,7 @@ def test_a_rank_killed_or_frozen_takes_its_node_down_as_one(faulty, tiny_llama_d
     pid = client.nodes[victim].pid
     ranks = _ranks(pid)
     assert len(ranks) == 1, ranks
-    reference = _reference(tiny_llama_dir)
+    reference = _reference(tiny_kv3_dir)
     load = Load(faulty.url)
     time.sleep(1.0)
     os.kill(ranks[0], signal.SIGKILL if fault.startswith("kill") else signal.SIGSTOP)

@@ -1,7 +1,7 @@
 """Nodes of several ranks (``pd.engine.tensor_parallel``): real rank processes over gloo.
 
 The tiny model has 4 heads and 2 KV heads, so TP 2 splits the KV heads and TP 4 replicates
-them. Greedy answers at fp32 equal HF's and TP 1's, 16 at once equal one at a time, the host
+them; the kv3 model has SmolLM2's 9 heads over 3 KV heads, which TP 2 splits 1 and 2. Greedy answers at fp32 equal HF's and TP 1's, 16 at once equal one at a time, the host
 and disk tiers move every rank's shard, and a rank killed or frozen stops the node with a
 clear error within the timeout, leaving no process behind."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,28 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_llama_dir: Path) ->
         _engine(tiny_llama_dir, 3)
 
 
+def test_a_size_that_does_not_divide_the_kv_heads_splits_them_unevenly(tiny_kv3_dir: Path) -> None:
+    mc = ModelConfig.from_hf(load_config(tiny_kv3_dir))  # 9 heads, 3 KV heads
+    assert [kv_heads_of(3, r, 2) for r in range(2)] == [range(0, 1), range(1, 3)]
+    assert [(s.num_heads, s.num_kv_heads) for s in (shard_config(mc, 2, r) for r in (0, 1))] == [
+        (3, 1),
+        (6, 2),
+    ]
+    assert shard_config(mc, 3, 2).num_heads == 3
+    for size in (4, 5, 6):  # past the 3 KV heads: a multiple of them dividing 9 heads, or not
+        with pytest.raises(ValueError, match=f"size {size} does not divide the model's 9 "):
+            check_divides(mc, size)
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp", [2, 4])
-def test_greedy_equals_hf_and_tp1_batched_and_alone(tiny_llama_dir: Path, tp: int) -> None:
+@pytest.mark.parametrize("kind, tp", [("llama_kv3", 2), ("llama", 4)], ids=["kv3-tp2", "tp4"])
+def test_greedy_equals_hf_and_tp1_batched_and_alone(
+    tiny_model_factory: Callable[[str], Path], kind: str, tp: int
+) -> None:
+    """TP 2 on 3 KV heads (1 and 2 a rank) and TP 4 on 2 (each replicated twice)."""
+    model_dir = tiny_model_factory(kind)
     prompts = [_prompt(5 + 7 * i, i) for i in range(16)]
-    engine = _engine(tiny_llama_dir, tp)
+    engine = _engine(model_dir, tp)
     try:
         batched = [r.token_ids for r in engine.generate(prompts, GREEDY)]
         alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts[:4]]
@@ -81,7 +99,7 @@ def test_greedy_equals_hf_and_tp1_batched_and_alone(tiny_llama_dir: Path, tp: in
     assert not any(_alive(pid) for pid in pids), "a rank outlived its node"
     assert alone == batched[:4]
     for prompt, tokens in zip(prompts, batched):
-        assert tokens == hf_greedy(tiny_llama_dir, prompt, 12, ignore_eos=True)
+        assert tokens == hf_greedy(model_dir, prompt, 12, ignore_eos=True)
 
 
 @pytest.mark.timeout(300)
@@ -104,14 +122,14 @@ def test_compiled_steps_speculation_and_int4_give_tp1s_tokens(tiny_llama_dir: Pa
 
 
 @pytest.mark.timeout(300)
-def test_host_and_disk_tiers_move_every_ranks_shard(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """Prefixes evicted to the host tier of a TP-2 node come back right; its disk chunks (every
-    KV head) warm a TP-1 node started after it."""
+def test_host_and_disk_tiers_move_every_ranks_shard(tiny_kv3_dir: Path, tmp_path: Path) -> None:
+    """Prefixes evicted to the host tier of a TP-2 node (its ranks of 1 and 2 KV heads) come
+    back right; its disk chunks (every KV head) warm a TP-1 node started after it."""
     systems = [_prompt(150, 10 + s) for s in range(4)]  # 4 x 150 > the 384-slot pool
     kw = dict(max_total_tokens=384, host_cache_tokens=2048, disk_cache_dir=str(tmp_path))
     asks = [s + _prompt(5, 100 + i) for i, s in enumerate(systems)]
-    expected = [hf_greedy(tiny_llama_dir, p, 12, ignore_eos=True) for p in asks]
-    engine = _engine(tiny_llama_dir, 2, **kw)
+    expected = [hf_greedy(tiny_kv3_dir, p, 12, ignore_eos=True) for p in asks]
+    engine = _engine(tiny_kv3_dir, 2, **kw)
     try:
         for s in systems:
             engine.generate([s + [1]], GREEDY)
@@ -122,7 +140,7 @@ def test_host_and_disk_tiers_move_every_ranks_shard(tiny_llama_dir: Path, tmp_pa
         engine.runner.close()
     assert [r.token_ids for r in results] == expected
     assert all(r.num_cached_tokens >= 149 for r in results)
-    warm = _engine(tiny_llama_dir, 1, **kw)  # reads the TP-2 node's chunks up
+    warm = _engine(tiny_kv3_dir, 1, **kw)  # reads the TP-2 node's chunks up
     result = warm.generate([asks[0]], GREEDY)[0]
     assert result.num_cached_tokens >= 128, "no chunk of the TP-2 node was read"
     assert result.token_ids == expected[0]
