@@ -237,82 +237,87 @@ def check_streamed_tool_calls(oai: openai.OpenAI, model: str) -> None:
     """``stream=True`` with ``tool_choice`` required (n=2, by choice index) and named: each
     call's id, type and name in its first delta, its arguments in pieces after, and what they
     add up to is the non-streamed greedy answer; ``finish_reason: "tool_calls"``. ``auto``
-    (SmolLM2 answers in words) streams the non-streamed content and no call."""
+    (SmolLM2 answers in words) streams the non-streamed content and no call. All at once."""
     weather: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
     time: Any = [{"role": "user", "content": "What time is it in Paris?"}]
     named = {"type": "function", "function": {"name": "get_time"}}
-    for tool_choice, n, messages in (("required", 2, weather), (named, 1, time)):
-        kw: dict[str, Any] = dict(
-            model=model,
-            messages=messages,
-            tools=[WEATHER, TIME],
-            tool_choice=tool_choice,
-            parallel_tool_calls=False,  # one call, then the end (not calls until max_tokens)
-            max_tokens=64,
-            temperature=0.0,
-        )
-        done = oai.chat.completions.create(**kw)
+    cases = [
+        dict(messages=weather, tool_choice="required", n=2),
+        dict(messages=time, tool_choice=named, n=1),
+    ]
+    common: dict[str, Any] = dict(
+        model=model,
+        tools=[WEATHER, TIME],
+        parallel_tool_calls=False,  # one call, then the end (not calls until max_tokens)
+        max_tokens=64,
+        temperature=0.0,
+    )
+    auto: dict[str, Any] = dict(
+        model=model, messages=weather, tools=[WEATHER], max_tokens=16, temperature=0.0
+    )
+    with ThreadPoolExecutor(2 * len(cases) + 2) as pool:
+        dones = [pool.submit(oai.chat.completions.create, **common, **c) for c in cases]
+        streams = [pool.submit(_streamed_calls, oai, {**common, **c}) for c in cases]
+        auto_done = pool.submit(oai.chat.completions.create, **auto)
+        auto_chunks = pool.submit(lambda: list(oai.chat.completions.create(stream=True, **auto)))
+    for case, done_f, stream_f in zip(cases, dones, streams):
+        done = done_f.result()
+        assert all(c.finish_reason == "tool_calls" for c in done.choices), done
         want = [(c.function.name, c.function.arguments) for c in done.choices[0].message.tool_calls]
-        assert done.choices[0].finish_reason == "tool_calls" and want, done
-        calls: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
-        finish: dict[int, str | None] = {}
-        num_pieces = 0
-        for chunk in oai.chat.completions.create(stream=True, n=n, **kw):
-            for c in chunk.choices:
-                assert not c.delta.content, c  # only calls under a grammar of calls
-                if c.finish_reason is not None:
-                    finish[c.index] = c.finish_reason
-                for d in c.delta.tool_calls or []:
-                    made = calls[c.index]
-                    if d.index == len(made):  # a new call: id, type and name come first
-                        assert d.id and d.id.startswith("call_") and d.type == "function", d
-                        assert d.function is not None and d.function.name, d
-                        made.append({"name": d.function.name, "arguments": ""})
-                    else:
-                        assert d.index == len(made) - 1 and d.id is None, d
-                        assert d.function is not None and d.function.name is None, d
-                        num_pieces += 1
-                    made[-1]["arguments"] += d.function.arguments or ""
-        assert finish == {i: "tool_calls" for i in range(n)}, finish
-        for i in range(n):
+        calls, finish, num_pieces = stream_f.result()
+        assert finish == {i: "tool_calls" for i in range(case["n"])}, finish
+        for i in range(case["n"]):
             assert [(c["name"], c["arguments"]) for c in calls[i]] == want, (i, calls)
-        assert num_pieces > n, num_pieces  # the arguments came in pieces, not at the end
-    kw = dict(model=model, messages=weather, tools=[WEATHER], max_tokens=16, temperature=0.0)
-    done = oai.chat.completions.create(**kw)
+        assert num_pieces > case["n"], num_pieces  # the arguments came in pieces
+    done = auto_done.result()
     assert done.choices[0].message.tool_calls is None, done
-    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    chunks = auto_chunks.result()
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == done.choices[0].message.content
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def _streamed_calls(
+    oai: openai.OpenAI, kw: dict[str, Any]
+) -> tuple[dict[int, list[dict[str, Any]]], dict[int, str], int]:
+    """(each choice's calls as the SDK's helpers assemble them, each choice's finish reason,
+    the number of argument pieces after the first delta of each call) of a stream."""
+    calls: dict[int, list[dict[str, Any]]] = {i: [] for i in range(kw["n"])}
+    finish: dict[int, str] = {}
+    num_pieces = 0
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content, c  # only calls under a grammar of calls
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+            for d in c.delta.tool_calls or []:
+                made = calls[c.index]
+                if d.index == len(made):  # a new call: id, type and name come first
+                    assert d.id and d.id.startswith("call_") and d.type == "function", d
+                    assert d.function is not None and d.function.name, d
+                    made.append({"name": d.function.name, "arguments": ""})
+                else:
+                    assert d.index == len(made) - 1 and d.id is None, d
+                    assert d.function is not None and d.function.name is None, d
+                    num_pieces += 1
+                made[-1]["arguments"] += d.function.arguments or ""
+    return calls, finish, num_pieces
 
 
 def check_stream_helpers(oai: openai.OpenAI, model: str) -> None:
     """``client.chat.completions.stream`` with a strict Pydantic tool and tool_choice
     required: its events carry the arguments' pieces, and its final completion's call has
     ``parsed_arguments``, the non-streamed ``parse``'s; ``beta.chat.completions.stream`` with
-    ``response_format=City`` gives the parsed object."""
-    tool = openai.pydantic_function_tool(GetWeather)
-    messages: Any = [{"role": "user", "content": "Is it cold in Lima?"}]
+    ``response_format=City`` gives the parsed object. All at once."""
     kw: dict[str, Any] = dict(
         model=model,
-        messages=messages,
+        messages=[{"role": "user", "content": "Is it cold in Lima?"}],
         max_tokens=64,
         temperature=0.0,
-        tools=[tool],
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
         parallel_tool_calls=False,
     )
-    done = oai.chat.completions.parse(tool_choice="required", **kw)
-    (want,) = done.choices[0].message.tool_calls or []
-    assert isinstance(want.function.parsed_arguments, GetWeather), want
-    with oai.chat.completions.stream(tool_choice="required", **kw) as stream:
-        kinds = [event.type for event in stream]
-        final = stream.get_final_completion()
-    assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
-    assert kinds.count("tool_calls.function.arguments.done") == 1, kinds
-    (call,) = final.choices[0].message.tool_calls or []
-    assert final.choices[0].finish_reason == "tool_calls"
-    assert call.function.parsed_arguments == want.function.parsed_arguments
-    assert call.function.arguments == want.function.arguments
     city_kw: dict[str, Any] = dict(
         model=model,
         messages=[{"role": "user", "content": "Describe the city of Rome as JSON."}],
@@ -320,9 +325,24 @@ def check_stream_helpers(oai: openai.OpenAI, model: str) -> None:
         temperature=0.0,
         response_format=City,
     )
-    with oai.beta.chat.completions.stream(**city_kw) as stream:
-        kinds = [event.type for event in stream]
-        final = stream.get_final_completion()
+
+    def streamed(helper: Any, **kw: Any) -> tuple[list[str], Any]:
+        with helper(**kw) as stream:
+            return [event.type for event in stream], stream.get_final_completion()
+
+    with ThreadPoolExecutor(3) as pool:
+        done_f = pool.submit(oai.chat.completions.parse, **kw)
+        tool_f = pool.submit(streamed, oai.chat.completions.stream, **kw)
+        city_f = pool.submit(streamed, oai.beta.chat.completions.stream, **city_kw)
+    (want,) = done_f.result().choices[0].message.tool_calls or []
+    assert isinstance(want.function.parsed_arguments, GetWeather), want
+    kinds, final = tool_f.result()
+    assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+    assert kinds.count("tool_calls.function.arguments.done") == 1, kinds
+    (call,) = final.choices[0].message.tool_calls or []
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert call.function.parsed_arguments == want.function.parsed_arguments
+    assert call.function.arguments == want.function.arguments
+    kinds, final = city_f.result()
     assert kinds.count("content.delta") > 1, kinds
-    parsed = final.choices[0].message.parsed
-    assert isinstance(parsed, City), final
+    assert isinstance(final.choices[0].message.parsed, City), final
