@@ -55,6 +55,7 @@ class ToolCallStream:
         self._num_done = 0  # closed and parsed
         self._content: list[str] = []
         self._calls: list[dict[str, Any]] = []
+        self._is_over = False
 
     @property
     def is_called(self) -> bool:
@@ -63,6 +64,8 @@ class ToolCallStream:
     def feed(self, text: str, is_last: bool) -> ChoiceDelta:
         """The next piece of the answer -> what the client is sent for it; ``is_last``: the
         answer ends here (whatever is held goes out)."""
+        assert not self._is_over, "fed past the answer's last piece"
+        self._is_over = is_last
         self._text += text
         self._advance(is_last)
         if is_last:

@@ -481,6 +481,7 @@ def test_n_choices_share_one_prefill_node_and_equal_hf_greedy(
     assert parts == {0: want, 1: want, 2: want}
 
 
+@pytest.mark.slow
 def test_sdk_parse_gives_a_parsed_object_for_ten_prompts(live, live_spec):
     """``beta.chat.completions.parse`` with a Pydantic model, ten prompts at once."""
     _only_1p1d(live_spec)
@@ -492,6 +493,7 @@ def test_sdk_tool_choice_required_gives_a_parsed_call_for_ten_prompts(live, live
     check_required_tool_calls_ten_prompts(_client(live), MODEL)
 
 
+@pytest.mark.slow
 def test_sdk_streamed_tool_calls_and_parse_equal_the_non_streamed(live, live_spec):
     """Tool calls streamed (plain, n=2, named; the SDK's ``stream`` helper with a strict
     Pydantic tool) add up to the non-streamed greedy answer; streamed ``parse`` parses."""
