@@ -10,7 +10,9 @@ given, the grammar a required call is sampled under, and the answer's ``tool_cal
    {...}}\\n</tool_call>``, one after another; ``parse`` also reads a Llama-3 answer that is
    one JSON object ``{"name": ..., "parameters": {...}}``.
 3. An answer with calls has ``finish_reason: "tool_calls"``, each call's ``arguments`` the
-   JSON text of its arguments, and the text outside the blocks (if any) as its content.
+   JSON text of its arguments (the model's own text where the block opens with its name,
+   ``{"name": ..., "arguments": {...``: what a stream sends as it comes,
+   ``pd.server.tool_stream``), and the text outside the blocks (if any) as its content.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import llguidance
 
 from pd.server.errors import APIError
 
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# a call's head, up to the ``{`` that opens its arguments
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 # json.dumps' layout, as chat templates show calls; fixed: a small model cannot pad a call
 # with whitespace until max_tokens
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -125,6 +130,10 @@ class Tools:
         call = self._call(text.strip(), "parameters") or self._call(text.strip(), "arguments")
         return (None, [call]) if call is not None else (text, [])
 
+    def call_of(self, block: str) -> ToolCall | None:
+        """The call of a ``<tool_call>`` block's body, None when it is not one."""
+        return self._call(block.strip(), "arguments")
+
     def _call(self, text: str, args_key: str) -> ToolCall | None:
         try:
             obj = json.loads(text)
@@ -135,7 +144,58 @@ class Tools:
         args = obj.get(args_key, {})
         if not isinstance(args, dict):
             return None
+        head = arguments_head(text, 0) if args_key == "arguments" else None
+        if head is not None and head[0] == obj["name"]:
+            end = JsonEnd().scan(text, head[1])
+            raw = text[head[1] : end] if end is not None else ""
+            if end is not None and json.loads(raw) == args:
+                return ToolCall(obj["name"], raw)  # as streamed
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def arguments_head(text: str, start: int) -> tuple[str, int] | None:
+    """(the name, where the arguments' ``{`` is) of a call whose body starts at ``start``
+    and opens ``{"name": ..., "arguments": {``; None until that much is in, or if it never
+    will be."""
+    m = _HEAD.match(text, start)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return None
+    return name, m.end()
+
+
+class JsonEnd:
+    """Where a JSON object that starts at a known index ends, read as its text arrives."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """The index past the object's closing brace, if it is in ``text[start:]`` (the
+        text before ``start`` was scanned already); None: not yet."""
+        for i in range(start, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
 
 
 def _functions(tools: Sequence[Any]) -> dict[str, Mapping[str, Any]]:

@@ -1,6 +1,9 @@
 """End to end over real HTTP with the official openai client: 1P+1D, 2P+1D and 1P+2D clusters.
 The 2P+1D cluster decodes speculatively (4 tokens, in batches up to 8): every answer there must
-still be HF's, cold, warm, streamed and 32 at once, its prefix pulled or reused."""
+still be HF's, cold, warm, streamed and 32 at once, its prefix pulled or reused. The SDK's
+structured forms (``parse`` for ten prompts, ``tool_choice="required"`` for ten, tool calls
+and ``parse`` streamed) run on the 1P+1D cluster only: they test the server's side, which the
+other shapes share."""
 
 from __future__ import annotations
 
@@ -19,6 +22,12 @@ from pd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from tests.engine.test_sampling_engine import _ref_greedy, _reference
 from tests.hf_reference import hf_greedy
+from tests.server.test_structured_api import (
+    check_parse_ten_prompts,
+    check_required_tool_calls_ten_prompts,
+    check_stream_helpers,
+    check_streamed_tool_calls,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("pools_whole_after_each_test")]
@@ -57,6 +66,12 @@ def tokenizer(smollm2_dir):
 
 def _client(live: LiveCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _only_1p1d(live_spec: dict[str, Any]) -> None:
+    shape = (live_spec["num_prefill"], live_spec["num_decode"], live_spec["page_size"])
+    if shape != (1, 1, 1) or live_spec["engine_kwargs"]:
+        pytest.skip("the SDK's structured forms run on the 1p1d cluster only")
 
 
 def _hf_text(model_dir, tokenizer, prompt_ids, max_tokens) -> str:
@@ -464,3 +479,25 @@ def test_n_choices_share_one_prefill_node_and_equal_hf_greedy(
         for c in chunk.choices:
             parts[c.index] = parts.get(c.index, "") + c.text
     assert parts == {0: want, 1: want, 2: want}
+
+
+@pytest.mark.slow
+def test_sdk_parse_gives_a_parsed_object_for_ten_prompts(live, live_spec):
+    """``beta.chat.completions.parse`` with a Pydantic model, ten prompts at once."""
+    _only_1p1d(live_spec)
+    check_parse_ten_prompts(_client(live), MODEL)
+
+
+def test_sdk_tool_choice_required_gives_a_parsed_call_for_ten_prompts(live, live_spec):
+    _only_1p1d(live_spec)
+    check_required_tool_calls_ten_prompts(_client(live), MODEL)
+
+
+@pytest.mark.slow
+def test_sdk_streamed_tool_calls_and_parse_equal_the_non_streamed(live, live_spec):
+    """Tool calls streamed (plain, n=2, named; the SDK's ``stream`` helper with a strict
+    Pydantic tool) add up to the non-streamed greedy answer; streamed ``parse`` parses."""
+    _only_1p1d(live_spec)
+    client = _client(live)
+    check_streamed_tool_calls(client, MODEL)
+    check_stream_helpers(client, MODEL)

@@ -52,7 +52,8 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("role tool without tool_call_id", _CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
     ("role function", _CHAT, {"messages": [{"role": "function", "content": "x"}]}, 400, "messages"),
     ("tool_calls on a user", _CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "messages"),
-    ("tools with a stream", _CHAT, {"messages": _MSGS, "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "stream"),
+    ("malformed tools with a stream", _CHAT, {"messages": _MSGS, "stream": True, "tools": [{"type": "retrieval"}]}, 400, "tools"),
+    ("a stream naming no tool", _CHAT, {"messages": _MSGS, "stream": True, "tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("tools bad parameters", _CHAT, {"messages": _MSGS, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, 400, "tools"),
     ("tool_choice with response_format", _CHAT, {"messages": _MSGS, "tool_choice": "required", "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("8 MB prompt of 4M ids", _C, _raw('{"prompt": [' + ",".join(["1"] * 4_000_000) + "]}"), 413, None),
@@ -152,6 +153,7 @@ CLIENTS: list[tuple[str, str, dict[str, Any]]] = [
     ("sglang generate", _GEN, {"text": "Hi", "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}, "stream": True, "lora_path": None, "return_logprob": False, "return_routed_experts": False, "logprob_start_len": -1}),
     ("vllm completions", _C, {"model": MODEL_NAME, "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
     ("vllm chat", _CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    ("openai chat with tools, streamed", _CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}], "tool_choice": "auto", "parallel_tool_calls": False}),
     ("vllm legacy completions", _C, {"model": MODEL_NAME, "prompt": "Hi", "temperature": 0.0, "best_of": 1, "max_tokens": 4, "logprobs": None, "stream": True}),
     ("harmless extras", _CHAT, {"messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 4, "n": 1, "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True, "tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "logit_bias": {}, "logprobs": False, "seed": 7, "presence_penalty": 0, "frequency_penalty": 0.0}),
 ]  # fmt: skip

@@ -2,7 +2,10 @@
 engine with SmolLM2-135M-Instruct under uvicorn on loopback: ``beta.chat.completions.parse``
 with a Pydantic model returns a parsed object for every prompt (issue 44's acceptance), vLLM's
 ``guided_*`` fields hold on completions and chat, and a schema llguidance cannot compile is a
-400 that says why, with nothing queued."""
+400 that says why, with nothing queued. Tool calls streamed (plain ``stream=True`` with ``n``,
+and the SDK's ``chat.completions.stream`` helper) add up to the non-streamed answer, and the
+streamed ``parse`` form parses. The ``check_*`` functions run against a live cluster too
+(``tests/cluster/test_e2e.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -48,12 +52,17 @@ def served(smollm2_dir: Path) -> Iterator[tuple[Any, Any, Any]]:
 
 
 def test_parse_returns_a_parsed_object_for_ten_prompts(served) -> None:
-    """Ten requests at once (they share the engine's batches: the masks of many rows a step)."""
     client, app, oai = served
+    check_parse_ten_prompts(oai, "tiny")
+    check_idle(client, app)
+
+
+def check_parse_ten_prompts(oai: openai.OpenAI, model: str) -> None:
+    """Ten requests at once (they share the engine's batches: the masks of many rows a step)."""
 
     def parse(city: str) -> Any:
         return oai.beta.chat.completions.parse(
-            model="tiny",
+            model=model,
             messages=[{"role": "user", "content": f"Describe the city of {city} as JSON."}],
             response_format=City,
             max_tokens=48,
@@ -66,7 +75,6 @@ def test_parse_returns_a_parsed_object_for_ten_prompts(served) -> None:
         choice = done.choices[0]
         assert choice.finish_reason == "stop", choice
         assert isinstance(choice.message.parsed, City), choice.message
-    check_idle(client, app)
 
 
 def test_guided_fields_hold_on_completions_and_chat_streamed_or_not(served) -> None:
@@ -150,12 +158,17 @@ TIME = {
 
 
 def test_tool_choice_required_returns_a_parsed_call_for_ten_prompts(served) -> None:
-    """SmolLM2's template shows no tools: only the grammar makes these answers calls."""
     client, app, oai = served
+    check_required_tool_calls_ten_prompts(oai, "tiny")
+    check_idle(client, app)
+
+
+def check_required_tool_calls_ten_prompts(oai: openai.OpenAI, model: str) -> None:
+    """SmolLM2's template shows no tools: only the grammar makes these answers calls."""
 
     def ask(city: str) -> Any:
         return oai.chat.completions.create(
-            model="tiny",
+            model=model,
             messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
             tools=[WEATHER, TIME],  # type: ignore[list-item]
             tool_choice="required",
@@ -174,7 +187,6 @@ def test_tool_choice_required_returns_a_parsed_call_for_ten_prompts(served) -> N
         assert call.function.name in ("get_weather", "get_time")
         args = json.loads(call.function.arguments)
         assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
-    check_idle(client, app)
 
 
 def test_a_named_tool_choice_calls_that_function_and_none_calls_nothing(served) -> None:
@@ -200,3 +212,137 @@ def test_a_named_tool_choice_calls_that_function_and_none_calls_nothing(served) 
     )
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
     check_idle(client, app)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city"""
+
+    city: str = Field(max_length=16)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_streamed_tool_calls_equal_the_non_streamed_ones(served) -> None:
+    client, app, oai = served
+    check_streamed_tool_calls(oai, "tiny")
+    check_idle(client, app)
+
+
+def test_the_sdks_stream_helpers_parse_streamed_calls_and_objects(served) -> None:
+    client, app, oai = served
+    check_stream_helpers(oai, "tiny")
+    check_idle(client, app)
+
+
+def check_streamed_tool_calls(oai: openai.OpenAI, model: str) -> None:
+    """``stream=True`` with ``tool_choice`` required (n=2, by choice index) and named: each
+    call's id, type and name in its first delta, its arguments in pieces after, and what they
+    add up to is the non-streamed greedy answer; ``finish_reason: "tool_calls"``. ``auto``
+    (SmolLM2 answers in words) streams the non-streamed content and no call. All at once."""
+    weather: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    time: Any = [{"role": "user", "content": "What time is it in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases = [
+        dict(messages=weather, tool_choice="required", n=2),
+        dict(messages=time, tool_choice=named, n=1),
+    ]
+    common: dict[str, Any] = dict(
+        model=model,
+        tools=[WEATHER, TIME],
+        parallel_tool_calls=False,  # one call, then the end (not calls until max_tokens)
+        max_tokens=64,
+        temperature=0.0,
+    )
+    auto: dict[str, Any] = dict(
+        model=model, messages=weather, tools=[WEATHER], max_tokens=16, temperature=0.0
+    )
+    with ThreadPoolExecutor(2 * len(cases) + 2) as pool:
+        dones = [pool.submit(oai.chat.completions.create, **common, **c) for c in cases]
+        streams = [pool.submit(_streamed_calls, oai, {**common, **c}) for c in cases]
+        auto_done = pool.submit(oai.chat.completions.create, **auto)
+        auto_chunks = pool.submit(lambda: list(oai.chat.completions.create(stream=True, **auto)))
+    for case, done_f, stream_f in zip(cases, dones, streams):
+        done = done_f.result()
+        assert all(c.finish_reason == "tool_calls" for c in done.choices), done
+        want = [(c.function.name, c.function.arguments) for c in done.choices[0].message.tool_calls]
+        calls, finish, num_pieces = stream_f.result()
+        assert finish == {i: "tool_calls" for i in range(case["n"])}, finish
+        for i in range(case["n"]):
+            assert [(c["name"], c["arguments"]) for c in calls[i]] == want, (i, calls)
+        assert num_pieces > case["n"], num_pieces  # the arguments came in pieces
+    done = auto_done.result()
+    assert done.choices[0].message.tool_calls is None, done
+    chunks = auto_chunks.result()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == done.choices[0].message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def _streamed_calls(
+    oai: openai.OpenAI, kw: dict[str, Any]
+) -> tuple[dict[int, list[dict[str, Any]]], dict[int, str], int]:
+    """(each choice's calls as the SDK's helpers assemble them, each choice's finish reason,
+    the number of argument pieces after the first delta of each call) of a stream."""
+    calls: dict[int, list[dict[str, Any]]] = {i: [] for i in range(kw["n"])}
+    finish: dict[int, str] = {}
+    num_pieces = 0
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content, c  # only calls under a grammar of calls
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+            for d in c.delta.tool_calls or []:
+                made = calls[c.index]
+                if d.index == len(made):  # a new call: id, type and name come first
+                    assert d.id and d.id.startswith("call_") and d.type == "function", d
+                    assert d.function is not None and d.function.name, d
+                    made.append({"name": d.function.name, "arguments": ""})
+                else:
+                    assert d.index == len(made) - 1 and d.id is None, d
+                    assert d.function is not None and d.function.name is None, d
+                    num_pieces += 1
+                made[-1]["arguments"] += d.function.arguments or ""
+    return calls, finish, num_pieces
+
+
+def check_stream_helpers(oai: openai.OpenAI, model: str) -> None:
+    """``client.chat.completions.stream`` with a strict Pydantic tool and tool_choice
+    required: its events carry the arguments' pieces, and its final completion's call has
+    ``parsed_arguments``, the non-streamed ``parse``'s; ``beta.chat.completions.stream`` with
+    ``response_format=City`` gives the parsed object. All at once."""
+    kw: dict[str, Any] = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Is it cold in Lima?"}],
+        max_tokens=64,
+        temperature=0.0,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    city_kw: dict[str, Any] = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Describe the city of Rome as JSON."}],
+        max_tokens=48,
+        temperature=0.0,
+        response_format=City,
+    )
+
+    def streamed(helper: Any, **kw: Any) -> tuple[list[str], Any]:
+        with helper(**kw) as stream:
+            return [event.type for event in stream], stream.get_final_completion()
+
+    with ThreadPoolExecutor(3) as pool:
+        done_f = pool.submit(oai.chat.completions.parse, **kw)
+        tool_f = pool.submit(streamed, oai.chat.completions.stream, **kw)
+        city_f = pool.submit(streamed, oai.beta.chat.completions.stream, **city_kw)
+    (want,) = done_f.result().choices[0].message.tool_calls or []
+    assert isinstance(want.function.parsed_arguments, GetWeather), want
+    kinds, final = tool_f.result()
+    assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+    assert kinds.count("tool_calls.function.arguments.done") == 1, kinds
+    (call,) = final.choices[0].message.tool_calls or []
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert call.function.parsed_arguments == want.function.parsed_arguments
+    assert call.function.arguments == want.function.arguments
+    kinds, final = city_f.result()
+    assert kinds.count("content.delta") > 1, kinds
+    assert isinstance(final.choices[0].message.parsed, City), final

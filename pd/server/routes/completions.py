@@ -31,6 +31,7 @@ from pd.server.responses import (
 )
 from pd.server.routes.common import json_body, parse_body, serve_generation
 from pd.server.state import Prepared, ServerState
+from pd.server.tool_stream import ToolCallStream
 from pd.server.tools import Tools
 
 router = APIRouter()
@@ -64,12 +65,6 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
     req.check_supported()
     state.check_model(req.model)
     tools = Tools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if tools is not None and req.stream:
-        raise APIError(
-            "stream=true with tools is not supported yet (tool_choice=none is): ask without "
-            "a stream",
-            param="stream",
-        )
     fields = req.sampling_kwargs()
     if tools is not None and tools.is_forced:
         if fields["grammar"]:
@@ -160,6 +155,33 @@ class CompletionRenderer(_StreamRenderer):
 
 class ChatRenderer(_StreamRenderer):
     chunk_model = ChatCompletionChunk
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls, with tools
+
+    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
+        """With tools, a step's content and ``tool_calls`` (``pd.server.tool_stream``); the
+        last step's ``finish_reason`` is ``"tool_calls"`` when the choice made a call."""
+        gen = choices.gens[index]
+        if gen.tools is None:
+            return super().chunk(choices, index, step)
+        calls = self._tool_streams.setdefault(index, ToolCallStream(gen.tools))
+        out = calls.feed(step.text, step.finish_reason is not None)
+        finish_reason = step.finish_reason
+        if finish_reason is not None and calls.is_called:
+            finish_reason = "tool_calls"
+        if not (out.content or out.tool_calls or finish_reason or step.logprobs):
+            return None
+        want = gen.params.logprobs is not None
+        delta = DeltaMessage(content=out.content or None, tool_calls=out.tool_calls or None)
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(gen, index, step.logprobs) if want else None,
+        )
+        return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=[choice])
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: ChatLogprobs | None
