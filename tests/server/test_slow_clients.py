@@ -166,6 +166,33 @@ class _SteadyReader:
         return self.data
 
 
+def test_a_slow_but_steady_reader_is_not_cut_by_the_write_timeout(
+    make_app: MakeApp, script_ids: list[int]
+) -> None:
+    """A stream of 600 tokens (~100 KiB) whose client reads 1 KiB every 50 ms (20 KiB/s) under
+    a write timeout of 1 s: once uvicorn's buffer is full, a send waits for it to drain from
+    64 to 16 KiB, ~2.4 s at that pace, while the client takes bytes all along. It gets its
+    whole answer and nothing counts as stalled. Before, a send pending 1 s reset it (the chaos
+    soak's slow readers, 5 KiB/s under 8 s, were cut so)."""
+    app, _ = make_app(
+        config=ServerConfig(stream_write_timeout_s=1.0),
+        output_ids=script_ids * 60,
+        max_model_len=4096,
+    )
+    body = {**NORMAL, "max_tokens": 600, "stream": True}
+    with serve(app, sndbuf=SNDBUF) as url, errors_logged() as errors:
+        start = time.monotonic()
+        reader = _SteadyReader(url, body, 1024, 0.05)
+        wait_for(lambda: reader.is_done, timeout_s=20)
+        took = time.monotonic() - start
+        data = reader.join()
+    events = _dechunk(data).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], (took, len(data), events[-3:])
+    assert len(data) > 64 << 10 and took > 3.0  # long past the timeout, many sends
+    assert client_gone(app, "stalled") == 0
+    assert not errors, [r.getMessage() for r in errors]
+
+
 def test_slow_but_steady_readers_give_their_places_back_when_generation_ends(
     make_app: MakeApp, script_ids: list[int]
 ) -> None:
