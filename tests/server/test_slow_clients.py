@@ -152,7 +152,7 @@ class _SteadyReader:
         while chunk := self.sock.recv(self._step if not self.hurry.is_set() else 65536):
             chunks.append(chunk)
             self.num_read += len(chunk)
-            if b"data: [DONE]" in b"".join(chunks[-2:]):
+            if b"".join(chunks[-2:]).endswith(b"\r\n0\r\n\r\n"):  # the last chunk, whole
                 break
             self.hurry.wait(self._interval_s)
         self.data = b"".join(chunks)
