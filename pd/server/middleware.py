@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import time
 from typing import Any
 
@@ -281,8 +283,8 @@ class _BoundedSend:
 
     Under uvicorn, ``send`` is a method of its request-response cycle, which holds the asyncio
     transport: a watchdog timer (one per response, looking 4 times per ``timeout_s`` while a
-    send is pending) resets the connection once its client has taken none of the write
-    buffer's bytes for that long, and uvicorn's ``send`` returns at once when its connection
+    send is pending) resets the connection once its client has taken none of its bytes (in
+    uvicorn's write buffer or the kernel's send queue) for that long, and uvicorn's ``send`` returns at once when its connection
     is lost; a send costs two assignments. A client that reads slowly but steadily is not cut:
     a send waits for the buffer to drain from its high-water mark to its low one (48 KiB), and
     at 5 KiB/s that outlasts an 8 s timeout (the chaos soak's slow readers were cut so). Under any other server,
@@ -299,7 +301,7 @@ class _BoundedSend:
         self._loop = asyncio.get_running_loop()
         # when the pending send began, or its client last took bytes
         self._since: float | None = None
-        self._buffered: int | None = None  # the write buffer's bytes at the last look
+        self._buffered: int | None = None  # bytes not yet taken at the last look
         self._look_s = timeout_s / 4  # how often a pending send's buffer is looked at
         self._timer: asyncio.TimerHandle | None = None
         self.is_stalled = False
@@ -332,7 +334,7 @@ class _BoundedSend:
         if self._since is None:  # no send pending: the next one re-arms
             return
         now = self._loop.time()
-        buffered = self._transport.get_write_buffer_size()
+        buffered = self._unsent()
         if self._buffered is not None and buffered < self._buffered:
             self._since = now  # the client took bytes: a slow reader, not a stalled one
         self._buffered = buffered
@@ -349,6 +351,18 @@ class _BoundedSend:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self._transport.abort()
+
+    def _unsent(self) -> int:
+        """Bytes the client has not taken: uvicorn's write buffer and the kernel's send queue
+        (which takes more only once a third of it is free: with a send buffer of hundreds of
+        KiB, uvicorn's alone would stand still for seconds while the client reads)."""
+        num = self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                num += struct.unpack("i", out)[0]
+        return num
 
     def _on_stalled(self) -> None:
         self.is_stalled = True

@@ -166,29 +166,33 @@ class _SteadyReader:
         return self.data
 
 
+@pytest.mark.parametrize("sndbuf", [SNDBUF, 64 << 10])
 def test_a_slow_but_steady_reader_is_not_cut_by_the_write_timeout(
-    make_app: MakeApp, script_ids: list[int]
+    make_app: MakeApp, script_ids: list[int], sndbuf: int
 ) -> None:
-    """A stream of 600 tokens (~100 KiB) whose client reads 1 KiB every 50 ms (20 KiB/s) under
-    a write timeout of 1 s: once uvicorn's buffer is full, a send waits for it to drain from
-    64 to 16 KiB, ~2.4 s at that pace, while the client takes bytes all along. It gets its
-    whole answer and nothing counts as stalled. Before, a send pending 1 s reset it (the chaos
-    soak's slow readers, 5 KiB/s under 8 s, were cut so)."""
+    """A stream of 1,500 tokens (~240 KiB) whose client reads 2 KiB every 50 ms (40 KiB/s)
+    under a write timeout of 0.5 s. Once uvicorn's buffer is full a send waits for it to
+    drain from 64 to 16 KiB (1.2 s at that pace); and the kernel takes more of it only once a
+    third of its send buffer is free (64 KiB asked: 128 KiB, a third of it ~1 s), while the
+    client takes bytes all along. It gets its whole answer and nothing counts as stalled.
+    Before, a send pending 0.5 s reset it (the chaos soak's slow readers, 5 KiB/s under 8 s,
+    were cut so); and a watchdog that looked at uvicorn's buffer alone saw no progress behind
+    a kernel buffer of 128 KiB."""
     app, _ = make_app(
-        config=ServerConfig(stream_write_timeout_s=1.0),
-        output_ids=script_ids * 60,
+        config=ServerConfig(stream_write_timeout_s=0.5),
+        output_ids=script_ids * 150,
         max_model_len=4096,
     )
-    body = {**NORMAL, "max_tokens": 600, "stream": True}
-    with serve(app, sndbuf=SNDBUF) as url, errors_logged() as errors:
+    body = {**NORMAL, "max_tokens": 1500, "stream": True}
+    with serve(app, sndbuf=sndbuf) as url, errors_logged() as errors:
         start = time.monotonic()
-        reader = _SteadyReader(url, body, 1024, 0.05)
-        wait_for(lambda: reader.is_done, timeout_s=20)
+        reader = _SteadyReader(url, body, 2048, 0.05)
+        wait_for(lambda: reader.is_done, timeout_s=30)
         took = time.monotonic() - start
         data = reader.join()
     events = _dechunk(data).split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""], (took, len(data), events[-3:])
-    assert len(data) > 64 << 10 and took > 3.0  # long past the timeout, many sends
+    assert len(data) > 192 << 10 and took > 3.0  # long past the timeout, many sends
     assert client_gone(app, "stalled") == 0
     assert not errors, [r.getMessage() for r in errors]
 
