@@ -256,9 +256,10 @@ def listening_ports(pid: int | str = "self") -> list[int]:
     return sorted(ports)
 
 
-def held_from(pid: int, ports: set[int]) -> int:
-    """Connections process ``pid`` still holds (its socket fds, in any state) whose peer is one
-    of ``ports`` of 127.0.0.1 (a client's local ports): 0 once it closed them all, or is gone."""
+def held_from(pid: int, ports: set[int]) -> dict[tuple[int, str], int]:
+    """Connections process ``pid`` still holds (its socket fds) whose peer is one of ``ports``
+    of 127.0.0.1 (a client's local ports), counted by (its own port, TCP state: ``CLOSE_WAIT``
+    is one its peer closed): empty once it closed them all, or is gone."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -270,20 +271,16 @@ def held_from(pid: int, ports: set[int]) -> int:
                 inodes.add(link[8:-1])
         lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
     except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return sum(
-        1
-        for fields in (line.split() for line in lines)
-        if fields[9] in inodes and int(fields[2].split(":")[1], 16) in ports
-    )
+        return {}
+    held: dict[tuple[int, str], int] = {}
+    for fields in (line.split() for line in lines):
+        if fields[9] in inodes and int(fields[2].split(":")[1], 16) in ports:
+            key = (int(fields[1].split(":")[1], 16), _TCP_STATES.get(fields[3], fields[3]))
+            held[key] = held.get(key, 0) + 1
+    return held
 
 
-def num_fds(pid: int) -> int | None:
-    """The open file descriptors of ``pid`` (None: it is gone)."""
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT"}
 
 
 class ProcessTree:
