@@ -71,8 +71,9 @@ class Settings:
     # the faults of pdtools.chaos_hardening
     num_strangers: int = 200
     strangers_hold_s: float = 3.0
+    strangers_every_port: bool = False  # also the ports the nodes do not advertise
     num_slow_readers: int = 6
-    slow_read_bytes: int = 256  # read this many bytes ...
+    slow_read_bytes: int = 512  # read this many bytes ...
     slow_read_interval_s: float = 0.05  # ... this often
     num_silent: int = 100
     header_timeout_s: float = 10.0  # the server's --header-timeout-s

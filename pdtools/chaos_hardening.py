@@ -1,9 +1,10 @@
 """The soak's faults of hostile peers and a harmed disk tier (``Chaos`` runs them, each with
 its ``FaultRecord``):
 
-- ``strangers``: many TCP connections to every port the nodes listen on (their inboxes,
-  transfer control ports and whatever else), some sending junk, held a few seconds and closed:
-  no node may be found dead, and each node's descriptors must come back;
+- ``strangers``: many TCP connections to the ports the nodes advertise (their inboxes and
+  transfer control ports; with ``strangers_every_port``, every port their processes listen
+  on), some sending junk, held a few seconds and closed: no node may be found dead, and none
+  may hold one of them 10 s after its client closed it;
 - ``slow-readers``: long streams read a few hundred bytes at a time, slowly but never stalled:
   each must be whole and the reference answer;
 - ``silent-headers``: connections that send half a request head and go quiet: the server must
@@ -51,13 +52,14 @@ async def strangers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     cfg = chaos.cfg
     pools = await chaos.monitor.poll()
     ready = [n for n in pools.nodes if n["state"] == "ready" and chaos.tree.owns(n["pid"])]
-    ports = {n["id"]: listening_ports(n["pid"]) for n in ready}
-    if not any(ports.values()):  # not our processes: the ports they advertise
-        ports = {
-            n["id"]: [urlsplit(n[a]).port for a in ("addr", "transfer_addr") if n[a]]
-            for n in pools.nodes
-            if n["state"] == "ready"
-        }
+    ports = {  # the sockets the nodes advertise: inbox, transfer control
+        n["id"]: [urlsplit(n[a]).port for a in ("addr", "transfer_addr") if n[a]]
+        for n in pools.nodes
+        if n["state"] == "ready"
+    }
+    if cfg.strangers_every_port:  # and every other port their processes listen on
+        for n in ready:
+            ports[n["id"]] = sorted({*ports[n["id"]], *listening_ports(n["pid"])})
     every = sorted({p for ps in ports.values() for p in ps if p})
     if not every:
         rec.notes.append("skipped: no node port known")

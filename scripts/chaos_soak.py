@@ -155,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "its life",
     )
     p.add_argument(
+        "--strangers-every-port",
+        action="store_true",
+        help="strangers connect to every port the nodes' processes listen on, not only the "
+        "inbox and transfer control port they advertise",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=float,
         default=10.0,
@@ -335,6 +341,7 @@ async def _soak(
         stall_s=args.stall_s or stall_for(refs.seconds[long.name], args.stream_write_timeout_s),
         num_slow=MAX_INFLIGHT + 8, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
         header_timeout_s=args.header_timeout_s, disk_dir=args.disk_cache_dir,
+        strangers_every_port=args.strangers_every_port,
     )  # fmt: skip
     outcomes: list[Outcome] = []
     monitor = Monitor(api)
