@@ -1,14 +1,16 @@
-"""A chaos soak of a pd cluster: steady load with known greedy answers while nodes are killed,
-frozen and drained, admission is flooded, readers stall, bodies trickle, and hostile input and
-junk frames arrive, on a seeded schedule; then, after a quiet period, checks that nothing
-leaked. Prints a report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
+"""A chaos soak of a pd cluster: steady load with known greedy answers (some without
+``max_tokens``) while nodes are killed, frozen and drained, admission is flooded, readers stall
+or read slowly, bodies trickle, request heads go silent, hostile input, junk frames and
+strangers' connections arrive, the disk tier turns read-only and a forged chunk is planted in
+it, on a seeded schedule; then, after a quiet period, checks that nothing leaked. Prints a
+report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
 
     python scripts/chaos_soak.py --minutes 30 [--seed S] [--model DIR] [--report PATH]
     python scripts/chaos_soak.py --url http://127.0.0.1:8000 --api-key K [--server-pid PID]
 
 Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
-ended with every process in it) at pd serve's engine defaults (int4 weights and compiled decode
-steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
+ended with every process in it, and a disk tier in a directory of its own) at pd serve's engine
+defaults (int4 weights and compiled decode steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
 speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
 of a node is also killed or frozen alone: the node must go down as one and be replaced); with
 ``--url`` it tests that server, and signals its
