@@ -140,14 +140,16 @@ class Interval(NamedTuple):
 
 class Monitor:
     """Polls the pools and readiness every ``period_s`` until ``stop()``. ``pools``: the last
-    answer; ``left``: node id -> when it was last seen (it left the pools); ``not_ready`` and
-    ``empty_pools``: intervals (``what``: the reason, or the empty pool)."""
+        answer; ``left``: node id -> when it was last seen (it left the pools), ``first_seen``: when
+    it was first; ``not_ready`` and
+        ``empty_pools``: intervals (``what``: the reason, or the empty pool)."""
 
     def __init__(self, api: Api, period_s: float = 1.0) -> None:
         self.api = api
         self.period_s = period_s
         self.pools: Pools | None = None
         self.left: dict[str, float] = {}
+        self.first_seen: dict[str, float] = {}
         self.not_ready: list[Interval] = []
         self.empty_pools: list[Interval] = []
         self.num_errors = 0  # polls that failed (the server did not answer in time)
@@ -175,6 +177,8 @@ class Monitor:
             for node_id in self.pools.ids - pools.ids:
                 self.left.setdefault(node_id, now)
         self.pools = pools
+        for node_id in pools.ids:
+            self.first_seen.setdefault(node_id, now)
         for role in ROLES:
             self._track(f"pool:{role}", not pools.of(role), now, role)
         return pools
@@ -231,6 +235,52 @@ def rss_mib(pid: int) -> float | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def listening_ports(pid: int | str = "self") -> list[int]:
+    """The TCP ports process ``pid`` listens on (from /proc: its socket fds in the LISTEN
+    table; no traffic)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ports.append(int(fields[1].split(":")[1], 16))
+    return sorted(ports)
+
+
+def held_from(pid: int, ports: set[int]) -> dict[tuple[int, str], int]:
+    """Connections process ``pid`` still holds (its socket fds) whose peer is one of ``ports``
+    of 127.0.0.1 (a client's local ports), counted by (its own port, TCP state: ``CLOSE_WAIT``
+    is one its peer closed): empty once it closed them all, or is gone."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    held: dict[tuple[int, str], int] = {}
+    for fields in (line.split() for line in lines):
+        if fields[9] in inodes and int(fields[2].split(":")[1], 16) in ports:
+            key = (int(fields[1].split(":")[1], 16), _TCP_STATES.get(fields[3], fields[3]))
+            held[key] = held.get(key, 0) + 1
+    return held
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT"}
 
 
 class ProcessTree:

@@ -4,8 +4,10 @@ The node lane kills (SIGKILL), freezes (SIGSTOP, then SIGCONT: shorter than the 
 timeout, when the node must survive, or longer, when it must be found dead and replaced) and
 drains nodes (the real admin route, then ``/admin/scale`` back up), waiting between faults for
 the pools to be whole again. The traffic lane floods past the admission limit, stalls readers,
-trickles bodies, sends hostile input and junk frames at the nodes' sockets. Each lane runs
-rounds, each a seeded shuffle of its faults, until the fault phase ends.
+trickles bodies, sends hostile input and junk frames at the nodes' sockets. A third lane runs
+the faults of ``pdtools.chaos_hardening`` (strangers on the nodes' ports, slow readers, silent
+request heads, a read-only disk tier; a planted disk chunk runs in the node lane). Each lane
+runs rounds, each a seeded shuffle of its faults, until the fault phase ends.
 
 Each fault leaves a ``FaultRecord`` (what it did and saw, and the failures it found); the nodes
 it meant to kill (``doomed``) or drain (``drained``) and the windows in which it pressed on
@@ -21,10 +23,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdtools import chaos_hardening
 from pdtools.chaos_cluster import ROLES, Api, Monitor, Pools, ProcessTree, child_pids
 from pdtools.chaos_hostile import (
     hostile_request,
@@ -64,6 +68,18 @@ class Settings:
     junk_frames: int
     junk_big_bytes: int
     restore_timeout_s: float = 180.0
+    # the faults of pdtools.chaos_hardening
+    num_strangers: int = 200
+    strangers_hold_s: float = 3.0
+    strangers_every_port: bool = False  # also the ports the nodes do not advertise
+    num_slow_readers: int = 6
+    slow_read_bytes: int = 512  # read this many bytes ...
+    slow_read_interval_s: float = 0.05  # ... this often
+    num_silent: int = 100
+    header_timeout_s: float = 10.0  # the server's --header-timeout-s
+    disk_dir: Path | None = None  # the server's --disk-cache-dir
+    readonly_s: float = 8.0
+    num_fresh: int = 4  # fresh prompts asked twice while the disk is read-only
 
 
 @dataclass
@@ -105,6 +121,8 @@ class Chaos:
         self.doomed: dict[str, float] = {}  # node -> when a fault meant it to die
         self.drained: set[str] = set()  # nodes drained on purpose
         self.extra_drained: set[str] = set()  # nodes that left with a drained one, unasked
+        self.disk_lock = asyncio.Lock()  # one fault at a time harms the disk tier
+        self.readonly_windows: list[tuple[float, float]] = []  # the disk tier was read-only
 
     # -- lanes ------------------------------------------------------------------------------
 
@@ -123,7 +141,13 @@ class Chaos:
         kind, _, arg = name.partition("-")
         rec = FaultRecord(name, time.monotonic())
         self.records.append(rec)
+        if name in chaos_hardening.FAULTS:
+            kind = name  # the hardening faults' names are not of kind-arg
         fault: Callable[..., Any] = {
+            **{
+                n: (lambda f=f: f(self, rec, rng))  # type: ignore[misc]
+                for n, f in chaos_hardening.FAULTS.items()
+            },
             "kill": lambda: self.kill_rank(rec, rng) if arg == "rank" else self.kill(rec, rng, arg),
             "freeze": lambda: (
                 self.freeze_rank(rec, rng)
@@ -428,11 +452,7 @@ class Chaos:
             "pd_node_rejected_messages"
         )
         dropped = after.total("pd_node_dropped_messages") - before.total("pd_node_dropped_messages")
-        gone = sorted(
-            n
-            for n, t in self.monitor.left.items()
-            if t >= start and n not in self.doomed and n not in self.drained
-        )
+        gone = self.left_unasked_since(start)
         rec.target = f"{len(ready)} nodes"
         rec.notes.append(
             f"{num_sent} frames ({self.cfg.junk_frames} random or unsealed + 2 of "
@@ -442,6 +462,14 @@ class Chaos:
         )
         if gone:
             rec.failures.append(f"healthy nodes found dead during the junk frames: {gone}")
+
+    def left_unasked_since(self, start: float) -> list[str]:
+        """Nodes that left the pools since ``start`` that no fault meant to kill or drain."""
+        return sorted(
+            n
+            for n, t in self.monitor.left.items()
+            if t >= start and n not in self.doomed and n not in self.drained
+        )
 
     def pressure_windows(self) -> list[tuple[float, float]]:
         return [

@@ -1,10 +1,12 @@
 """Clients no well-behaved library would be, for ``scripts/chaos_soak.py``.
 
 HTTP over raw sockets that read only when told to (``loop.sock_recv``: nothing is read ahead
-into a buffer): a streaming client that stops reading (``stalled_reader``), a client that sends
-its body a byte at a time (``slow_body``), malformed and out-of-bounds requests
-(``HOSTILE_REQUESTS``, ``hostile_request``); and junk frames at an internal zmq socket
-(``junk_frames``), as a process without the cluster secret can send them.
+into a buffer): a streaming client that stops reading (``stalled_reader``), one that reads a
+few bytes at a time (``slow_reader``), one that sends half a head and goes quiet
+(``silent_head``), a client that sends its body a byte at a time (``slow_body``), malformed
+and out-of-bounds requests (``HOSTILE_REQUESTS``, ``hostile_request``); junk frames at an
+internal zmq socket (``junk_frames``), as a process without the cluster secret can send
+them, and strangers' TCP connections to every port of a node (``hold_strangers``).
 """
 
 from __future__ import annotations
@@ -137,6 +139,66 @@ async def stalled_reader(
             sock.close()
     _fill(out, spec, parse_raw(first, error), stream=True)
     return out
+
+
+async def slow_reader(
+    url: str,
+    spec: Spec,
+    headers: dict[str, str],
+    piece: int,
+    interval_s: float,
+    deadline_s: float,
+) -> Outcome:
+    """Stream ``spec`` with a small receive buffer and read it ``piece`` bytes every
+    ``interval_s``: slow, but never stalled for as long as the server's write timeout."""
+    out = Outcome(spec.name, "slow_reader", time.monotonic(), 0.0)
+    deadline = out.start + deadline_s
+    body = json.dumps(spec.request_body(stream=True)).encode()
+    loop = asyncio.get_running_loop()
+    data, error = b"", ""
+    sock: socket.socket | None = None
+    try:
+        sock = await connect(url, rcvbuf=4 * piece)
+        await loop.sock_sendall(
+            sock, head(url, "POST", spec.path, _json_headers(headers), len(body)) + body
+        )
+        while True:
+            if (left := deadline - time.monotonic()) <= 0:
+                error = "deadline"
+                break
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, piece), left)
+            except asyncio.TimeoutError:
+                error = "deadline"
+                break
+            if not chunk:
+                break
+            data += chunk
+            await asyncio.sleep(interval_s)
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if sock is not None:
+            sock.close()
+    _fill(out, spec, parse_raw(data, error), stream=True)
+    return out
+
+
+async def silent_head(
+    url: str, partial: bytes, deadline_s: float
+) -> tuple[float | None, bytes, int]:
+    """Connect, send ``partial`` (a request head cut short) and go quiet: (seconds until the
+    server closed the connection, None if not within ``deadline_s``; what it sent; the
+    connection's own port)."""
+    start = time.monotonic()
+    sock = await connect(url)
+    port = sock.getsockname()[1]
+    try:
+        await asyncio.get_running_loop().sock_sendall(sock, partial)
+        data, error = await recv_until(sock, start + deadline_s, lambda _: False)
+    finally:
+        sock.close()
+    return (None if error == "deadline" else time.monotonic() - start), data, port
 
 
 async def slow_body(
@@ -332,3 +394,37 @@ def junk_frames(
     finally:
         ctx.term()
     return num_sent
+
+
+def hold_strangers(
+    ports: list[int], num: int, hold_s: float, seed: int
+) -> tuple[set[int], int, int]:
+    """``num`` TCP connections to 127.0.0.1's ``ports`` in turn, every third sending junk (a
+    ZMTP greeting's start, HTTP, random bytes), held ``hold_s``, then closed. Blocking,
+    bounded (each connect waits 2 s at most). Returns (the connections' own ports, how many
+    sent junk, how many were refused)."""
+    rng = random.Random(seed)
+    junk = [b"\xff" + bytes(8) + b"\x7f\x03", b"GET / HTTP/1.1\r\n\r\n", rng.randbytes(512)]
+    socks: list[socket.socket] = []
+    mine: set[int] = set()
+    num_junk = num_refused = 0
+    try:
+        for i in range(num):
+            try:
+                sock = socket.create_connection(("127.0.0.1", ports[i % len(ports)]), timeout=2)
+            except OSError:
+                num_refused += 1
+                continue
+            socks.append(sock)
+            mine.add(sock.getsockname()[1])
+            if i % 3 == 0:
+                try:
+                    sock.sendall(junk[(i // 3) % len(junk)])
+                    num_junk += 1
+                except OSError:
+                    pass
+        time.sleep(hold_s)
+    finally:
+        for sock in socks:
+            sock.close()
+    return mine, num_junk, num_refused

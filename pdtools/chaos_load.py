@@ -86,6 +86,13 @@ class Spec:
             body["stream_options"] = {"include_usage": True}
         return body
 
+    @property
+    def no_max_tokens(self) -> bool:
+        """It leaves its length to the server (OpenAI's clients send no ``max_tokens``): the
+        rest of the context for chat, 16 tokens for completions (OpenAI's default)."""
+        fields = self.body.get("sampling_params", self.body)
+        return "max_tokens" not in fields and "max_new_tokens" not in fields
+
     def with_stop(self, stop: str) -> Spec:
         if self.endpoint == "generate":
             sampling = {**self.body["sampling_params"], "stop": [stop]}
@@ -95,16 +102,23 @@ class Spec:
         return replace(self, name=f"{self.name}+stop", body={**self.body, "stop": [stop]})
 
 
-def _chat(name: str, question: str, max_tokens: int, stream: bool, system: bool = True) -> Spec:
+def _chat(
+    name: str, question: str, max_tokens: int | None, stream: bool, system: bool = True
+) -> Spec:
     messages = [{"role": "system", "content": SYSTEM}] if system else []
     messages.append({"role": "user", "content": question})
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    return Spec(name, "chat", body, stream)
+    return Spec(name, "chat", _without_none(body), stream)
 
 
-def _completion(name: str, prompt: str, max_tokens: int, stream: bool, **extra: Any) -> Spec:
+def _completion(name: str, prompt: str, max_tokens: int | None, stream: bool, **extra: Any) -> Spec:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-    return Spec(name, "completions", body, stream)
+    return Spec(name, "completions", _without_none(body), stream)
+
+
+def _without_none(body: dict[str, Any]) -> dict[str, Any]:
+    """``max_tokens`` None: not sent at all (the server's default applies)."""
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def _generate(name: str, text: str, max_tokens: int, stream: bool) -> Spec:
@@ -113,8 +127,8 @@ def _generate(name: str, text: str, max_tokens: int, stream: bool) -> Spec:
 
 
 def make_specs() -> list[Spec]:
-    """The steady load's requests. Stop strings are added once the answers are known
-    (``references``)."""
+    """The steady load's requests (two without ``max_tokens``). Stop strings are added once the
+    answers are known (``references``)."""
     return [
         _chat("chat-bikes", "Can I take my bicycle on the 8 am train?", 32, stream=True),
         _chat("chat-price", "How much is a day pass?", 24, stream=False),
@@ -126,6 +140,9 @@ def make_specs() -> list[Spec]:
         _completion("short-once", "Once upon a time, in a village by the sea,", 28, False),
         _generate("gen-doc", f"{DOCUMENT}\n\nIn one sentence, the town is", 24, stream=False),
         _generate("gen-short", "A list of three colours:", 16, stream=True),
+        # no max_tokens, as OpenAI's clients send them: the server books the rest of the context
+        _chat("chat-nomax", "Say hello to the passengers.", None, stream=True),
+        _completion("short-nomax", "The train to the coast leaves at", None, stream=False),
     ]
 
 

@@ -27,6 +27,8 @@ SOURCES = {
     "flood": "flood",
     "stalled": "stalled readers",
     "slow_body": "slow bodies",
+    "slow_reader": "slow readers",
+    "disk": "fresh prompts, disk tier read-only",
 }
 
 
@@ -171,6 +173,10 @@ def render(summary: dict[str, Any]) -> str:
         + ", ".join(f"{_COUNTER_NAMES[k]} {v:.0f}" for k, v in s["metric_deltas"].items())
         + ".",
         "",
+        f"Requests without `max_tokens` (the server's default: the rest of the context for "
+        f"chat, 16 tokens for completions): {s['no_max_tokens']['sent']} sent, "
+        f"{s['no_max_tokens'].get('ok', 0)} correct.",
+        "",
         "| requests | sent | correct | expected errors (why) | wrong | hangs | unexpected |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -268,6 +274,8 @@ class Run(NamedTuple):
     engine: str = ""  # the server's engine settings, as the soak started it ("" for --url)
     # request id -> the route of each of its attempts (GET /admin/routes), for wrong answers
     routes: dict[str, list[dict[str, Any]]] = {}  # noqa: RUF012 - never mutated
+    # each node's RSS (MiB) over time, by node id
+    node_rss: dict[str, list[tuple[float, float]]] = {}  # noqa: RUF012 - never mutated
 
 
 def wrong_outcomes(run: Run) -> list[Outcome]:
@@ -343,7 +351,53 @@ def run_checks(run: Run) -> list[Check]:
         Check("seconds the server said it was not ready", f"{not_ready_s:.1f}", "0", not_ready_s == 0),
         Check("admin polls unanswered within 10 s", str(monitor.num_errors), "0", monitor.num_errors == 0),
         Check("server RSS (MiB)", memory, f"growth <= {run.max_rss_growth_mib:g}", growth <= run.max_rss_growth_mib),
+        node_memory_check(run.node_rss, run.max_rss_growth_mib),
+        disk_off_check(run),
     ]  # fmt: skip
+
+
+MIN_NODE_LIFE_S = 60.0  # a node sampled for less long is not judged (its warm-up dominates)
+
+
+def node_memory_check(samples: dict[str, list[tuple[float, float]]], bound: float) -> Check:
+    """Each node's RSS growth over the second half of its life (the first warms its caches
+    and compiled steps up); nodes that lived less than ``MIN_NODE_LIFE_S`` are not judged."""
+    growth: dict[str, tuple[float, float, float]] = {}  # node -> (mid, last, growth)
+    for node, series in samples.items():
+        if len(series) < 2 or series[-1][0] - series[0][0] < MIN_NODE_LIFE_S:
+            continue
+        half = (series[0][0] + series[-1][0]) / 2
+        mid = next(r for t, r in series if t >= half)
+        growth[node] = (mid, series[-1][1], series[-1][1] - mid)
+    worst = sorted(growth.items(), key=lambda kv: -kv[1][2])[:3]
+    measured = (
+        f"{len(growth)} nodes judged; most: "
+        + ", ".join(f"{n} {m:.0f} -> {last:.0f}" for n, (m, last, _) in worst)
+        if growth
+        else f"no node sampled for {MIN_NODE_LIFE_S:g} s"
+    )
+    ok = all(g <= bound for _, _, g in growth.values())
+    return Check(
+        "node RSS over the second half of each node's life (MiB)",
+        measured,
+        f"growth <= {bound:g}",
+        ok,
+    )
+
+
+def disk_off_check(run: Run) -> Check:
+    """A node whose disk tier is off must have lived through a read-only window: once the
+    directory is writable again, a node started later writes there."""
+    windows = run.chaos.readonly_windows
+    off = [n for n, v in run.metrics1.by("pd_node_disk_tier_off", "node").items() if v]
+    seen = run.monitor.first_seen
+    unexplained = [n for n in off if n in seen and not any(seen[n] <= end for _, end in windows)]
+    return Check(
+        "disk tier off on a node started after every read-only window",
+        ", ".join(unexplained) or f"none ({len(off)} off, {len(windows)} windows)",
+        "none",
+        not unexplained,
+    )
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -371,6 +425,10 @@ def summarize(run: Run) -> dict[str, Any]:
         worst = "; ".join(f"{k}: {v}" for k, v in tally.unexpected.most_common(5))
         failures.append(f"{unexpected} unexpected errors of {total} requests: {worst}")
     latencies = [lat for _, lat in tally.latencies]
+    no_max = {s.name for s in run.refs.specs if s.no_max_tokens}
+    no_max_verdicts = Counter(
+        judge(o, run.refs.answers[o.spec], ctx).category for o in run.outcomes if o.spec in no_max
+    )
     return {
         "minutes": run.minutes, "seed": run.seed, "model": run.model,
         "cluster": " + ".join(f"{run.sizes[r]} {r}" for r in ROLES),
@@ -381,6 +439,7 @@ def summarize(run: Run) -> dict[str, Any]:
         },
         "latency": {"p50": round(percentile(latencies, 0.5), 2), "p99": round(percentile(latencies, 0.99), 2)},
         "requests": request_rows(tally),
+        "no_max_tokens": {"sent": sum(no_max_verdicts.values()), **no_max_verdicts},
         "unexpected_kinds": dict(tally.unexpected),
         "faults": fault_rows(run.chaos.records, tally, run.origin),
         "fault_kinds_run": sorted({r.kind for r in run.chaos.records if not any(n.startswith("skipped") for n in r.notes)}),

@@ -1,14 +1,16 @@
-"""A chaos soak of a pd cluster: steady load with known greedy answers while nodes are killed,
-frozen and drained, admission is flooded, readers stall, bodies trickle, and hostile input and
-junk frames arrive, on a seeded schedule; then, after a quiet period, checks that nothing
-leaked. Prints a report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
+"""A chaos soak of a pd cluster: steady load with known greedy answers (some without
+``max_tokens``) while nodes are killed, frozen and drained, admission is flooded, readers stall
+or read slowly, bodies trickle, request heads go silent, hostile input, junk frames and
+strangers' connections arrive, the disk tier turns read-only and a forged chunk is planted in
+it, on a seeded schedule; then, after a quiet period, checks that nothing leaked. Prints a
+report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
 
     python scripts/chaos_soak.py --minutes 30 [--seed S] [--model DIR] [--report PATH]
     python scripts/chaos_soak.py --url http://127.0.0.1:8000 --api-key K [--server-pid PID]
 
 Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
-ended with every process in it) at pd serve's engine defaults (int4 weights and compiled decode
-steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
+ended with every process in it, and a disk tier in a directory of its own) at pd serve's engine
+defaults (int4 weights and compiled decode steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
 speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
 of a node is also killed or frozen alone: the node must go down as one and be replaced); with
 ``--url`` it tests that server, and signals its
@@ -26,6 +28,7 @@ import asyncio
 import json
 import random
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -47,8 +50,10 @@ from pdtools.chaos_cluster import (
     serve_flags,
 )
 from pdtools.chaos_faults import NODE_FAULTS, RANK_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
+from pdtools.chaos_hardening import DISK_NODE_FAULTS, HARDENING_FAULTS
 from pdtools.chaos_load import Outcome, References, long_spec, make_specs, references, send
 from pdtools.chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
+from pdtools.disk_faults import writable_again
 
 QUIET_S = 20.0  # steady load without faults before the checks
 SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2 s)
@@ -145,7 +150,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the server's; a client waits 30 s more",
     )
     p.add_argument(
-        "--max-rss-growth-mib", type=float, default=96.0, help="server memory growth allowed"
+        "--max-rss-growth-mib",
+        type=float,
+        default=96.0,
+        help="memory growth allowed: the server's, and each node's over the second half of "
+        "its life",
+    )
+    p.add_argument(
+        "--strangers-every-port",
+        action="store_true",
+        help="strangers connect to every port the nodes' processes listen on, not only the "
+        "inbox and transfer control port they advertise",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="with --url: the server's (a silent head must be closed by then)",
+    )
+    p.add_argument(
+        "--disk-cache-dir",
+        type=Path,
+        default=None,
+        help="with --url: the server's disk tier (its faults are skipped without one); a "
+        "server the soak starts gets a fresh one",
     )
     return p.parse_args(argv)
 
@@ -177,11 +205,14 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
     ]  # fmt: skip
     if args.model:
         out += ["--model", args.model]
+    if args.disk_cache_dir is not None:
+        out += ["--disk-cache-dir", str(args.disk_cache_dir)]
     out += engine_args(args)
     optional = {
         "--admin-api-key": args.admin_api_key,
         "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
         "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
+        "--header-timeout-s": f"{args.header_timeout_s:g}",  # the silent heads' deadline
     }
     for flag, value in optional.items():
         if value is not None and flag in flags:
@@ -241,6 +272,17 @@ async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> Non
         await asyncio.sleep(5.0)
 
 
+async def sample_node_rss(
+    monitor: Monitor, tree: ProcessTree, samples: dict[str, list[tuple[float, float]]]
+) -> None:
+    """Every node's RSS (MiB) every 5 s, by node id (the soak's own processes only)."""
+    while True:
+        for n in monitor.pools.nodes if monitor.pools else []:
+            if tree.owns(n["pid"]) and (rss := rss_mib(n["pid"])) is not None:
+                samples.setdefault(n["id"], []).append((time.monotonic(), rss))
+        await asyncio.sleep(5.0)
+
+
 async def settle(
     api: Api, sizes: dict[str, int], idle_threads: dict[str, int], timeout_s: float
 ) -> tuple[list[Check], Pools]:
@@ -279,8 +321,10 @@ async def _soak(
 ) -> dict[str, Any]:
     pools = await wait_ready(api, server)
     sizes = dict(pools.target)
+    disk_writer = 1 if args.disk_cache_dir is not None else 0  # started on a node's first write
     idle_threads = {
         r: max((n["threads"] for n in pools.of(r) if n["pair_groups"] == 0), default=0)
+        + disk_writer
         for r in ROLES
     }
     model = (await http.get("/v1/models", headers=api.headers())).json()["data"][0]
@@ -298,11 +342,14 @@ async def _soak(
         flood_clients=args.flood_clients, flood_s=6.0, num_stalled=6,
         stall_s=args.stall_s or stall_for(refs.seconds[long.name], args.stream_write_timeout_s),
         num_slow=MAX_INFLIGHT + 8, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
+        header_timeout_s=args.header_timeout_s, disk_dir=args.disk_cache_dir,
+        strangers_every_port=args.strangers_every_port,
     )  # fmt: skip
     outcomes: list[Outcome] = []
     monitor = Monitor(api)
     chaos = Chaos(api, monitor, tree, settings, refs, long, outcomes)
     rss: list[tuple[float, float]] = []
+    node_rss: dict[str, list[tuple[float, float]]] = {}
     origin = time.monotonic()
     end = origin + 60 * args.minutes
     faults_end, load_end = end - SETTLE_S - QUIET_S, end - SETTLE_S
@@ -314,13 +361,16 @@ async def _soak(
     sampler = asyncio.get_running_loop().create_task(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
+    node_sampler = asyncio.get_running_loop().create_task(sample_node_rss(monitor, tree, node_rss))
+    disk = DISK_NODE_FAULTS if args.disk_cache_dir is not None else ()
     await asyncio.gather(
         chaos.lane(
-            NODE_FAULTS + (RANK_FAULTS if args.tp > 1 else ()),
+            NODE_FAULTS + (RANK_FAULTS if args.tp > 1 else ()) + disk,
             faults_end,
             random.Random(f"{args.seed}/nodes"),
         ),
         chaos.lane(TRAFFIC_FAULTS, faults_end, random.Random(f"{args.seed}/traffic")),
+        chaos.lane(HARDENING_FAULTS, faults_end, random.Random(f"{args.seed}/hardening")),
         *(
             steady(http, api, refs, 1000 * args.seed + i, load_end, deadline_s, outcomes)
             for i in range(args.concurrency)
@@ -331,10 +381,11 @@ async def _soak(
     await monitor.poll()
     await monitor.stop()
     sampler.cancel()
+    node_sampler.cancel()
     engine = (" ".join(engine_args(args)) or "defaults") if server is not None else ""
     run = Run(
         args.minutes, args.seed, model["id"], sizes, chaos, monitor, refs, outcomes, checks,
-        metrics0, metrics1, rss, origin, args.max_rss_growth_mib, engine,
+        metrics0, metrics1, rss, origin, args.max_rss_growth_mib, engine, node_rss=node_rss,
     )  # fmt: skip
     wrong = [out.request_id for out in wrong_outcomes(run)[:20] if out.request_id]
     routes = {rid: await api.routes(rid) for rid in wrong}
@@ -355,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         args.stream_write_timeout_s = (
             WRITE_TIMEOUT_S if "--stream-write-timeout-s" in flags else 0.0
         )
+        if "--disk-cache-dir" in flags:  # a disk tier the soak owns (harmed by its faults)
+            args.disk_cache_dir = Path(tempfile.mkdtemp(prefix="chaos-soak-disk-"))
         server = ServeProcess(serve_args(args, flags), free_port(), log)
         print(f"started pd serve (pid {server.pid}, log {log})", flush=True)
     url = server.url if server else args.url.rstrip("/")
@@ -372,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             code = server.end()
             print(f"pd serve ended (exit status {code})", flush=True)
+            if args.disk_cache_dir is not None:  # the soak's own: made writable, removed
+                writable_again(args.disk_cache_dir)
+                shutil.rmtree(args.disk_cache_dir, ignore_errors=True)
     report = render(summary)
     print(report)
     if args.report:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import time
 from typing import Any
 
@@ -246,9 +248,10 @@ class ClientStalled(Exception):
 
 
 class WriteTimeoutMiddleware:
-    """Bounds every ``send`` by ``timeout_s``. uvicorn's ``send`` waits while the connection's
-    write buffer is full (its client reads nothing, so its socket buffers are full too); past
-    the bound the connection is reset (closing it gracefully would wait for that client to
+    """Bounds how long a ``send`` waits on a client that takes nothing: ``timeout_s``. uvicorn's
+    ``send`` waits while the connection's write buffer is full (its client reads nothing, or
+    slowly, so its socket buffers are full too); once the client has taken none of the buffer's
+    bytes for the bound the connection is reset (closing it gracefully would wait for that client to
     read), and that ``send`` and any later one raise ``ClientStalled``: a stream then closes its
     generator, which aborts the request and releases its place. The app's call ends quietly
     here, counted as ``client_gone{where="stalled"}``.
@@ -279,9 +282,12 @@ class _BoundedSend:
     """One response's ``send``, each call bounded by ``timeout_s``.
 
     Under uvicorn, ``send`` is a method of its request-response cycle, which holds the asyncio
-    transport: a watchdog timer (one per response, re-armed at most once per ``timeout_s``)
-    resets the connection under a send pending that long, and uvicorn's ``send`` returns at
-    once when its connection is lost; a send costs two assignments. Under any other server,
+    transport: a watchdog timer (one per response, looking 4 times per ``timeout_s`` while a
+    send is pending) resets the connection once its client has taken none of its bytes (in
+    uvicorn's write buffer or the kernel's send queue) for that long, and uvicorn's ``send`` returns at once when its connection
+    is lost; a send costs two assignments. A client that reads slowly but steadily is not cut:
+    a send waits for the buffer to drain from its high-water mark to its low one (48 KiB), and
+    at 5 KiB/s that outlasts an 8 s timeout (the chaos soak's slow readers were cut so). Under any other server,
     each send waits in a cancel scope of its own (the server closes the connection when the
     app returns)."""
 
@@ -293,7 +299,10 @@ class _BoundedSend:
         if not hasattr(self._transport, "abort"):
             self._transport = None
         self._loop = asyncio.get_running_loop()
-        self._since: float | None = None  # when the pending send began
+        # when the pending send began, or its client last took bytes
+        self._since: float | None = None
+        self._buffered: int | None = None  # bytes not yet taken at the last look
+        self._look_s = timeout_s / 4  # how often a pending send's buffer is looked at
         self._timer: asyncio.TimerHandle | None = None
         self.is_stalled = False
 
@@ -305,9 +314,9 @@ class _BoundedSend:
                     return
                 self._on_stalled()
             else:
-                self._since = self._loop.time()
+                self._since, self._buffered = self._loop.time(), None
                 if self._timer is None:
-                    self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+                    self._timer = self._loop.call_at(self._since + self._look_s, self._check)
                 try:
                     await self._send(message)
                 finally:
@@ -324,8 +333,15 @@ class _BoundedSend:
         self._timer = None
         if self._since is None:  # no send pending: the next one re-arms
             return
-        if self._loop.time() - self._since < self._timeout_s:
-            self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+        now = self._loop.time()
+        buffered = self._unsent()
+        if self._buffered is not None and buffered < self._buffered:
+            self._since = now  # the client took bytes: a slow reader, not a stalled one
+        self._buffered = buffered
+        if now - self._since < self._timeout_s:
+            self._timer = self._loop.call_at(
+                min(now + self._look_s, self._since + self._timeout_s), self._check
+            )
             return
         self._on_stalled()
         # a reset (SO_LINGER 0), not a close: a closed socket would keep its unsent bytes in
@@ -335,6 +351,18 @@ class _BoundedSend:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self._transport.abort()
+
+    def _unsent(self) -> int:
+        """Bytes the client has not taken: uvicorn's write buffer and the kernel's send queue
+        (which takes more only once a third of it is free: with a send buffer of hundreds of
+        KiB, uvicorn's alone would stand still for seconds while the client reads)."""
+        num = self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                num += struct.unpack("i", out)[0]
+        return num
 
     def _on_stalled(self) -> None:
         self.is_stalled = True

@@ -18,10 +18,8 @@ import hmac
 import json
 import os
 import random
-import shutil
 import stat
 import struct
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from pd.cache.host_tier import HostTier
 from pd.cache.prefix_index import PrefixIndex
 from pd.cache.radix_cache import RadixCache
 from pd.core.kv_pool import SlotAllocator
+from pdtools.disk_faults import CannotHarm, forged_chunk, make_read_only
 from tests.cache.test_host_tier import PathMover, _prompt, _run
 
 pytestmark = pytest.mark.timeout(60)
@@ -178,14 +177,10 @@ def _mode(p: Path) -> int:
 def _make_read_only(d: Path) -> Callable[[], None]:
     """Make the directory ``d`` and its files unwritable by this process (a file system gone
     read-only): ``chmod`` as a user, ``chattr +i`` as root (whom modes do not stop); -> undo."""
-    paths = [str(d), *(str(p) for p in d.iterdir())]
-    if os.geteuid() != 0:
-        for p in paths:
-            os.chmod(p, 0o500 if os.path.isdir(p) else 0o400)
-        return lambda: [os.chmod(p, 0o700 if os.path.isdir(p) else 0o600) for p in paths]
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", *paths]).returncode:
-        pytest.skip("root, and chattr +i does not work here: no way to make a directory read-only")
-    return lambda: subprocess.run(["chattr", "-i", *paths], check=True)
+    try:
+        return make_read_only(d)
+    except CannotHarm as e:
+        pytest.skip(str(e))
 
 
 def _make_vanish(d: Path) -> Callable[[], None]:
@@ -202,12 +197,13 @@ def test_a_chunk_planted_with_its_own_checksum_is_rejected_unread(tmp_path: Path
     cache, tier, mover = _make(root)
     rng = random.Random(7)
     a, b = _prompt(rng, 16), _prompt(rng, 16)
-    planter = DiskTier(tmp_path / "elsewhere", "model-a", CHUNK, 2**30)  # its own key, if any
     wrong_kv = [["", b[: i + 1]] for i in range(CHUNK)]  # PathMover's payload: b's KV
-    planter.write("", a[:CHUNK], json.dumps(wrong_kv).encode())
-    planter.flush()
-    name = chain_key("model-a", "", a[:CHUNK]) + ".kv"
-    shutil.copy(tmp_path / "elsewhere" / "model-a" / name, root / "model-a" / name)
+    # its own key, if any: what the planter's DiskTier makes in its own directory
+    name, data = forged_chunk(
+        "model-a", "", a[:CHUNK], json.dumps(wrong_kv).encode(), tmp_path / "elsewhere"
+    )
+    assert name == chain_key("model-a", "", a[:CHUNK]) + ".kv"
+    (root / "model-a" / name).write_bytes(data)
     assert _run(cache, mover, a + [1]) == 0  # _run checks every slot's KV: none came from it
     assert tier.disk.stats.num_rejected == 1 and tier.disk.stats.num_hit_tokens == 0
     assert not (root / "model-a" / name).exists()

@@ -1,24 +1,29 @@
 """The chaos soak's parts that need no server: how a request is judged, how answers are read
 off streams and raw sockets, the leak checks, the seeded schedule, and which processes it may
-signal."""
+signal; the soak's own harm (a planted chunk, strangers' connections) on real directories
+and sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 
+from pd.cache.disk_tier import DiskTier
 from pdtools import chaos_faults
-from pdtools.chaos_cluster import Interval, Metrics, Pools, ProcessTree
+from pdtools.chaos_cluster import Interval, Metrics, Pools, ProcessTree, held_from
 from pdtools.chaos_faults import NODE_FAULTS, Chaos
-from pdtools.chaos_hostile import parse_raw
-from pdtools.chaos_load import Answer, Outcome, StreamReader, stop_for
-from pdtools.chaos_report import Context, Tally, judge, leak_checks
+from pdtools.chaos_hostile import hold_strangers, parse_raw
+from pdtools.chaos_load import Answer, Outcome, StreamReader, make_specs, stop_for
+from pdtools.chaos_report import Context, Tally, judge, leak_checks, node_memory_check
+from pdtools.disk_faults import plant_over, read_header
 
 REF = Answer("Paris is the capital.", "stop", 6)
 
@@ -280,3 +285,56 @@ def test_a_wrong_answer_is_reported_with_the_path_that_served_it() -> None:
     assert _path(row["attempts"][0]) == (
         "prefill-0 -> decode-0, 64 expected cached, pulled 64 from decode-1"
     )
+
+
+def test_a_planted_chunk_is_refused_by_a_node_starting_on_the_directory(tmp_path: Path) -> None:
+    """The soak's ``planted-chunk``: a real chunk replaced by a forgery of the same name,
+    header and payload checksum under another key; a node's tier starting on the directory
+    refuses and removes it, and a read finds nothing."""
+    tokens = list(range(8))
+    writer = DiskTier(tmp_path, "model-a", 8, 2**30)
+    writer.write("", tokens, b"the real kv" * 100)
+    writer.flush()
+    writer.close()
+    (file,) = (tmp_path / "model-a").glob("*.kv")
+    forged = plant_over(file, seed=3)
+    assert file.read_bytes() == forged and read_header(file).tokens == tokens
+    node = DiskTier(tmp_path, "model-a", 8, 2**30)
+    assert node.scan() == [] and node.stats.num_rejected == 1 and not file.exists()
+    assert node.read("", tokens) is None
+    node.close()
+
+
+def test_strangers_connect_send_junk_and_close() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        server.settimeout(5)
+        mine, num_junk, refused = hold_strangers([port], 9, 0.1, seed=1)
+        assert (len(mine), num_junk, refused) == (9, 3, 0)
+        conns = [server.accept()[0] for _ in range(9)]
+        assert {c.getpeername()[1] for c in conns} == mine
+        assert sum(held_from(os.getpid(), mine).values()) == 9  # held until closed
+        got = []
+        for conn in conns:
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while chunk := conn.recv(4096):  # all it sent, then its end (b"")
+                    data += chunk
+                got.append(data)
+        assert sum(1 for d in got if d) == 3 and held_from(os.getpid(), mine) == {}
+
+
+def test_requests_without_max_tokens_are_in_the_load() -> None:
+    nomax = [s for s in make_specs() if s.no_max_tokens]
+    assert {s.endpoint for s in nomax} == {"chat", "completions"}
+    assert all("max_tokens" not in s.request_body() for s in nomax)
+
+
+def test_node_memory_is_judged_over_the_second_half_of_each_life() -> None:
+    warm = [(t, 100.0 + (200.0 if t >= 10 else 0.0)) for t in range(0, 121, 5)]  # warms up
+    leak = [(t, 100.0 + t) for t in range(0, 121, 5)]  # grows all its life
+    short = [(0.0, 100.0), (30.0, 900.0)]  # too short-lived to judge
+    assert node_memory_check({"a": warm, "s": short}, 96.0).ok
+    check = node_memory_check({"a": warm, "b": leak}, 50.0)
+    assert not check.ok and "b 160 -> 220" in check.measured

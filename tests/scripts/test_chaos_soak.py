@@ -1,7 +1,9 @@
 """The chaos soak (``scripts/chaos_soak.py``) on the tiny model: it starts its own
-``pd serve --prefill 2 --decode 2`` and, for 3 minutes, kills, freezes and drains nodes,
-floods, stalls readers, trickles bodies and sends hostile input and junk frames beside a steady
-load with known answers; it must pass (no wrong answer, no hang, unexpected errors within
+``pd serve --prefill 2 --decode 2`` (with a disk tier) and, for 3 minutes, kills, freezes and
+drains nodes, floods, stalls readers, trickles bodies and sends hostile input and junk frames,
+connects strangers to the nodes' ports, reads streams slowly, sends silent request heads, makes
+the disk tier read-only and plants a forged chunk in it, beside a steady load with known
+answers (some without ``max_tokens``); it must pass (no wrong answer, no hang, unexpected errors within
 0.1%, nothing leaked) having run every fault at least once.
 
 ``PD_SOAK_MINUTES=1`` makes it a one-minute smoke run (which need not reach every fault).
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from pdtools.chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS
+from pdtools.chaos_hardening import DISK_NODE_FAULTS, HARDENING_FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("PD_SOAK_MINUTES", "3"))
@@ -65,4 +68,6 @@ def test_chaos_soak_passes_and_runs_every_fault(long_tiny_dir: Path, tmp_path: P
     assert steady["ok"] >= 200 and steady["ok"] + steady["expected"] == steady["sent"], steady
     assert "| check (after the quiet period) |" in report.read_text()
     if MINUTES >= 3:
-        assert set(summary["fault_kinds_run"]) == {*NODE_FAULTS, *TRAFFIC_FAULTS}, summary["faults"]
+        every = {*NODE_FAULTS, *TRAFFIC_FAULTS, *HARDENING_FAULTS, *DISK_NODE_FAULTS}
+        assert set(summary["fault_kinds_run"]) == every, summary["faults"]
+        assert summary["no_max_tokens"]["ok"] > 0, summary["no_max_tokens"]

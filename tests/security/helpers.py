@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from pdtools.chaos_cluster import listening_ports  # noqa: F401 - the tests' import
 from transfer.auth import Opener, Sealer, reply_audience
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,25 +54,6 @@ def unsigned(msg: Any) -> str:
 def random_frames(n: int, seed: int) -> list[str]:
     gen = random.Random(seed)
     return [gen.randbytes(gen.randint(1, 300)).hex() for _ in range(n)]
-
-
-def listening_ports(pid: int | str = "self") -> list[int]:
-    """The TCP ports process ``pid`` listens on (from /proc: its socket fds in the LISTEN
-    table; no traffic)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = []
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-            ports.append(int(fields[1].split(":")[1], 16))
-    return sorted(ports)
 
 
 class Captured:

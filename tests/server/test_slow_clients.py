@@ -152,7 +152,7 @@ class _SteadyReader:
         while chunk := self.sock.recv(self._step if not self.hurry.is_set() else 65536):
             chunks.append(chunk)
             self.num_read += len(chunk)
-            if b"data: [DONE]" in b"".join(chunks[-2:]):
+            if b"".join(chunks[-2:]).endswith(b"\r\n0\r\n\r\n"):  # the last chunk, whole
                 break
             self.hurry.wait(self._interval_s)
         self.data = b"".join(chunks)
@@ -164,6 +164,37 @@ class _SteadyReader:
         assert not self._thread.is_alive()
         self.sock.close()
         return self.data
+
+
+@pytest.mark.parametrize("sndbuf", [SNDBUF, 64 << 10])
+def test_a_slow_but_steady_reader_is_not_cut_by_the_write_timeout(
+    make_app: MakeApp, script_ids: list[int], sndbuf: int
+) -> None:
+    """A stream of 1,500 tokens (~240 KiB) whose client reads 2 KiB every 50 ms (40 KiB/s)
+    under a write timeout of 0.5 s. Once uvicorn's buffer is full a send waits for it to
+    drain from 64 to 16 KiB (1.2 s at that pace); and the kernel takes more of it only once a
+    third of its send buffer is free (64 KiB asked: 128 KiB, a third of it ~1 s), while the
+    client takes bytes all along. It gets its whole answer and nothing counts as stalled.
+    Before, a send pending 0.5 s reset it (the chaos soak's slow readers, 5 KiB/s under 8 s,
+    were cut so); and a watchdog that looked at uvicorn's buffer alone saw no progress behind
+    a kernel buffer of 128 KiB."""
+    app, _ = make_app(
+        config=ServerConfig(stream_write_timeout_s=0.5),
+        output_ids=script_ids * 150,
+        max_model_len=4096,
+    )
+    body = {**NORMAL, "max_tokens": 1500, "stream": True}
+    with serve(app, sndbuf=sndbuf) as url, errors_logged() as errors:
+        start = time.monotonic()
+        reader = _SteadyReader(url, body, 2048, 0.05)
+        wait_for(lambda: reader.is_done, timeout_s=30)
+        took = time.monotonic() - start
+        data = reader.join()
+    events = _dechunk(data).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], (took, len(data), events[-3:])
+    assert len(data) > 192 << 10 and took > 3.0  # long past the timeout, many sends
+    assert client_gone(app, "stalled") == 0
+    assert not errors, [r.getMessage() for r in errors]
 
 
 def test_slow_but_steady_readers_give_their_places_back_when_generation_ends(
