@@ -4,8 +4,8 @@
    decode row, a batch of 32 rows and a 512-token prefill chunk, deterministic (gather, then
    add in rank order) and torch's all-reduce.
 2. The engine: prefill tokens/s of a 512-token prompt and decode tokens/s at batch 1 and 8,
-   for each ``--tp`` size (SmolLM2-135M has 9 heads: sizes 1 and 3; a model with even heads:
-   1, 2, 4). On a 2-core CPU the ranks share the cores: this measures the overhead of the plan
+   for each ``--tp`` size (SmolLM2-135M has 9 heads over 3 KV heads: sizes 1, 2 (its KV heads
+   split 1 and 2) and 3). On a 2-core CPU the ranks share the cores: this measures the overhead of the plan
    and the sums, not a speed-up, so a GPU run knows what the extra steps cost.
 3. A transfer between nodes of different sizes: KV leaves a TP node through rank 0's staging
    pool (``mirror``: its ranks' heads gathered after the forward) and enters one through it
@@ -16,7 +16,7 @@
    Llama-3 shapes, and the largest that fits a device of ``--device-gib`` with a fifth left for
    the KV pool.
 
-    python scripts/bench_tp.py [--model PATH] [--tp 1,3] [--threads 2] [--device-gib 80]
+    python scripts/bench_tp.py [--model PATH] [--tp 1,2,3] [--threads 2] [--device-gib 80]
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None)
-    ap.add_argument("--tp", default="1,3", help="sizes to compare (the first is the baseline)")
+    ap.add_argument("--tp", default="1,2,3", help="sizes to compare (the first is the baseline)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per node (split)")
     ap.add_argument("--device-gib", type=float, default=80.0)
     args = ap.parse_args()
