@@ -256,10 +256,15 @@ def listening_ports(pid: int | str = "self") -> list[int]:
     return sorted(ports)
 
 
-def held_from(pid: int, ports: set[int]) -> dict[tuple[int, str], int]:
+def held_from(pid: int, ports: set[int], closed: bool = False) -> dict[tuple[int, str], int]:
     """Connections process ``pid`` still holds (its socket fds) whose peer is one of ``ports``
     of 127.0.0.1 (a client's local ports), counted by (its own port, TCP state: ``CLOSE_WAIT``
-    is one its peer closed): empty once it closed them all, or is gone."""
+    is one its peer closed): empty once it closed them all, or is gone.
+
+    ``closed``: the clients closed every one of theirs, so a connection whose client end is
+    still open is another client's that took the same port pair again (on loopback Linux
+    reuses a pair in TIME_WAIT at once: a node that closed a stranger first sees a new peer
+    of its own, say the server reconnecting, arrive from the stranger's port): not counted."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -272,12 +277,19 @@ def held_from(pid: int, ports: set[int]) -> dict[tuple[int, str], int]:
         lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
     except (FileNotFoundError, ProcessLookupError):
         return {}
+    rows = [(_port(f[1]), _port(f[2]), f[3], f[9]) for f in (line.split() for line in lines)]
+    live = {(mine, peer) for mine, peer, state, _ in rows if state == "01"} if closed else set()
     held: dict[tuple[int, str], int] = {}
-    for fields in (line.split() for line in lines):
-        if fields[9] in inodes and int(fields[2].split(":")[1], 16) in ports:
-            key = (int(fields[1].split(":")[1], 16), _TCP_STATES.get(fields[3], fields[3]))
+    for mine, peer, state, inode in rows:
+        if inode in inodes and peer in ports and (peer, mine) not in live:
+            key = (mine, _TCP_STATES.get(state, state))
             held[key] = held.get(key, 0) + 1
     return held
+
+
+def _port(address: str) -> int:
+    """The port of a ``/proc/net/tcp`` address (``0100007F:1F90``)."""
+    return int(address.split(":")[1], 16)
 
 
 _TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT"}

@@ -79,7 +79,8 @@ async def strangers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
         for a in ("addr", "transfer_addr")
         if n[a]
     }
-    await _closed_by(rec, {n["id"]: n["pid"] for n in ready}, mine, "node", names=names)
+    nodes = {n["id"]: n["pid"] for n in ready}
+    await _closed_by(rec, nodes, mine, "node", names=names, closed=True)
     await asyncio.sleep(max(0.0, cfg.heartbeat_s + 1 - (time.monotonic() - start)))
     gone = chaos.left_unasked_since(start)
     rec.notes.append(f"found dead meanwhile: {gone}" if gone else "no node found dead")
@@ -94,14 +95,16 @@ async def _closed_by(
     what: str,
     timeout_s: float = 10.0,
     names: dict[int, str] | None = None,
+    closed: bool = False,
 ) -> None:
-    """Wait until no process of ``pids`` holds a connection from ``ports`` (closed by the
-    client: each must close its side within ``timeout_s``). ``names``: what a port is."""
+    """Wait until no process of ``pids`` holds a connection from ``ports`` (each must close
+    its side within ``timeout_s``). ``names``: what a port is; ``closed``: the clients closed
+    theirs (``held_from``)."""
     if not pids:
         return
     start = time.monotonic()
     while True:
-        held = {i: h for i, pid in pids.items() if (h := held_from(pid, ports))}
+        held = {i: h for i, pid in pids.items() if (h := held_from(pid, ports, closed))}
         if not held or time.monotonic() - start > timeout_s:
             break
         await asyncio.sleep(0.25)

@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -323,6 +324,23 @@ def test_strangers_connect_send_junk_and_close() -> None:
                     data += chunk
                 got.append(data)
         assert sum(1 for d in got if d) == 3 and held_from(os.getpid(), mine) == {}
+
+
+def test_a_strangers_port_pair_taken_again_by_a_live_client_is_not_held() -> None:
+    """Loopback reuses a port pair in TIME_WAIT at once: a node's new connection from a port
+    a stranger had is the new client's while its end is open, and held once that closes."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(5)
+        client = socket.create_connection(server.getsockname(), timeout=5)
+        conn, _ = server.accept()
+        with conn:
+            peer = {client.getsockname()[1]}
+            mine = server.getsockname()[1]
+            assert held_from(os.getpid(), peer) == {(mine, "ESTABLISHED"): 1}
+            assert held_from(os.getpid(), peer, closed=True) == {}  # its client is alive
+            client.close()
+            time.sleep(0.1)
+            assert held_from(os.getpid(), peer, closed=True) == {(mine, "CLOSE_WAIT"): 1}
 
 
 def test_requests_without_max_tokens_are_in_the_load() -> None:
