@@ -261,10 +261,11 @@ def held_from(pid: int, ports: set[int], closed: bool = False) -> dict[tuple[int
     of 127.0.0.1 (a client's local ports), counted by (its own port, TCP state: ``CLOSE_WAIT``
     is one its peer closed): empty once it closed them all, or is gone.
 
-    ``closed``: the clients closed every one of theirs, so a connection whose client end is
-    still open is another client's that took the same port pair again (on loopback Linux
-    reuses a pair in TIME_WAIT at once: a node that closed a stranger first sees a new peer
-    of its own, say the server reconnecting, arrive from the stranger's port): not counted."""
+    ``closed``: the clients closed every one of theirs, so each connection still held is in
+    ``CLOSE_WAIT`` (its client's FIN arrived) and one ``ESTABLISHED`` is another client's that
+    took the same port pair again: on loopback Linux reuses a pair in TIME_WAIT at once, so a
+    process that closed a stranger first sees a new peer of its own (the server reconnecting,
+    a new node, the soak's next request) arrive from the stranger's port. Not counted."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -278,10 +279,9 @@ def held_from(pid: int, ports: set[int], closed: bool = False) -> dict[tuple[int
     except (FileNotFoundError, ProcessLookupError):
         return {}
     rows = [(_port(f[1]), _port(f[2]), f[3], f[9]) for f in (line.split() for line in lines)]
-    live = {(mine, peer) for mine, peer, state, _ in rows if state == "01"} if closed else set()
     held: dict[tuple[int, str], int] = {}
     for mine, peer, state, inode in rows:
-        if inode in inodes and peer in ports and (peer, mine) not in live:
+        if inode in inodes and peer in ports and not (closed and state == "01"):
             key = (mine, _TCP_STATES.get(state, state))
             held[key] = held.get(key, 0) + 1
     return held

@@ -186,7 +186,8 @@ async def silent_headers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> 
             f"{cfg.num_silent - len(closed) - len(errors)} silent connections still open "
             f"{limit:g} s after they connected"
         )
-    await _closed_by(rec, pids, {g[2] for g in got if isinstance(g, tuple)}, "server", 5.0)
+    ports = {g[2] for g in got if isinstance(g, tuple)}  # each closed by the server, then here
+    await _closed_by(rec, pids, ports, "server", 5.0, closed=True)
 
 
 def _fresh_spec(rng: random.Random, tag: str) -> Spec:

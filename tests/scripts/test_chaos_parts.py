@@ -327,8 +327,9 @@ def test_strangers_connect_send_junk_and_close() -> None:
 
 
 def test_a_strangers_port_pair_taken_again_by_a_live_client_is_not_held() -> None:
-    """Loopback reuses a port pair in TIME_WAIT at once: a node's new connection from a port
-    a stranger had is the new client's while its end is open, and held once that closes."""
+    """Loopback reuses a port pair in TIME_WAIT at once: once the strangers closed theirs, a
+    node's connection from a port a stranger had that is still ESTABLISHED is a new client's;
+    one its client closed (CLOSE_WAIT) is held."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(5)
         client = socket.create_connection(server.getsockname(), timeout=5)
@@ -337,7 +338,7 @@ def test_a_strangers_port_pair_taken_again_by_a_live_client_is_not_held() -> Non
             peer = {client.getsockname()[1]}
             mine = server.getsockname()[1]
             assert held_from(os.getpid(), peer) == {(mine, "ESTABLISHED"): 1}
-            assert held_from(os.getpid(), peer, closed=True) == {}  # its client is alive
+            assert held_from(os.getpid(), peer, closed=True) == {}  # a client's, alive
             client.close()
             time.sleep(0.1)
             assert held_from(os.getpid(), peer, closed=True) == {(mine, "CLOSE_WAIT"): 1}
