@@ -240,6 +240,14 @@ def rss_mib(pid: int) -> float | None:
 def listening_ports(pid: int | str = "self") -> list[int]:
     """The TCP ports process ``pid`` listens on (from /proc: its socket fds in the LISTEN
     table; no traffic)."""
+    inodes, rows = _sockets(pid)
+    return sorted(mine for mine, _, state, inode in rows if state == "0A" and inode in inodes)
+
+
+def _sockets(pid: int | str) -> tuple[set[str], list[tuple[int, int, str, str]]]:
+    """Process ``pid``'s socket inodes, and its network namespace's TCP table as (local port,
+    peer port, state, inode) rows (``/proc/net/tcp``; state ``01`` ESTABLISHED, ``0A``
+    LISTEN)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -248,12 +256,8 @@ def listening_ports(pid: int | str = "self") -> list[int]:
             continue
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
-    ports = []
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-            ports.append(int(fields[1].split(":")[1], 16))
-    return sorted(ports)
+    lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    return inodes, [(_port(f[1]), _port(f[2]), f[3], f[9]) for f in map(str.split, lines)]
 
 
 def held_from(pid: int, ports: set[int], closed: bool = False) -> dict[tuple[int, str], int]:
@@ -266,19 +270,10 @@ def held_from(pid: int, ports: set[int], closed: bool = False) -> dict[tuple[int
     took the same port pair again: on loopback Linux reuses a pair in TIME_WAIT at once, so a
     process that closed a stranger first sees a new peer of its own (the server reconnecting,
     a new node, the soak's next request) arrive from the stranger's port. Not counted."""
-    inodes = set()
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:  # closed meanwhile
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+        inodes, rows = _sockets(pid)
     except (FileNotFoundError, ProcessLookupError):
         return {}
-    rows = [(_port(f[1]), _port(f[2]), f[3], f[9]) for f in (line.split() for line in lines)]
     held: dict[tuple[int, str], int] = {}
     for mine, peer, state, inode in rows:
         if inode in inodes and peer in ports and not (closed and state == "01"):
