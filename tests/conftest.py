@@ -32,6 +32,25 @@ _CLUSTER_MODULES = {
 }  # fmt: skip
 
 
+# The sections of the run's summary that tests fill through their reports.
+MULTIHOST_SECTION = "multihost: what the hosts showed"
+_SUMMARY_SECTIONS = (MULTIHOST_SECTION,)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What tests put on their reports for the end of the run (``user_properties`` whose key
+    names a section: ``tests/multihost/conftest.py``'s), one section each, in report order;
+    tests report here and not in their own conftest so the lines survive pytest-xdist."""
+    reports = [r for rs in terminalreporter.stats.values() for r in rs if hasattr(r, "when")]
+    reports.sort(key=lambda r: getattr(r, "start", 0.0))
+    for section in _SUMMARY_SECTIONS:
+        lines = [v for r in reports for k, v in r.user_properties if k == section]
+        if lines:
+            terminalreporter.section(section)
+            for line in lines:
+                terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())

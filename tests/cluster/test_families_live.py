@@ -98,9 +98,6 @@ def test_gemmas_warm_answer_past_its_window_is_the_cold_one_pulled_or_from_the_h
 ) -> None:
     system = _prompt(200, seed=11)
     prompt = system + [5, 6, 7]
-    cold = _generate(gemma, prompt)["output_ids"]
-    _assert_hfs(cold, *_hf_answer(family_dir("gemma2"), prompt))
-    wait_idle_and_check(gemma)
     coordinator = gemma.cluster.client.coordinator  # type: ignore[attr-defined]
     routes: list[Any] = []
     route = coordinator.route
@@ -109,20 +106,30 @@ def test_gemmas_warm_answer_past_its_window_is_the_cold_one_pulled_or_from_the_h
     )
     monkeypatch.setattr(coordinator.policy, "_is_local", lambda *a, **k: False)
     monkeypatch.setattr(coordinator.policy, "_is_sooner_local", lambda *a, **k: False)
+    cold = _generate(gemma, prompt)["output_ids"]
+    _assert_hfs(cold, *_hf_answer(family_dir("gemma2"), prompt))
+    wait_idle_and_check(gemma)
+    holder = routes[-1].prefill
+    # the holder's cache event and the rates the pull is weighed by (that request's stats)
+    # reach the coordinator a moment after the answer
+    deadline = time.monotonic() + 10
+    while (
+        coordinator.index(holder).match_len(prompt) < len(system) // 2
+        or coordinator.costs.estimate(1) is None
+    ):
+        assert time.monotonic() < deadline, "no cache event or no rates from the holder"
+        time.sleep(0.05)
     pick = coordinator.policy._pick_prefill
-    first = None
 
     def elsewhere(members, prompt_len, match):  # the node that did not compute it
-        nonlocal first
-        node_id, _ = pick(members, prompt_len, match)
-        first = first or node_id
-        other = next(n for n in coordinator.prefill_nodes if n != first)
+        pick(members, prompt_len, match)
+        other = next(n for n in coordinator.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
     monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)
     pulled = _generate(gemma, prompt)
     assert pulled["output_ids"] == cold
-    assert any(r.pull is not None for r in routes), routes
+    assert routes[-1].prefill != holder and routes[-1].pull is not None, routes
     wait_idle_and_check(gemma)
     monkeypatch.undo()
     # unrelated prompts fill every pool: the system prompt moves down to the host tier

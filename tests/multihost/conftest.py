@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from pdtools.netns_hosts import HarnessBusy, NetnsHosts, install_tools, missing_tools
+from tests.conftest import MULTIHOST_SECTION
 
 REPORT: list[str] = []  # lines for the terminal summary
+_num_reported = 0  # REPORT's lines already on a test's report
 
 
 def _why_not() -> str | None:
@@ -63,8 +65,13 @@ def netns_hosts(
         hosts.close()
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REPORT:
-        terminalreporter.section("multihost: what the hosts showed")
-        for line in REPORT:
-            terminalreporter.write_line(line)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    """REPORT's new lines ride on the test's report (``user_properties``): the run's summary
+    is written where the reports arrive, which under pytest-xdist is not this process
+    (``tests/conftest.py``'s ``pytest_terminal_summary``)."""
+    global _num_reported
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    report.user_properties.extend((MULTIHOST_SECTION, line) for line in REPORT[_num_reported:])
+    _num_reported = len(REPORT)
