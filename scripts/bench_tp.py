@@ -178,19 +178,21 @@ def main() -> None:
         base = base or row
         cells = [f"{v:8.1f} ({v / b:4.2f}x)" for v, b in zip(row, base)]
         print(f"{tp:3d} {cells[0]:>18s} {cells[1]:>16s} {cells[2]:>16s}")
-    tp = max(sizes)
-    mirror, deliver, nbytes = bench_staging(args.model, tp, args.threads, 2048)
     pd_cfg = ModelConfig.from_hf(load_config(resolve_model(args.model)))
     pair = bench_pair(2048, pd_cfg.num_kv_heads, pd_cfg.num_layers, pd_cfg.head_dim)
-    mb = nbytes / 1e6
+    rows = [("1 -> 1 (pair transfer)", 0.0)]
+    # every head of every layer's K and V, fp32
+    mb = 2048 * pd_cfg.num_layers * 2 * pd_cfg.num_kv_heads * pd_cfg.head_dim * 4 / 1e6
+    for tp in (s for s in sizes if s > 1):
+        mirror, deliver, _ = bench_staging(args.model, tp, args.threads, 2048)
+        rows += [
+            (f"{tp} -> 1 (+ mirror)", mirror),
+            (f"1 -> {tp} (+ deliver)", deliver),
+            (f"{tp} -> {tp} (+ both)", mirror + deliver),
+        ]
     print(f"\nKV of 2,048 tokens ({mb:.0f} MB, fp32): prefill done -> decode can start")
     print(f"{'prefill TP -> decode TP':>24s} {'ms':>8s} {'MB/s':>7s} {'vs same TP':>10s}")
-    for name, extra in (
-        ("1 -> 1 (pair transfer)", 0.0),
-        (f"{tp} -> 1 (+ mirror)", mirror),
-        (f"1 -> {tp} (+ deliver)", deliver),
-        (f"{tp} -> {tp} (+ both)", mirror + deliver),
-    ):
+    for name, extra in rows:
         sec = pair + extra
         print(f"{name:>24s} {1e3 * sec:8.1f} {mb / sec:7.0f} {pair / sec:9.2f}x")
     print(
