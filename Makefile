@@ -10,9 +10,9 @@ serve: setup
 	$(VENV)/bin/pd serve $(ARGS)
 
 # Two workers, a test file each at a time (pytest-xdist): the suite's processes wait on one
-# another much of the time (57% of the 2 cores busy on average in a serial run here), so two files at
-# once take the whole suite from ~27 to ~16 minutes on 2 cores. Each worker starts its own
-# private Ray instance; a file's tests share one worker, as they share its module fixtures.
+# another much of the time (57% of the 2 cores busy on average in a serial run here), so two
+# files at once take the whole suite from ~27 to ~16 minutes on 2 cores. Each worker starts its
+# own private Ray instance; a file's tests share one worker, as they share its module fixtures.
 XDIST := -n 2 --dist loadfile
 
 test: setup
