@@ -180,6 +180,12 @@ class TransferAgent:
         self._sender.close_peer(peer)
         self._receiver.close_peer(peer)
 
+    def reopen_peer(self, peer: str) -> None:
+        """A new agent listens at ``peer``, a closed one's endpoint (a replacement that the
+        kernel gave the same port): take transfers to and from it again."""
+        self._sender.reopen_peer(peer)
+        self._receiver.reopen_peer(peer)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -249,6 +249,10 @@ class ReceiverSide:
         if rec is not None and rec.status == RecvStatus.HELD:
             self._serve_held(rec, time.monotonic())
 
+    def reopen_peer(self, endpoint: str) -> None:
+        """A new sender at ``endpoint``: its requests are taken again."""
+        self._closed.pop(sender_root(endpoint), None)
+
     def close_peer(self, endpoint: str) -> None:
         """The sender at ``endpoint`` is gone: fail its transfers (their slots are released once
         no worker writes into them), close its pair groups, and refuse its requests for

@@ -162,6 +162,10 @@ class SenderSide:
         if rec.job is not None:
             rec.job.cancel()  # the worker still sends what it started, so the stream stays whole
 
+    def reopen_peer(self, peer: str) -> None:
+        """A new agent at ``peer``'s endpoint: new transfers to it go ahead."""
+        self._closed.pop(peer, None)
+
     def close_peer(self, peer: str) -> None:
         """``peer`` is gone: fail what is in flight to it, drop its pair and socket, and fail
         new transfers to it for ``linger_s`` (a late request must not reopen them)."""

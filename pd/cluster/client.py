@@ -36,7 +36,8 @@ happens:
    nothing is re-routed once, back to 1. (waiting for room or for a replacement node); one that
    streamed tokens from the dead decode node fails; one already decoding elsewhere is not
    touched. Every surviving node hears ``PeerGoneMsg`` and frees what it kept for the dead
-   node.
+   node; when a node registers, the others hear ``PeerUpMsg`` (its replacement may have been
+   given the dead node's port, which they refuse for a while).
 6. Over: ``FINISHED`` (its last tokens came), ``FAILED`` (an error, its deadline) or
    ``ABORTED`` (``abort``, or its caller stopped reading). Leaving an attempt (for 5., or over)
    releases its booking and wakes the next waiting request; unless it finished, its nodes are
@@ -78,6 +79,7 @@ from pd.core.messages import (
     NodeInfo,
     NodeStatsMsg,
     PeerGoneMsg,
+    PeerUpMsg,
     PullDoneMsg,
     ServerMsg,
     TokenMsg,
@@ -363,6 +365,11 @@ class ClusterClient:
         self.liveness.watch(info.node_id)
         if attached:
             self.mirror.expect_snapshot(info.node_id)
+        # before any request is routed to it (one socket per node keeps the order): a node
+        # refusing a gone node's endpoints takes them back if this one was given them
+        up = PeerUpMsg(node_id=info.node_id, addr=info.addr, transfer_addr=info.transfer_addr)
+        for other in [n for n in self.nodes if n != info.node_id]:
+            self.sockets.tell(other, up)
         if info.role == "prefill":
             self.coordinator.add_prefill(info.node_id)
         else:

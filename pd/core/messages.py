@@ -142,6 +142,17 @@ class AbortMsg(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     reason: str = "abort"
 
 
+class PeerUpMsg(msgspec.Struct, tag="peer_up", frozen=True, kw_only=True):
+    """Server -> every other node: ``node_id`` joined at these addresses. A node refuses a gone
+    peer's endpoints for a while (``TransferConfig.linger_s``), and the kernel may give the node
+    that replaces it the same port: this takes them back (the gone process no longer holds
+    them)."""
+
+    node_id: str
+    addr: str  # its request socket
+    transfer_addr: str  # its transfer control endpoint
+
+
 class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True, kw_only=True):
     """Server -> every surviving node: ``node_id`` died or was removed. Its pair groups and
     sockets are closed, and what was kept for its requests is freed."""
@@ -272,6 +283,7 @@ NodeMsg = (
     | PrefilledMsg
     | AbortMsg
     | PeerGoneMsg
+    | PeerUpMsg
     | PullReqMsg
     | PullRefusedMsg
 )

@@ -18,7 +18,8 @@ layer callback), so a busy loop is told from a stuck one. Any node's ``PullSourc
 another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``).
 When a peer dies or leaves
 (``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
-what it kept for the peer's requests.
+what it kept for the peer's requests, and refuses the peer's transfer endpoint until a node
+joins there (``PeerUpMsg``: the kernel may give a replacement the gone node's port).
 
 The node outlives the server it was started by (a detached Ray actor, ``pd.cluster.node_actor``):
 while no server reads, its messages are dropped after ``server_send_timeout_ms`` instead of
@@ -45,7 +46,7 @@ import msgspec
 import zmq
 
 from pd.core.addresses import node_addrs
-from pd.core.messages import NodeInfo, PeerGoneMsg, PullReqMsg
+from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg
 from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
@@ -299,6 +300,8 @@ class Node:
             with self.guard(getattr(msg, "request_id", "")):
                 if isinstance(msg, PeerGoneMsg):
                     self._on_peer_gone(msg)
+                elif isinstance(msg, PeerUpMsg):
+                    self.transfer.reopen_peer(msg.transfer_addr)
                 elif isinstance(msg, PullReqMsg):
                     self.pull_source.serve(msg)
                 else:

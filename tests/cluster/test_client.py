@@ -26,6 +26,7 @@ from pd.core.messages import (
     NodeInfo,
     NodeMsg,
     PeerGoneMsg,
+    PeerUpMsg,
     PrefillReqMsg,
     TokenMsg,
 )
@@ -324,6 +325,20 @@ async def _drain(node: FakeNode) -> list[Any]:
         while True:
             msgs.append(await node.recv(timeout=0.2))
     return msgs
+
+
+async def test_a_node_that_registers_is_announced_to_the_others_before_its_first_request() -> None:
+    """The kernel may give a replacement node the port of the node it replaces, which the
+    others refuse for a while: they hear it joined (``PeerUpMsg``) before any request for it."""
+    async with _harness() as h:
+        p = h.add("prefill-0")
+        d = h.add("decode-0")
+        h.request("r")
+        msgs = await _drain(p)
+        up = PeerUpMsg(node_id="decode-0", addr=d.info.addr, transfer_addr=d.info.transfer_addr)
+        first = next(i for i, m in enumerate(msgs) if isinstance(m, PrefillReqMsg))
+        assert up in msgs[:first], msgs
+        assert not [m for m in await _drain(d) if isinstance(m, PeerUpMsg)]  # not about itself
 
 
 async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed_ones() -> None:

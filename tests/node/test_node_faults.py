@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pd.core.messages import AbortMsg, PeerGoneMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.messages import AbortMsg, PeerGoneMsg, PeerUpMsg, PrefilledMsg, PrefillReqMsg
 from pd.core.request import ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.model.decoder import DecoderLayer
@@ -94,6 +94,25 @@ def test_a_dead_decode_node_leaves_nothing_on_the_prefill_node(server, make_pair
     run_until(server, (p,), lambda: "late" in server.finished, max_iters=2000)
     assert "is closed" in (server.finished["late"].error or "")
     assert_idle(p)
+
+
+def test_a_node_that_joins_at_a_gone_nodes_endpoints_is_served(server, make_pair) -> None:
+    """A replacement node may be given the port of the node it replaces (seen once in a
+    whole-suite run: every request to the new decode node failed, "peer ... is closed"). Once
+    the server says it joined (``PeerUpMsg``), the prefill node sends to it again."""
+    p, d = make_pair()
+    server.send(p, _gone(d))
+    send_request(server, p, d, "refused", PROMPTS[0])
+    run_until(server, (p,), lambda: "refused" in server.finished, max_iters=2000)
+    assert "is closed" in (server.finished["refused"].error or "")
+    server.send(d, AbortMsg(request_id="refused"))  # as the server ends a failed attempt
+    info = d.info()  # d plays the node that took the gone one's endpoints
+    server.send(p, PeerUpMsg(node_id="d2", addr=info.addr, transfer_addr=info.transfer_addr))
+    send_request(server, p, d, "served", PROMPTS[1])
+    run_until(server, (p, d), lambda: "served" in server.finished)
+    assert server.finished["served"].error is None
+    assert len(server.tokens["served"]) == 6
+    assert_idle(p, d)
 
 
 def test_a_frozen_sender_that_wakes_up_cannot_reopen_a_pair(server, make_pair) -> None:
