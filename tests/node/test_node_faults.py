@@ -97,8 +97,9 @@ def test_a_dead_decode_node_leaves_nothing_on_the_prefill_node(server, make_pair
 
 
 def test_a_node_that_joins_at_a_gone_nodes_endpoints_is_served(server, make_pair) -> None:
-    """A replacement node may be given the port of the node it replaces (seen once in a
-    whole-suite run: every request to the new decode node failed, "peer ... is closed"). Once
+    """A replacement node may be given the port of the node it replaces (what explains a
+    failure seen once in a whole-suite run: every request to the new decode node failed,
+    "peer ... is closed"). Once
     the server says it joined (``PeerUpMsg``), the prefill node sends to it again."""
     p, d = make_pair()
     server.send(p, _gone(d))
