@@ -178,9 +178,10 @@ class NodeSockets:
         link.sock.send(frame, flags=zmq.NOBLOCK)
 
     def tell(self, node_id: str, msg: Any) -> None:
-        """``send``, for news a node may miss (an abort, a peer gone): nothing when the node is
-        not registered (any more), nor when it cannot be queued."""
-        if node_id in self._links:
+        """``send``, for news a node may miss (an abort, a peer gone or up): nothing when the
+        node is not registered (any more), before ``bind()`` (the nodes a cluster starts with
+        register first; nothing is routed to them before), nor when it cannot be queued."""
+        if node_id in self._links and self._ctx is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.send(node_id, msg)
 
