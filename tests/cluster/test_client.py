@@ -341,6 +341,26 @@ async def test_a_node_that_registers_is_announced_to_the_others_before_its_first
         assert not [m for m in await _drain(d) if isinstance(m, PeerUpMsg)]  # not about itself
 
 
+def test_the_nodes_a_cluster_starts_with_register_before_the_client_binds() -> None:
+    """The launcher registers a cluster's first nodes before the server binds its sockets:
+    announcing each to the others then is nothing (it raised "bind() first" and failed every
+    ``pd serve`` with two nodes or more)."""
+    coordinator = Coordinator(CoordinatorConfig(policy="round_robin", local_prefill_tokens=-1))
+    client = ClusterClient(coordinator, "tcp://127.0.0.1:1", ClientConfig(), secret=SECRET)
+    for i, node_id in enumerate(("prefill-0", "decode-0", "decode-1")):
+        client.register_node(
+            NodeInfo(
+                node_id=node_id,
+                role=node_id.split("-")[0],
+                addr=f"tcp://127.0.0.1:{10 + i}",
+                transfer_addr=f"tcp://127.0.0.1:{20 + i}",
+                num_slots=64,
+                max_model_len=4096,
+            )
+        )
+    assert list(client.nodes) == ["prefill-0", "decode-0", "decode-1"]
+
+
 async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed_ones() -> None:
     async with _harness() as h:
         p = h.add("prefill-0")
