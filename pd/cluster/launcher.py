@@ -283,7 +283,10 @@ class Cluster:
             return None
         self.client.register_node(info)
         self.pools.joined(node_id)
-        logger.warning("%s joined (%s pool: %d)", node_id, role, len(self.pools.ready(role)))
+        logger.warning(
+            "%s joined (%s pool: %d) at %s, transfers at %s",
+            node_id, role, len(self.pools.ready(role)), info.addr, info.transfer_addr,
+        )  # fmt: skip
         self._reconcile()
         return node_id
 
