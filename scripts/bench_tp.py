@@ -98,10 +98,8 @@ def bench_engine(model: str | None, tp: int, threads: int) -> tuple[float, float
         engine.close()
 
 
-def bench_staging(
-    model: str | None, tp: int, threads: int, tokens: int
-) -> tuple[float, float, int]:
-    """Seconds to mirror and to deliver ``tokens`` slots on a TP-``tp`` node, and their bytes."""
+def bench_staging(model: str | None, tp: int, threads: int, tokens: int) -> tuple[float, float]:
+    """Seconds to mirror and to deliver ``tokens`` slots on a TP-``tp`` node."""
     from pd.engine.runner import ModelRunner
 
     cfg = EngineConfig(
@@ -114,7 +112,7 @@ def bench_staging(
         slots = list(range(tokens))
         mirror = _best(lambda: runner.staging.mirror(slots), 3)
         deliver = _best(lambda: runner.staging.deliver(slots), 3)
-        return mirror, deliver, tokens * runner.staging.pool.num_bytes_per_token
+        return mirror, deliver
     finally:
         runner.close()
 
@@ -184,7 +182,7 @@ def main() -> None:
     # every head of every layer's K and V, fp32
     mb = 2048 * pd_cfg.num_layers * 2 * pd_cfg.num_kv_heads * pd_cfg.head_dim * 4 / 1e6
     for tp in (s for s in sizes if s > 1):
-        mirror, deliver, _ = bench_staging(args.model, tp, args.threads, 2048)
+        mirror, deliver = bench_staging(args.model, tp, args.threads, 2048)
         rows += [
             (f"{tp} -> 1 (+ mirror)", mirror),
             (f"1 -> {tp} (+ deliver)", deliver),
