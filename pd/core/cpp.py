@@ -38,10 +38,20 @@ from pd.core.private_dir import InsecurePathError, check_trusted, private_dir
 
 logger = logging.getLogger(__name__)
 
-FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared",
-    "-fPIC",
-)  # fmt: skip
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# What each ``PD_CPU_ISA`` level builds for, and the CPU flags it needs: the machine's own
+# instructions, or capped (so one machine runs and tests the code of a smaller CPU). Each
+# kernel says what each level means for its bits (``pd.model.gemm``, ``pd.model.int4_kernel``).
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "native": (("-march=native", "-mprefer-vector-width=512"), ()),
+    "avx512": (
+        ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16",
+         "-mprefer-vector-width=512"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    ),
+    "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi2")),
+    "generic": ((), ()),  # the compiler's default target: no vectors past SSE2 on x86-64
+}  # fmt: skip
 
 
 # ops whose fake (their output for tracing) is registered: once a process, however often a
@@ -55,6 +65,24 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def isa_flags(level: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of ``level`` (default ``PD_CPU_ISA``); ValueError where this CPU
+    lacks what the level needs."""
+    level = level or envs.PD_CPU_ISA
+    flags, needs = ISA_LEVELS[level]
+    have = set(_cpu_flags().split())
+    missing = [flag for flag in needs if flag not in have]
+    if missing:
+        raise ValueError(f"PD_CPU_ISA={level} needs CPU flags this CPU lacks: {missing}")
+    return flags
+
+
+def available_isa_levels() -> list[str]:
+    """The ``PD_CPU_ISA`` levels this CPU runs, from the machine's own down."""
+    have = set(_cpu_flags().split())
+    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= have]
 
 
 def _kernels_dir() -> Path:
@@ -75,6 +103,7 @@ def load_torch_ops(
     built or loaded."""
     flags = [
         *FLAGS,
+        *isa_flags(),
         "-std=c++20",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     PD_API_KEY: tuple[str, ...]
     PD_ADMIN_API_KEY: tuple[str, ...]
     PD_INT4_KERNEL: str
+    PD_CPU_ISA: str
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -77,6 +78,9 @@ _READERS: dict[str, Callable[[], Any]] = {
     "PD_ADMIN_API_KEY": lambda: _read_csv("PD_ADMIN_API_KEY"),
     # the int4 matmul of few rows: auto (pd's kernel where torch's lacks AVX-512), pd or torch
     "PD_INT4_KERNEL": lambda: _read_choice("PD_INT4_KERNEL", ("auto", "pd", "torch")),
+    # the instruction set pd's C++ kernels are built for (pd.core.cpp.ISA_LEVELS): native, or
+    # capped to avx512 (no AMX), avx2 or generic, so one machine runs each level's code
+    "PD_CPU_ISA": lambda: _read_choice("PD_CPU_ISA", ("native", "avx512", "avx2", "generic")),
 }
 
 

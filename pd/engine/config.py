@@ -33,8 +33,8 @@ class EngineConfig:
     )
     linear_backend: str = option(
         "auto",
-        "matmuls of unquantized weights: onednn (cpu, packed once at load) | aten (torch's "
-        "default GEMM); auto: onednn where it runs (see pd/model/quant.py)",
+        "matmuls of unquantized weights with --no-deterministic: onednn (cpu, packed once at "
+        "load) | aten (torch's default GEMM); auto: onednn where it runs (pd/model/quant.py)",
     )
     attention_backend: str = option(
         "auto",
@@ -48,8 +48,8 @@ class EngineConfig:
     )
     deterministic: bool = option(
         True,
-        "the same answer whatever the batch and the cache hold (on a cpu; README); "
-        "--no-deterministic: faster prefill of int4/int8 weights, answers may change with load",
+        "the same answer whatever the batch and the cache hold: pd's own kernels (on a cpu; "
+        "README); --no-deterministic: library matmuls, answers may change with load",
     )
     speculative_tokens: int = option(
         0,

@@ -230,8 +230,7 @@ class ModelRunner:
                 f"{self.cfg.attention_backend!r}, {self.dtype}, kernels built: {kernels}; pass "
                 "--no-deterministic"
             )
-        backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
-        check_deterministic(self.quantization, backend, has_router=bool(mc.num_experts))
+        check_deterministic(self.quantization)
         return True
 
     def _load_model(self) -> DecoderLM:

@@ -1,31 +1,32 @@
 """CPU linears packed once at load and swapped in for a model's ``nn.Linear``s.
 
-Unquantized weights (fp32 or bf16, the ``none`` method) go to oneDNN where torch has it
-(``LINEAR_BACKENDS``): the weight reordered once into oneDNN's blocked layout (faster than
-torch's default GEMM on an AMD CPU, about even on an Intel Xeon: BENCHMARKS.md, "CPU weight
-formats"). The quantized methods are weight-only. Per linear ``y = x W^T + b``, ``W: [N, K]``:
+Deterministic (``quantize_linears(..., deterministic=True)``, the engine's default): every
+linear runs on one of pd's own kernels, whose every output is one fixed chain of operations
+over the inputs in their order, so a row's bits never depend on the other rows, their number
+or the thread count (a property of the code, checked by tests/model/test_deterministic.py at
+every ISA level the CPU can be capped to):
 
-    method  weight                                   matmul op                         x
-    int8    int8 [N, K], a scale per output row      aten._weight_int8pack_mm          bf16
-    int4    uint4 packed, a scale and a zero per     pd::int4_mm                       fp32
-            row and group of 32 inputs               (or aten._weight_int4pack_mm_for_cpu, bf16)
-    fp16    fp16 in fbgemm's packed layout           quantized.linear_dynamic_fp16     fp32
+    method  weight                                   matmul op           the same bits
+    none    fp32 or bf16, as the model's dtype       pd::fixed_mm        on every x86 CPU
+    int8    int8 [N, K], a scale per output row      pd::fixed_mm        on every x86 CPU
+    int4    uint4 packed, a scale and a zero per     pd::int4_mm         on every x86 CPU
+            row and group of 32 inputs                                   with AVX2 and FMA
+    fp16    fp16                                     pd::fixed_mm        on every x86 CPU
+    head    fp16 in every quantized method           pd::fixed_mm
 
-int4 multiplies by pd's own kernel (``pd.model.int4_kernel``; ``PD_INT4_KERNEL=torch`` for
-torch's): inputs scaled to 16 bits per group rather than rounded to bf16, closer to fp32's
-greedy output, and faster where torch's op has no AVX-512 path. torch's int8 op takes a slow
-scalar path for fp32 inputs, so its input is cast to bf16 and its output back. The LM head is
-fp16 in every method (``quantize_linears``). Speed and quality of each beside fp32:
-``scripts/bench_quant.py``, BENCHMARKS.md "CPU weight formats".
+``pd.model.gemm`` (fp32 fma chains over converted weights) and ``pd.model.int4_kernel`` (exact
+int32 sums of 16-bit inputs, then fixed fp32 steps) say how.
 
-Deterministic (``quantize_linears(..., deterministic=True)``, the engine's default): a row's
-output never depends on the other rows: the int8 and int4 kernels at every row count, oneDNN
-called as ``OneDNNLinear`` says. Without it, from ``DEQUANT_MIN_TOKENS`` rows on (prefill) the
-quantized weight is multiplied as a dense GEMM: int4 keeps a copy dequantized once at load (in
-bf16 where oneDNN has its bf16 path, AMX on an Intel Xeon; in fp32 on an AVX2-only CPU, where
-bf16 GEMMs are slow: ``dense_dtype``), int8 dequantizes on each call. Faster prefill, but a
-prompt's KV then depends on how it was chunked and batched (BENCHMARKS.md, "Deterministic
-inference").
+Without it (``--no-deterministic``) the fastest library op runs each format: unquantized
+weights go to oneDNN where torch has it (``LINEAR_BACKENDS``, the weight reordered once into
+oneDNN's blocked layout; BENCHMARKS.md, "CPU weight formats"), int8 to
+``aten._weight_int8pack_mm`` (bf16 inputs: its fp32 path is scalar), fp16 to fbgemm's packed
+layout, and from ``DEQUANT_MIN_TOKENS`` rows on (prefill) a quantized weight is multiplied as
+a dense GEMM: int4 keeps a copy dequantized once at load (in bf16 where oneDNN has its bf16
+path, AMX on an Intel Xeon; in fp32 on an AVX2-only CPU: ``dense_dtype``), int8 dequantizes on
+each call. A prompt's KV then depends on how it was chunked and batched (BENCHMARKS.md,
+"Deterministic inference"). ``PD_INT4_KERNEL=torch`` runs torch's int4 op instead of pd's
+(not deterministic). Speed and quality of each format: ``scripts/bench_quant.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd.core import envs
-from pd.model import int4_kernel
+from pd.model import gemm, int4_kernel
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp16")
 LINEAR_BACKENDS = ("auto", "onednn", "aten")  # for unquantized weights on cpu
@@ -46,12 +47,6 @@ INT4_KERNELS = ("pd", "torch")  # pd.model.int4_kernel, aten._weight_int4pack_mm
 # From this many tokens on (prefill), a dense GEMM replaces the int8 and int4 kernels, unless
 # deterministic (the module's docstring).
 DEQUANT_MIN_TOKENS = 128
-# oneDNN's bf16 GEMM gives a row the same bits at 1 to this many rows (AMX, Intel Xeon; past
-# it another kernel): deterministic bf16 linears multiply in blocks of this many rows. Its fp32
-# GEMM gives a lone row other bits than 2 or more rows where in_features is large (1536 and
-# up): a deterministic fp32 linear multiplies a lone row as two. Checked on each machine by
-# tests/model/test_deterministic.py.
-ONEDNN_BF16_INVARIANT_ROWS = 32
 # a mixture of experts' router (``pd.model.decoder.MoE.gate``): kept unquantized, its choices
 # are the experts'
 ROUTER_NAME = "gate"
@@ -81,8 +76,8 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     """Symmetric per-output-channel int8: ``W ≈ q * scale[:, None]``, max |w| of a row → 127.
-    ``dense_min_tokens``: from this many rows on, a dense GEMM (None: never, the kernel alone,
-    whose rows do not depend on each other)."""
+    ``dense_min_tokens``: from this many rows on, a dense GEMM, below it torch's int8 op (None:
+    pd's fixed matmul at every row count, deterministic)."""
 
     def __init__(
         self, linear: nn.Linear, dense_min_tokens: int | None = DEQUANT_MIN_TOKENS
@@ -90,12 +85,20 @@ class Int8Linear(QuantLinear):
         super().__init__(linear)
         w = linear.weight.detach().float()
         scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+        qweight = torch.round(w / scale[:, None]).to(torch.int8)
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.dense_min_tokens = dense_min_tokens
+        if dense_min_tokens is None:
+            self.register_buffer("qweight", gemm.pack(qweight))
+            self.register_buffer("packed_scale", gemm.pack_scale(self.scale))
+        else:
+            self.register_buffer("qweight", qweight)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_min_tokens is not None and x.shape[0] >= self.dense_min_tokens:
+        if self.dense_min_tokens is None:
+            n = self.out_features
+            return torch.ops.pd.fixed_mm(x, self.qweight, self.packed_scale, n)
+        if x.shape[0] >= self.dense_min_tokens:
             weight = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
             return F.linear(x, weight)
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
@@ -194,24 +197,29 @@ class Fp16Linear(QuantLinear):
 
 class OneDNNLinear(QuantLinear):
     """Unquantized weights (fp32 or bf16) in oneDNN's packed layout; inputs in the same dtype.
-    ``deterministic``: a row gets the same bits at any number of rows (see
-    ``ONEDNN_BF16_INVARIANT_ROWS``): bf16 rows multiplied in blocks, a lone fp32 row as two."""
+    Not deterministic: oneDNN picks its kernel and its order of sums by the row count."""
 
-    def __init__(self, linear: nn.Linear, deterministic: bool = False) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         weight = linear.weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        bf16 = weight.dtype == torch.bfloat16
-        self.max_rows = ONEDNN_BF16_INVARIANT_ROWS if deterministic and bf16 else None
-        self.min_rows = 2 if deterministic and not bf16 else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]; the bias is added inside the op
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
-            return torch.cat([self.forward(part) for part in x.split(self.max_rows)])
-        if x.shape[0] < self.min_rows:
-            return self.forward(x.expand(self.min_rows, -1))[: x.shape[0]]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class FixedLinear(QuantLinear):
+    """Weights in fp32, bf16 or fp16 (``dtype``, default the weight's) multiplied by pd's fixed
+    matmul (``pd.model.gemm``): a row's bits whatever the other rows, on every x86 CPU. The
+    output is rounded once to the input's dtype."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
+        super().__init__(linear)
+        self.register_buffer("packed", gemm.pack(linear.weight.detach(), dtype))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pd.fixed_mm(x, self.packed, None, self.out_features)
 
 
 _LINEARS: dict[str, type[QuantLinear]] = {
@@ -286,50 +294,69 @@ def quantize_linears(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by ``method``'s packed module.
 
-    ``none`` packs nothing with ``linear_backend="aten"`` and every linear (the head too) as a
+    ``deterministic``: every linear on pd's own kernels (the module's docstring; raise where
+    they cannot run: ``check_deterministic``), ``linear_backend`` unused. Otherwise ``none``
+    packs nothing with ``linear_backend="aten"`` and every linear (the head too) as a
     ``OneDNNLinear`` with ``"onednn"`` (a resolved backend: see ``resolve_linear_backend``).
-    ``deterministic``: every linear gives a row the bits it gets alone, at any number of rows
-    (``check_deterministic`` says which settings can): the int8 and int4 kernels at every row
-    count (no dense copy), oneDNN as ``OneDNNLinear`` says.
 
     With a quantized method a mixture of experts' router (``ROUTER_NAME``) keeps the model's
-    precision (packed for oneDNN where ``linear_backend`` is it), and the LM head (children
-    named ``head_name``) is packed as fp16, where
-    fbgemm exists: for SmolLM2's 49152x576 head as fast as int4, faster than int8 and far
-    closer to the weights (the GGUF stores it as Q8_0, finer than int4 or
-    per-row int8). A head tied to the embedding is packed from the shared weight into a
-    separate copy; the embedding itself stays exact.
+    precision (its choices are the experts'), and the LM head (children named ``head_name``)
+    is packed as fp16: for SmolLM2's 49152x576 head as fast as int4, faster than int8 and far
+    closer to the weights (the GGUF stores it as Q8_0, finer than int4 or per-row int8). A
+    head tied to the embedding is packed from the shared weight into a separate copy; the
+    embedding itself stays exact.
     """
+    if deterministic:
+        check_deterministic(method)
+        return _replace_linears(model, _fixed_maker(method, head_name))
     if method == "none" and linear_backend == "aten":
         return model
     if method == "none":
-        return _replace_linears(model, lambda name, lin: OneDNNLinear(lin, deterministic))
+        return _replace_linears(model, lambda name, lin: OneDNNLinear(lin))
 
     def router(lin: nn.Linear) -> QuantLinear | nn.Linear:  # kept at the model's precision
-        return OneDNNLinear(lin, deterministic) if linear_backend == "onednn" else lin
+        return OneDNNLinear(lin) if linear_backend == "onednn" else lin
 
-    dense = None if deterministic else DEQUANT_MIN_TOKENS
     make: Callable[[nn.Linear], QuantLinear] = (
-        (lambda lin: Int4Linear(lin, dense_min_tokens=dense))
-        if method == "int4"
-        else (lambda lin: Int8Linear(lin, dense))
-        if method == "int8"
-        else _LINEARS[method]
+        Int4Linear if method == "int4" else Int8Linear if method == "int8" else _LINEARS[method]
     )
     head = Fp16Linear if _has_fbgemm() else make
     by_name = {head_name: head, ROUTER_NAME: router}
     return _replace_linears(model, lambda name, lin: by_name.get(name, make)(lin))
 
 
-def check_deterministic(method: str, linear_backend: str, has_router: bool = False) -> None:
+def _fixed_maker(method: str, head_name: str) -> Callable[[str, nn.Linear], QuantLinear]:
+    """name, linear -> its deterministic module for ``method``."""
+
+    def make(name: str, lin: nn.Linear) -> QuantLinear:
+        if method == "none" or name == ROUTER_NAME:
+            return FixedLinear(lin)
+        if method == "fp16" or name == head_name:
+            return FixedLinear(lin, torch.float16)
+        if method == "int8":
+            return Int8Linear(lin, dense_min_tokens=None)
+        return Int4Linear(lin, kernel="pd", dense_min_tokens=None)
+
+    return make
+
+
+def check_deterministic(method: str) -> None:
     """Raise (saying what to change) where ``quantize_linears(..., deterministic=True)`` cannot
-    keep a row's bits independent of the batch on a cpu: torch's own GEMM (MKL) gives a row
-    other bits at other row counts (the unquantized weights', or a router's)."""
-    if (method == "none" or has_router) and linear_backend == "aten":
+    run here: pd's kernels need a C++ compiler, int4's AVX2 with FMA and pd's int4 kernel."""
+    if not gemm.available():
         raise ValueError(
-            "deterministic inference needs oneDNN's matmuls for unquantized weights (torch's own "
-            "GEMM gives a row other bits in a batch of another size); use --linear-backend "
-            "onednn or auto, or pass --no-deterministic"
+            "deterministic inference runs pd's own matmul, which did not build here (no C++ "
+            "compiler? see the log); pass --no-deterministic"
+        )
+    if method == "int4" and not int4_kernel.available():
+        raise ValueError(
+            "deterministic int4 runs pd's int4 kernel, which needs a C++ compiler and AVX2 "
+            "with FMA; use another --quantization or pass --no-deterministic"
+        )
+    if method == "int4" and envs.PD_INT4_KERNEL == "torch":
+        raise ValueError(
+            "PD_INT4_KERNEL=torch is not deterministic (torch's op picks its own order of "
+            "sums): unset it or pass --no-deterministic"
         )
 
 
