@@ -33,7 +33,7 @@ TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_
 # steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")
 SERVE_ENGINE_DEFAULTS = {"quantization": "auto", "compile_buckets": "auto"}
 AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
-# The groups of ``pd serve --help`` (and of README's flag tables), in order
+# The groups of ``pd serve --help`` (and of docs/flags.md's tables), in order
 GROUPS = (
     "server", "engine", "cache tiers", "speculation", "routing", "cluster and Ray",
     "autoscaling", "security and limits",
