@@ -1,8 +1,8 @@
-"""README's tables of ``pd serve``'s flags, one per group of ``pd serve --help``, made from the
-parser itself (so the README cannot drift from the code; tests/test_readme.py checks it).
+"""docs/flags.md's tables of ``pd serve``'s flags, one per group of ``pd serve --help``, made from
+the parser itself (so the page cannot drift from the code; tests/test_readme.py checks it).
 
     python scripts/cli_flags.py            # print the tables
-    python scripts/cli_flags.py --write    # replace README.md's block between the markers
+    python scripts/cli_flags.py --write    # replace docs/flags.md's block between the markers
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pd.cli import GROUPS, build_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 BEGIN, END = "<!-- flags:begin (scripts/cli_flags.py) -->", "<!-- flags:end -->"
 
 
@@ -46,8 +46,8 @@ def tables() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def readme_block(text: str) -> str:
-    """What README.md holds between the markers."""
+def doc_block(text: str) -> str:
+    """What docs/flags.md holds between the markers."""
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[start:end].strip("\n") + "\n"
 
@@ -57,9 +57,9 @@ def main() -> int:
     if "--write" not in sys.argv[1:]:
         print(block, end="")
         return 0
-    text = README.read_text()
+    text = FLAGS_DOC.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + block + text[end:])
+    FLAGS_DOC.write_text(text[:start] + "\n" + block + text[end:])
     return 0
 
 

@@ -85,7 +85,7 @@ class KVLayout:
         src = src.to(self.device, non_blocking=False)
         parts = self.split(layer, src, n)
         if self.device.type == "cpu":
-            # numpy's put copies each row with one memmove: ~25% less CPU than index_copy_
+            # numpy's put copies each row with one memmove, cheaper in CPU than index_copy_
             # (bench_transfer.py's components line), and CPU is what two cores run out of.
             idx = slots.numpy()
             for b, part in zip(self.layers[layer], parts, strict=True):
@@ -120,7 +120,7 @@ class KVLayout:
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as ``[rows, row_bytes / w]`` of a w-byte dtype: the same bytes in fewer
-        elements. CPU index_copy_ costs per element, so 16-byte elements scatter ~5x faster."""
+        elements. CPU index_copy_ costs per element, so 16-byte elements scatter faster."""
         rows = t.view(t.shape[0], -1)
         try:
             return rows.view(self._wide_dtype)

@@ -1,9 +1,9 @@
 """The payload loops of one transfer: per layer, the messages of the wire plan, pipelined.
 
-Gloo does much of a message's socket copy inside ``send``/``recv`` on the calling thread (a
-sender's ``isend`` of 94 MB took ~20 ms of its thread; bench_transfer.py). A gather or
-scatter on that same thread therefore cannot overlap the wire, so staging copies run on the
-pair's one copy thread (``copier``) while the pair thread posts and waits on the messages.
+Gloo does much of a message's socket copy inside ``send``/``recv`` on the calling thread
+(BENCHMARKS.md, "KV transfer"). A gather or scatter on that same thread therefore cannot overlap
+the wire, so staging copies run on the pair's one copy thread (``copier``) while the pair thread
+posts and waits on the messages.
 Up to ``DEPTH`` layers are in flight per direction, in as many reused staging buffers.
 """
 
@@ -19,8 +19,8 @@ import torch
 from transfer.backend import BaseTransferBackend, Pending
 from transfer.layout import KVLayout, run_firsts
 
-# Layers in flight per direction; 2 and 3 measured alike, 3 keeps a layer posted while the
-# receiver scatters another.
+# Layers in flight per direction: 3 keeps a layer posted while the receiver scatters another
+# (BENCHMARKS.md, "KV transfer").
 DEPTH = 3
 
 

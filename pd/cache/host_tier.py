@@ -15,7 +15,7 @@ The life of a prefix across the tiers:
    room by dropping its own least recently used leaves; those drops are returned, so the cache
    can tell the coordinator what the node no longer holds anywhere.
 2. A request's match finds ``m`` tokens on the device and ``h > m`` here: when loading
-   ``h - m`` tokens is faster than computing them (measured: this tier's copy bandwidth against
+   ``h - m`` tokens is faster than computing them (timed: this tier's copy bandwidth against
    the engine's prefill speed, ``pays``), the cache takes device slots for them, ``load``s
    them, and inserts the path, so the request sees an ``h``-token hit.
 
@@ -104,14 +104,14 @@ class TierStats(NamedTuple):
     num_loads: int
     num_load_bytes: int
     load_seconds: float
-    num_skipped: int  # hits not loaded: computing them was measured faster
+    num_skipped: int  # hits not loaded: computing them was timed faster
     num_saved_tokens: int
     num_dropped_tokens: int
     disk: DiskStats | None  # the disk tier below, if any
 
 
 class Rate:
-    """A moving average of a rate (units per second), None until first measured."""
+    """A moving average of a rate (units per second), None until its first sample."""
 
     def __init__(self) -> None:
         self.value: float | None = None
@@ -269,7 +269,7 @@ class HostTier:
 
     def pays(self, num_host: int, num_disk: int = 0) -> bool:
         """Loading ``num_host`` tokens from here and ``num_disk`` from disk is faster than
-        computing them, as last measured (True while a speed is unknown). A skip is counted."""
+        computing them, by the latest timings (True while a speed is unknown). A skip is counted."""
         prefill_tps = self.prefill_rate.value
         if prefill_tps is None:
             return True

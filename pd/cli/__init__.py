@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_conns")
 # ``pd serve``'s engine defaults where they differ from ``EngineConfig``'s (those of the library
 # and ``pd generate``: fp32 weights, eager steps): on a CPU, int4 weights and compiled decode
-# steps for batches of 1, 2 and 4 (BENCHMARKS.md, "pd serve's defaults")
+# steps for batches of 1, 2 and 4 (docs/bench/history.md, "pd serve's defaults on a CPU")
 SERVE_ENGINE_DEFAULTS = {"quantization": "auto", "compile_buckets": "auto"}
 AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
-# The groups of ``pd serve --help`` (and of README's flag tables), in order
+# The groups of ``pd serve --help`` (and of docs/flags.md's tables), in order
 GROUPS = (
     "server", "engine", "cache tiers", "speculation", "routing", "cluster and Ray",
     "autoscaling", "security and limits",

@@ -77,8 +77,8 @@ def format_pools(pools: dict[str, Any]) -> str:
 
 
 def format_pulls(pulls: dict[str, Any]) -> str:
-    """The coordinator's last pull-or-compute choices, with both estimates and the pull's
-    measured time."""
+    """The coordinator's last pull-or-compute choices, with both estimates and the time the
+    pull took."""
     head = (
         f"pulls: {pulls['num_pulls']} chosen, {pulls['num_fallbacks']} computed after all, "
         f"{pulls['num_computed']} estimated slower than computing; last choices:"

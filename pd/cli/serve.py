@@ -214,8 +214,8 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
 def prefill_pool_size(args: argparse.Namespace) -> int:
     """``--prefill``, or by default: 0 for a cluster on this machine's CPUs (no ``--address``,
     no ``--node-gpus``), whose nodes would all share its cores: there a prefill node only
-    slows the decode node's steps down and is slowed by them (BENCHMARKS.md, "No prefill pool
-    on one CPU machine"); else 1,
+    slows the decode node's steps down and is slowed by them (docs/bench/history.md, "No
+    prefill pool on one CPU machine"); else 1,
     the smallest disaggregated cluster, and 1 with ``--autoscale`` (whose prefill pool starts
     at its minimum)."""
     if args.prefill is not None:

@@ -30,13 +30,11 @@ from pd.node import NodeConfig, NodeSettings
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 15.0  # a node's own shutdown, before its actor is killed
-# Iterations an idle OpenMP thread of a CPU prefill node spins before it sleeps: libgomp's own
-# count for a process with more threads than cores (its default, 300,000, is for a process that
-# has the cores to itself). The CPU nodes share this machine's cores, and a prefill node's
-# threads spinning between its parallel regions hold cores a decoding node needs. Decode nodes
-# keep the default: they run without pause, and alone ran 14% more steps with it. A prefill of
-# 256 tokens beside a decoding node: 1.27 s with both at the default, 0.75 s with this, and the
-# decode node made 35% more steps (BENCHMARKS.md, "OpenMP threads that share the cores").
+# Iterations an idle OpenMP thread of a CPU prefill node spins before it sleeps (libgomp's own
+# count for a process with more threads than cores): the CPU nodes share the machine's cores, and
+# a prefill node spinning between its parallel regions holds cores a decoding node needs; decode
+# nodes run without pause and keep the default (docs/bench/history.md, "OpenMP threads that share
+# the cores").
 PREFILL_SPIN_COUNT = 1000
 _OMP_WAIT_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
@@ -175,9 +173,8 @@ class NodeActors:
     def threads(self, engine_cfg: EngineConfig) -> int | None:
         """torch threads per node: the cluster's setting, else the engine's (``--num-threads``),
         else on CPU nodes the machine's cores split over the larger pool: a prefill and a
-        decode node share them, each busy while the other waits more of the time than not (1
-        prefill + 1 decode node on 2 cores served the chat load at 1.22 req/s with 2 threads
-        each, 0.73 with 1, in two runs of one morning: BENCHMARKS.md, "pd serve's defaults")."""
+        decode node share them, each busy while the other mostly waits (docs/bench/history.md,
+        "pd serve's defaults on a CPU")."""
         if self.cfg.threads_per_node is not None:
             return self.cfg.threads_per_node
         if self.gpus or engine_cfg.num_threads:

@@ -102,7 +102,7 @@ class AutoscalerConfig:
 
 class Signal(NamedTuple):
     name: str  # "ttft" | "queue" | "tpot" | "kv_usage"
-    value: float | None  # None: not measured (no samples yet)
+    value: float | None  # None: no samples yet
     target: float
 
 
@@ -121,8 +121,8 @@ class PoolState:
 
 
 def pressure(signals: Sequence[Signal]) -> tuple[float, str]:
-    """The highest value/target ratio and its signal's name; (0, "idle") when nothing is
-    measured or everything is zero."""
+    """The highest value/target ratio and its signal's name; (0, "idle") when nothing has
+    a value or everything is zero."""
     worst, name = 0.0, "idle"
     for s in signals:
         if s.value is not None and s.value / s.target > worst:
@@ -277,7 +277,7 @@ class Autoscaler:
         ]
 
     def _queue_wait(self, stats: list[Any], now: float) -> float | None:
-        """Seconds the prompt tokens queued per prefill node take at a node's measured rate."""
+        """Seconds the prompt tokens queued per prefill node take at a node's observed rate."""
         for s in stats:
             rate = self._rates.setdefault(s.node_id, _Rate())
             rate.update(now, s.num_hit_tokens + s.num_miss_tokens, s.num_queued_tokens > 0)

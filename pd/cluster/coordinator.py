@@ -20,7 +20,7 @@ that booking first.
 What the policy chooses over: every node's cache, prefill and decode, replayed from its cache
 events into one ``SharedPrefixIndex`` (``apply_event``), and ``Members``, the table of nodes
 accepting requests, rebuilt when a node is added, drained or removed. Pulls are weighed with
-``costs`` (``PullCosts``), measured from the nodes' stats (``update_costs``); a node's report
+``costs`` (``PullCosts``), the rates in the nodes' stats (``update_costs``); a node's report
 of a pull completes its decision (``on_pull_done``). A node whose cache events were lost (a seq
 gap) is listed in ``nodes_to_resync``, answered from its last consistent view, until its
 ``take_snapshot()`` arrives (``apply_snapshot``, or the reset event in its stream). All of this

@@ -1,63 +1,46 @@
 """``RoutePolicy``: which nodes a request goes to. It chooses; the coordinator books.
 
-Prefill node (policy ``cache_aware``, SGLang's cache-aware routing, with an exact view):
+``choose`` takes these steps, in this order (``cache_aware``, the default; ``round_robin``,
+``random`` and ``least_load`` differ only in step 3, for comparison):
 
-1. Loads are unbalanced when ``max - min > balance_abs_tokens`` and
-   ``max > balance_rel * min`` (load = prompt tokens routed to the node and not yet
-   prefilled): go to the node expected to get through the prompt soonest, weighing its load
-   against the prompt tokens it would compute: those it is expected to hold are free, those a
-   pull would bring from any node cost the pull's estimated time in prefill tokens (so the
-   holder keeps a request while its queue is shorter than the prefix it would save); ties go
-   to the least loaded. A cold prompt goes to the least-loaded node.
-2. Else go to the node holding the longest prefix of the prompt, if it covers at least
-   ``cache_threshold`` of the prompt. What a node holds is replayed from its cache events
-   (``PrefixIndex``), plus the prompts routed to it whose prefill has not finished yet (they
-   will be in its cache by the time a follower is admitted there). Both live in one
-   ``SharedPrefixIndex`` over all nodes, so this is one walk of the prompt, not one per node.
-3. Else the least-loaded node. Ties (e.g. all idle) go to the node caching the fewest
-   tokens: otherwise an idle cluster would pin every new prefix to the same first node.
+1. **Decode node** (``_pick_decode``). Only nodes with room count: unreserved KV slots for the
+   prompt and the answer's expected length (``need``), and room for the most it may grow to
+   (``most``); none has room now: ``NoCapacityError`` (the request waits); none ever could:
+   ``ValueError``. Under ``cache_aware`` the node holding the most of the prompt, if at least
+   ``cache_threshold`` of it (a conversation's next turn returns to its history); else the one
+   with the most unreserved slots.
+2. **Alone?** With no prefill pool by choice (``decode_only``: ``pd serve --prefill 0``) the
+   decode node prefills every request, warm-ups too. Otherwise, where the caller allows it
+   (``allow_local``; conditional disaggregation, off with ``local_prefill_tokens=-1``), it does
+   so only if it holds at least as much of the prompt as any prefill node (it never computes
+   again what one holds), and either what it would compute is at most ``local_prefill_tokens``,
+   or it decodes nothing and holds at least ``local_prefill_min_held`` of the prompt
+   (``_is_local``). The choice then names no prefill node.
+3. **Prefill node** (``_pick_prefill``). ``cache_aware``: (a) when loads are unbalanced
+   (``max - min > balance_abs_tokens`` and ``max > balance_rel * min``; load = prompt tokens
+   routed to the node and not yet prefilled), the node expected to get through the prompt
+   soonest: its load plus the tokens it would compute, a prefix a pull would bring costing the
+   pull's estimated time (``_soonest``); (b) else the node holding the longest prefix, if it
+   covers ``cache_threshold`` of the prompt (ties: less loaded, earlier registered); (c) else
+   the least loaded (ties: fewest prompts in flight, fewest cached tokens, earliest), so an
+   idle cluster does not pin every new prefix to its first node.
+4. **Pull?** (``_plan_pull``, off with ``pull_min_tokens=-1``.) When another node, prefill or
+   decode, holds at least ``pull_min_tokens`` more of the prompt than the chosen prefill node,
+   the choice names that holder (``Choice.pull``) if moving the KV is estimated faster than
+   computing it (``pd.cluster.pulls.plan_pull``; with no pull timed yet, one is tried). The
+   decision, either way, rides in the choice for the coordinator to log.
+5. **Sooner alone?** (``_is_sooner_local``, with ``local_prefill_balance``.) The decode node
+   prefills after all when it decodes nothing and would get through the prompt sooner, by
+   more than ``local_prefill_tokens``, than the prefill node (each side's queue plus its part
+   of this prompt, after any pull), computing again at most ``local_prefill_tokens`` of what
+   the prefill node holds (a shared chat template's opening must not keep a burst off it).
+6. Else the decode node and the prefill node (and its pull).
 
-``round_robin``, ``random`` and ``least_load`` are there for comparison.
-Decode node, among those with enough unreserved KV slots for the prompt and the answer's
-expected length (``Coordinator.route``; a node too small for prompt + max_tokens is never
-chosen, and when none is large enough the request is refused): under
-``cache_aware``, the one whose own cache (decode nodes keep what they decoded, mirrored from
-their events too) holds at least ``cache_threshold`` of the prompt, longest first, so a
-conversation's next turn returns to the node that has its history and less KV moves; else,
-and under the other policies, the one with the most unreserved slots.
-
-Conditional disaggregation (any policy, off with ``local_prefill_tokens=-1``): the request goes
-to the chosen decode node alone (``Choice.prefill`` is None), which prefills it itself, provided
-it holds at least as much of the prompt as any prefill node is expected to (it never computes
-again what a prefill node holds: that would lower the hit rate and strand a second copy), when
-what that node would have to compute is short (prompt tokens beyond the prefix it holds <=
-``local_prefill_tokens``), or when it holds at least ``local_prefill_min_held`` of the prompt
-(the next turn of a conversation), or, with ``local_prefill_balance``, when the prefill side is
-busy enough that the decode node would get through the prompt sooner: the tokens it would
-compute plus those of the local prefills it has queued are fewer, by more than
-``local_prefill_tokens``, than the chosen prefill node's (its queue plus its part of this
-prompt, after any pull), so a burst of cold prompts is prefilled on both sides at
-once. Balance computes again at most ``local_prefill_tokens`` of what the prefill node holds:
-cold chat prompts share their template's opening (a system prompt), which alone must not keep
-a burst off the idle decode node. The last two apply only while the decode node decodes
-nothing: a long prefill there would stretch every running stream's TPOT (measured: 1.9 s
-instead of 0.19 s per token on a replayed trace), a short one barely does. Either way no KV
-moves and no second hop is paid; decode nodes prefill in chunks between their decode steps.
-A cluster whose prefill pool is empty by choice (``decode_only``, ``pd serve --prefill 0``: the
-default on one CPU machine) routes every request so, warm-ups included, whatever these rules
-and ``local_prefill_tokens=-1`` say: its decode nodes are then aggregated engines behind
-cache-aware routing, and a prefill node added later takes prompts again as above.
-What a decode node holds is, as for a prefill node, what its cache events say plus the prompts it
-is prefilling itself (a follower admitted there waits for them, as on a prefill node); a prompt
-whose KV it is receiving counts only once its events say so.
-Pulls (off with ``pull_min_tokens=-1``): when the chosen prefill node is expected to hold less
-of the prompt than another node (prefill or decode, in any tier its events announce) holds, by at
-least ``pull_min_tokens``, the choice names that holder (``Choice.pull``) if moving the missing
-tokens' KV is estimated faster than computing them (``pd.cluster.pulls``: ``PullCosts``,
-``plan_pull``), none before the prefill rate is measured; until a pull has been measured, one is
-tried. Each such decision, either way, rides in the choice for the coordinator to log. So a
-prefix is never stranded where it was computed (a conversation prefilled on its decode node, a
-node that load sent elsewhere), and load balancing costs a pull instead of a recompute.
+Steps 2 and 5 wait for a decode node that decodes nothing because a long prefill there
+stretches every running stream's TPOT (BENCHMARKS.md history, "Trace replay and goodput").
+What a node holds, in steps 1-5, is what its cache events say (either tier) plus the prompts
+routed to it whose prefill has not finished: one ``SharedPrefixIndex`` over all nodes, so
+each step is one walk of the prompt, not one per node.
 
 The choice is made over ``Members``, the coordinator's view of its nodes (``PrefillState``,
 ``DecodeState``: what is booked on each), and books nothing: ``Coordinator.route`` books it.
@@ -188,7 +171,7 @@ class Choice(NamedTuple):
 class RoutePolicy:
     def __init__(self, cfg: CoordinatorConfig, costs: PullCosts) -> None:
         self.cfg = cfg
-        self.costs = costs  # the coordinator's, measured by the nodes
+        self.costs = costs  # the coordinator's, from the rates the nodes report
         self._rr = itertools.count()
         self._rng = random.Random(cfg.seed)
 

@@ -4,9 +4,9 @@
 tokens per second in pure prefill batches; bytes per second of finished pulls, or before any,
 of prefill-to-decode transfers). ``plan_pull`` makes one choice from them: pull the prompt's
 first ``num_held`` tokens from the node holding the most of it when that saves at least
-``min_tokens`` and is estimated faster than computing them (or no pull has been measured yet:
+``min_tokens`` and is estimated faster than computing them (or no pull has been timed yet:
 then one is tried). Each choice, either way, goes into a ``PullLog`` with both estimates, and
-the node's report of the pull (``PullDoneMsg``) completes it with the measured time. All plain
+the node's report of the pull (``PullDoneMsg``) completes it with the time it took. All plain
 Python: the coordinator calls it while choosing a route and logs the choice when it books.
 """
 
@@ -31,7 +31,7 @@ class PullCosts:
     """What a pull is weighed against, from the nodes' latest stats (``update``)."""
 
     kv_bytes_per_token: int = 0
-    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    prefill_tokens_per_s: float = 0.0  # 0: no sample yet
     bytes_per_s: float = 0.0
     pulls_measured: bool = False  # bytes_per_s comes from pulls (else from transfers)
 
@@ -39,7 +39,7 @@ class PullCosts:
         """Cluster-wide rates: prompt tokens computed per second in pure prefill batches, and
         bytes moved per second by pulls, or, before any pull came, by prefill-to-decode
         transfers over the part of their time not hidden behind the forward (a first guess:
-        until a pull is measured, the coordinator tries one whatever it says)."""
+        until a pull is timed, the coordinator tries one whatever it says)."""
         tokens = seconds = pulled = pull_s = sent = send_s = 0.0
         for s in stats:
             tokens, seconds = tokens + s.num_prefill_tokens, seconds + s.prefill_seconds
@@ -52,7 +52,7 @@ class PullCosts:
 
     def estimate(self, num_tokens: int) -> tuple[float, float] | None:
         """(seconds to pull, seconds to compute) ``num_tokens``; None before both rates are
-        measured."""
+        known."""
         if not (self.prefill_tokens_per_s > 0 and self.bytes_per_s > 0 and self.kv_bytes_per_token):
             return None
         pull_s = num_tokens * self.kv_bytes_per_token / self.bytes_per_s
@@ -71,7 +71,7 @@ class PullDecision:
     est_pull_s: float
     est_compute_s: float
     choice: str  # "pull" | "compute"
-    pull_s: float | None = None  # measured: arrival to the prefix in the cache, or to fallback
+    pull_s: float | None = None  # taken: arrival to the prefix in the cache, or to fallback
     num_pulled: int | None = None
     error: str | None = None  # why a pull fell back to computing
 
@@ -131,7 +131,7 @@ def plan_pull(
     a pull of the ``num_held`` tokens ``holder`` holds (the most any other node does), if that
     saves at least ``min_tokens`` and is estimated faster than computing them. The decision
     comes back either way, for the log; none when nothing was weighed (no holder, too few
-    tokens, rates not measured yet)."""
+    tokens, rates not known yet)."""
     gain = num_held - num_matched
     if holder is None or gain < max(1, min_tokens):
         return PullPlan(None, None)
@@ -139,7 +139,7 @@ def plan_pull(
     if est is None:
         return PullPlan(None, None)
     pull_s, compute_s = est
-    # Until a pull has been measured, one is tried whatever the transfers' rate says: a
+    # Until a pull has been timed, one is tried whatever the transfers' rate says: a
     # transfer's time counts its wait for room on a busy decode node, a pull's does not.
     pays = pull_s < compute_s or not costs.pulls_measured
     choice = "pull" if pays else "compute"

@@ -218,7 +218,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     num_host_loads: int = 0
     host_load_bytes: int = 0
     host_load_seconds: float = 0.0
-    num_host_skipped: int = 0  # host hits computed instead: measured faster than loading
+    num_host_skipped: int = 0  # host hits computed instead: timed faster than loading
     # the disk tier below the host tier (pd.cache.disk_tier), shared by the host's nodes
     disk_bytes: int = 0  # what its directory holds, every node's chunks (the shared count)
     num_disk_hit_tokens: int = 0  # hit tokens loaded from disk (of num_hit_tokens)

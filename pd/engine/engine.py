@@ -1,6 +1,6 @@
 """The colocated engine: one process that prefills and decodes with continuous batching.
 
-It is the baseline the disaggregated cluster is measured against, and what ``pd generate`` and
+It is the baseline the disaggregated cluster is compared with, and what ``pd generate`` and
 ``pd serve --colocated`` run. It owns an ``EngineCore`` (whose step is schedule -> run ->
 postprocess) and turns its results into ``RequestOutput``s.
 """

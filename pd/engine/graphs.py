@@ -10,8 +10,8 @@ runs in the smallest bucket >= B, padded with rows that write and read only the 
 slot. The key length is the one dynamic dimension: the attention takes the keys by an index
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
 On the CPU, in bf16 and fp32, that attention is one call of ``pd.engine.cpu_attention``'s C++
-kernel inside the graph (faster than inductor's own fused loops: BENCHMARKS.md, "Compiled decode
-steps"); otherwise inductor compiles ``attention.paged_decode_attention``.
+kernel inside the graph (faster than inductor's own fused loops: docs/bench/history.md,
+"Compiled decode steps"); otherwise inductor compiles ``attention.paged_decode_attention``.
 
 A deterministic runner (``EngineConfig.deterministic``) gives the graph nothing to rewrite:
 the norms, the rotary embedding and the gated SiLU are ``pd.model.fixed_ops``' opaque

@@ -87,7 +87,7 @@ def tokenizer_eos_id(model: str | os.PathLike[str] | None) -> int | None:
     """``load_tokenizer(model).eos_token_id``, read in milliseconds where the files say it
     plainly: the ``eos_token`` of ``tokenizer_config.json``, looked up in ``tokenizer.json`` by
     the tokenizers library. A node generates token ids only, and transformers' import and
-    ``AutoTokenizer`` were half its start (BENCHMARKS.md, "Node start-up"). Where
+    ``AutoTokenizer`` were half its start (docs/bench/history.md, "Node start-up"). Where
     the files are otherwise (no ``tokenizer.json``, a ``special_tokens_map.json``, no eos token
     named, one not in the vocabulary), the tokenizer is loaded after all."""
     model_dir = resolve_model(model)

@@ -347,8 +347,8 @@ async def open_text_stream(
     tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int] = ()
 ) -> TextStream:
     """A ``TextStream``, built in a worker thread when its stop strings are long: compiling
-    them costs about a microsecond a character (30 ms at the server's limits, 32 x 1,024),
-    once per request, which the event loop should not pay while other streams wait on it."""
+    them costs time in proportion to their characters (RELIABILITY.md, stop strings at their
+    limits), once per request, which the event loop should not pay while other streams wait."""
     if sum(len(s) for s in params.stop) <= _MAX_STOP_CHARS_ON_LOOP:
         return TextStream(tokenizer, params, prompt_ids)
     return await anyio.to_thread.run_sync(TextStream, tokenizer, params, prompt_ids)

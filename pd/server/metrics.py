@@ -49,7 +49,7 @@ _NODE_COUNTERS = {
     "host_load_seconds": ("host_tier_load_seconds", "time spent loading from its host tier"),
     "num_host_skipped": (
         "host_tier_skipped",
-        "host-tier hits computed instead, as measured faster than loading",
+        "host-tier hits computed instead, as timed faster than loading",
     ),
     "disk_bytes": ("disk_tier_bytes", "bytes its disk tier's directory holds"),
     "num_disk_hit_tokens": (
