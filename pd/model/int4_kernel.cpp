@@ -154,17 +154,116 @@ static inline void block16(const int16_t* xq, const float* dx, const float* xs, 
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Whether this process may use AMX's tiles (Linux asks each process to request them).
+static bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 the int32 sums of x's high and low bytes ([16 rows, 16 columns]); 2, 3 those
+// bytes for a group ([16 rows, 32 inputs]); 4 the group's weights in AMX's layout ([8 rows of
+// 4 inputs, 16 columns]).
+static void amx_configure() {
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  cfg.rows[4] = 8, cfg.colsb[4] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// The weights of blocks b and b + 1 (16 output rows) for every group in AMX's layout: row c of
+// group g holds inputs 4c .. 4c + 3 of each output row side by side, as 0..15 (the packed
+// chunk c holds exactly those: low nibbles inputs 4c, 4c + 1, high nibbles 4c + 2, 4c + 3).
+static inline void amx_weights(const uint8_t* q0, const uint8_t* q1, int64_t G, uint8_t* w) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < 8; ++c) {
+      uint8_t* out = w + (g * 8 + c) * 64;
+      for (int half = 0; half < 2; ++half) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)((half ? q1 : q0) + g * 128 + 16 * c));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        _mm_storeu_si128((__m128i*)(out + 32 * half), _mm_unpacklo_epi16(lo, hi));
+        _mm_storeu_si128((__m128i*)(out + 32 * half + 16), _mm_unpackhi_epi16(lo, hi));
+      }
+    }
+}
+
+// 16 rows of x from m0 (xhi, xlo: the high and low bytes of their int16 inputs, rows K apart;
+// dx, xs padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
+// int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) = sum(xq * q), exactly
+// ``block16``'s, and the fp32 steps after it are ``block16``'s, so every output has the bits
+// the AVX-512 and AVX2 paths give it.
+static inline void amx_block(const int8_t* xhi, const uint8_t* xlo, const float* dx,
+                             const float* xs, int64_t m0, int64_t M, int64_t K, const uint8_t* w,
+                             const uint16_t* s0, const uint16_t* s1, const uint16_t* z0,
+                             const uint16_t* z1, int64_t n, int64_t N, float* y) {
+  const int64_t G = K / 32;
+  alignas(64) int32_t hi[16][16], lo[16][16];
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xhi + m0 * K + g * 32, K);
+    _tile_loadd(3, xlo + m0 * K + g * 32, K);
+    _tile_loadd(4, w + g * 512, 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbuud(1, 3, 4);
+    _tile_stored(0, hi, 64);
+    _tile_stored(1, lo, 64);
+    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)),
+                                        bf16x8(s1 + g * 8), 1);
+    const __m512 z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)),
+                                        bf16x8(z1 + g * 8), 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8),
+                                           _mm512_load_si512(lo[i]));
+      const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),
+                                       _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
+      acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
+      acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
+    }
+  }
+  for (int i = 0; i < 16 && m0 + i < M; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n, acc[i]);
+}
+#endif
+
+// From this many rows of x on, AMX's tiles multiply (where the CPU has them): fewer rows would
+// leave most of a tile's 16 empty.
+static constexpr int64_t kAmxMinRows = 16;
+
 // x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
 // y: [M, N] fp32.
 static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
                     const uint16_t* scale, const uint16_t* zero, int64_t N, float* y,
                     int threads) {
   const int64_t G = K / 32;
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const bool amx = M >= kAmxMinRows && amx_ready();
+#else
+  const bool amx = false;
+#endif
+  const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;  // AMX takes rows 16 at a time
   static thread_local std::vector<int16_t> xq;
   static thread_local std::vector<float> dx, xs;
   xq.resize(M * K);
-  dx.resize(M * G);
-  xs.resize(M * G);
+  dx.assign(Mp * G, 0.0f);
+  xs.assign(Mp * G, 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g)
       dx[m * G + g] = quantize_group(x + m * K + g * 32, &xq[m * K + g * 32], &xs[m * G + g]);
@@ -177,23 +276,56 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
 #else
   const int64_t NB2 = 0;
 #endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  // AMX multiplies bytes: each int16 input as its high (signed) and low (unsigned) byte
+  static thread_local std::vector<int8_t> xhi;
+  static thread_local std::vector<uint8_t> xlo;
+  if (amx) {
+    xhi.assign(Mp * K, 0);
+    xlo.assign(Mp * K, 0);
+    for (int64_t i = 0; i < M * K; ++i) {
+      xhi[i] = static_cast<int8_t>(xq[i] >> 8);
+      xlo[i] = static_cast<uint8_t>(xq[i] & 0xFF);
+    }
+  }
+  const int8_t* xh = xhi.data();
+  const uint8_t* xl = xlo.data();
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    std::vector<int16_t> wide(G * 16 * 32);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx) {
+      amx_configure();
+      std::vector<uint8_t> wa(G * 512);
 #pragma omp for schedule(static) nowait
-    for (int64_t b = 0; b < NB2; b += 2) {
-      const uint8_t* q0 = qw + b * G * 128;
-      const uint16_t *s0 = scale + b * G * 8, *s1 = s0 + G * 8;
-      const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
-      const int16_t* w = wide.data();
-      widen16(q0, q0 + G * 128, G, wide.data());
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) block16<4>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
-      for (; m + 2 <= M; m += 2) block16<2>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
-      for (; m < M; ++m) block16<1>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
-    }
+      for (int64_t b = 0; b < NB2; b += 2) {
+        const uint8_t* q0 = qw + b * G * 128;
+        const uint16_t *s0 = scale + b * G * 8, *s1 = s0 + G * 8;
+        const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
+        amx_weights(q0, q0 + G * 128, G, wa.data());
+        for (int64_t m = 0; m < M; m += 16)
+          amx_block(xh, xl, d, sums, m, M, K, wa.data(), s0, s1, z0, z1, 8 * b, N, y);
+      }
+      _tile_release();
+    } else
 #endif
+    {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+      std::vector<int16_t> wide(G * 16 * 32);
+#pragma omp for schedule(static) nowait
+      for (int64_t b = 0; b < NB2; b += 2) {
+        const uint8_t* q0 = qw + b * G * 128;
+        const uint16_t *s0 = scale + b * G * 8, *s1 = s0 + G * 8;
+        const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
+        const int16_t* w = wide.data();
+        widen16(q0, q0 + G * 128, G, wide.data());
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) block16<4>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+        for (; m + 2 <= M; m += 2) block16<2>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+        for (; m < M; ++m) block16<1>(q, d, sums, m, K, w, s0, s1, z0, z1, 8 * b, N, y);
+      }
+#endif
+    }
 #pragma omp for schedule(static)
     for (int64_t b = NB2; b < NB; ++b) {
       const uint8_t* qb = qw + b * G * 128;

@@ -1,9 +1,9 @@
-"""int4 matmul by pd's own kernel (``torch.ops.pd.int4_mm``): AVX2, and AVX-512 VNNI where
-the CPU has it.
+"""int4 matmul by pd's own kernel (``torch.ops.pd.int4_mm``): AVX2, AVX-512 VNNI and AMX
+where the CPU has them, every path giving every output the same bits.
 
 torch's int4 op (``aten._weight_int4pack_mm_for_cpu``) is vectorized for AVX-512 only (generic
 code elsewhere, about half this kernel's speed) and rounds inputs to bf16; this kernel keeps
-16 bits of each input and runs on AVX2 too (BENCHMARKS.md, "int4's kernel as a torch operator").
+16 bits of each input and runs on AVX2 too (docs/bench/history.md, "int4's kernel as a torch operator").
 
 The arithmetic is llama.cpp's for its AVX2 path, with 16-bit activations instead of 8-bit:
 each group of 32 inputs of a row of ``x`` is scaled to int16 (``x ~ d * xq``, ``d`` = the
@@ -26,6 +26,13 @@ by the rows of x; the int32 sums are exact and the fp32 steps after them are the
 so both paths give each output the same bits (tests/model/test_int4_kernel.py), and a row's
 output never depends on the other rows of x: the deterministic engine's int4 matmul at every
 row count, prefill included.
+
+With AMX (an Intel Xeon's int8 tiles), from 16 rows of x on, each int16 input is split into
+its high (signed) and low (unsigned) byte, and per group ``_tile_dpbsud`` and ``_tile_dpbuud``
+multiply 16 rows by 16 output rows: ``256 * sum(hi * q) + sum(lo * q)`` is the same exact int32
+sum, and the fp32 steps after it are ``block16``'s. Integer sums do not depend on their order,
+so every ISA level (``PD_CPU_ISA``) gives the same bits, and which path runs a row count is a
+matter of speed alone.
 
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
@@ -68,7 +75,7 @@ def preferred() -> bool:
     """Whether ``Int4Linear`` should use this kernel rather than torch's: wherever it runs. With
     AVX2 alone torch's op runs generic code (the module's docstring); with AVX-512 VNNI this
     kernel takes 16 output rows a vector and keeps each group's weights in registers for the
-    rows of x, and at batch 1 it decodes as fast as torch's AVX-512 op (BENCHMARKS.md)."""
+    rows of x (BENCHMARKS.md, "CPU weight formats")."""
     return available()
 
 
