@@ -24,14 +24,14 @@ from fastapi.responses import Response
 from pd.core.outputs import EngineClient
 from pd.core.sampling_params import LogitBias, SamplingParams
 from pd.model.tokenizer import encode_chat, encode_prompt
-from pd.server.admission import Admission, AdmissionTicket
-from pd.server.auth import cache_namespace
 from pd.server.config import ServerConfig
-from pd.server.errors import APIError, internal_error
 from pd.server.generation import Choices, Generation
+from pd.server.http.admission import Admission, AdmissionTicket
+from pd.server.http.auth import cache_namespace
+from pd.server.http.errors import APIError, internal_error
+from pd.server.http.stream_buffer import StreamBytes
+from pd.server.http.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
 from pd.server.metrics import ServerMetrics
-from pd.server.stream_buffer import StreamBytes
-from pd.server.streaming import ClientGone, DeadlineExceeded, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Prepared(NamedTuple):
     stream: bool
     include_usage: bool = False
     n: int = 1  # choices
-    tools: Any = None  # chat: the tool calls to parse out of the answer (pd.server.tools.Tools)
+    tools: Any = None  # chat: the tool calls to parse out of the answer (pd.server.openai.tools.Tools)
 
 
 class ServerState:

@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError
+from pd.server.http.auth import API_KEY_SCOPE
+from pd.server.http.errors import APIError
 from pd.server.routes.common import server_state
 from pd.server.state import ServerState
 

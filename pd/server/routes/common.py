@@ -12,7 +12,7 @@
 
 The admission place is released when the response is over: at once for an error or a plain
 answer; for a stream, when its generation ends and what its client has not read yet fits the
-server's budget for slow readers (``pd.server.stream_buffer``), or when the stream ends,
+server's budget for slow readers (``pd.server.http.stream_buffer``), or when the stream ends,
 however it ends, if that comes first. A client that leaves is counted
 (``pd_server_client_gone_total``) and answered nothing (499 in the access log).
 """
@@ -28,14 +28,14 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pd.server.admission import AdmissionTicket
-from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError, validation_error
 from pd.server.generation import Choices, Step
-from pd.server.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
-from pd.server.protocol import MAX_N
+from pd.server.http.admission import AdmissionTicket
+from pd.server.http.auth import API_KEY_SCOPE
+from pd.server.http.errors import APIError, validation_error
+from pd.server.http.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
+from pd.server.http.streaming import ClientGone, sse_response, sse_steps
+from pd.server.openai.protocol import MAX_N
 from pd.server.state import Prepared, ServerState
-from pd.server.streaming import ClientGone, sse_response, sse_steps
 
 Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
 _INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loop (microseconds)

@@ -12,11 +12,11 @@ from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.engine.grammar import grammar_error
-from pd.server.errors import APIError
 from pd.server.generation import Choices, Generation, Step
-from pd.server.logprobs import chat_logprobs, completion_logprobs
-from pd.server.protocol import ChatCompletionRequest, CompletionRequest
-from pd.server.responses import (
+from pd.server.http.errors import APIError
+from pd.server.openai.logprobs import chat_logprobs, completion_logprobs
+from pd.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pd.server.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -29,10 +29,10 @@ from pd.server.responses import (
     DeltaMessage,
     Usage,
 )
+from pd.server.openai.tool_stream import ToolCallStream
+from pd.server.openai.tools import Tools
 from pd.server.routes.common import json_body, parse_body, serve_generation
 from pd.server.state import Prepared, ServerState
-from pd.server.tool_stream import ToolCallStream
-from pd.server.tools import Tools
 
 router = APIRouter()
 
@@ -161,7 +161,7 @@ class ChatRenderer(_StreamRenderer):
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls, with tools
 
     def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
-        """With tools, a step's content and ``tool_calls`` (``pd.server.tool_stream``); the
+        """With tools, a step's content and ``tool_calls`` (``pd.server.openai.tool_stream``); the
         last step's ``finish_reason`` is ``"tool_calls"`` when the choice made a call."""
         gen = choices.gens[index]
         if gen.tools is None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pd.server.errors import APIError
 from pd.server.generation import Choices, Step
-from pd.server.protocol import GenerateRequest
-from pd.server.responses import GenerateResponse
+from pd.server.http.errors import APIError
+from pd.server.openai.protocol import GenerateRequest
+from pd.server.openai.responses import GenerateResponse
 from pd.server.routes.common import json_body, parse_body, serve_generation
 from pd.server.state import Prepared, ServerState
 

@@ -6,7 +6,7 @@ Every field is one of three kinds, and anything else is refused with a 400 that 
 - implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
   ``logprobs``, ``cache_salt``, ``n`` up to ``MAX_N``, ``priority``, structured outputs
   (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``:
-  ``pd.server.structured``), ...);
+  ``pd.server.openai.structured``), ...);
 - accepted only at its neutral value (``neutral_values``: ``best_of=n``,
   ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED
-from pd.server.errors import APIError
-from pd.server.structured import grammar_of
+from pd.server.http.errors import APIError
+from pd.server.openai.structured import grammar_of
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
 MAX_N = 16  # choices one request may ask for
@@ -123,7 +123,7 @@ class _OpenAIFields(_SamplerFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
-    # structured outputs (``pd.server.structured``): at most one of these
+    # structured outputs (``pd.server.openai.structured``): at most one of these
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -261,7 +261,7 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # tool calls (``pd.server.tools``)
+    # tool calls (``pd.server.openai.tools``)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
