@@ -178,6 +178,11 @@ class _OpenAIFields(_SamplerFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The completion's budget the request asks for (None: the rest of the context)."""
+        return self.max_tokens
+
 
 class CompletionRequest(_OpenAIFields):
     # One prompt: text or token ids. A one-element batch is unwrapped; larger batches -> 400.

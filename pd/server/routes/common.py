@@ -28,6 +28,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Step
 from pd.server.http.admission import AdmissionTicket
 from pd.server.http.auth import API_KEY_SCOPE
@@ -35,9 +36,10 @@ from pd.server.http.errors import APIError, validation_error
 from pd.server.http.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
 from pd.server.http.streaming import ClientGone, sse_response, sse_steps
 from pd.server.openai.protocol import MAX_N
-from pd.server.state import Prepared, ServerState
+from pd.server.state import ServerState
 
-Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
+# parses, checks and tokenizes a body in a parse thread (given the API key the request carried)
+Prepare = Callable[[RequestChecks, bytes, "str | None"], Prepared]
 _INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loop (microseconds)
 
 
@@ -114,7 +116,7 @@ async def serve_generation(
             widen(num_choices)  # the key's requests in flight: n
         except APIError as e:
             return e.response()
-    priority = state.priority_for(peek.priority, api_key)
+    priority = state.checks.priority_for(peek.priority, api_key)
     try:
         ticket: AdmissionTicket | None = await state.admit(
             request, timeout_s, num_choices, priority
@@ -122,7 +124,7 @@ async def serve_generation(
     except ClientGone:
         return Response(status_code=499)
     try:
-        prep = await state.in_thread(prepare, state, body, api_key)
+        prep = await state.in_thread(prepare, state.checks, body, api_key)
         assert prep.n <= num_choices, (prep.n, num_choices)
         # per-key tokens per minute
         choices = state.new_choices(prefix, prep, request.scope.get(TOKEN_METER_SCOPE))

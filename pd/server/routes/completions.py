@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.engine.grammar import grammar_error
+from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Generation, Step
 from pd.server.http.errors import APIError
 from pd.server.openai.logprobs import chat_logprobs, completion_logprobs
@@ -32,7 +33,6 @@ from pd.server.openai.responses import (
 from pd.server.openai.tool_stream import ToolCallStream
 from pd.server.openai.tools import Tools
 from pd.server.routes.common import json_body, parse_body, serve_generation
-from pd.server.state import Prepared, ServerState
 
 router = APIRouter()
 
@@ -44,26 +44,22 @@ def usage_of(choices: Choices) -> Usage:
     )
 
 
-def prepare_completion(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+def prepare_completion(checks: RequestChecks, body: bytes, api_key: str | None) -> Prepared:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check_supported()
-    state.check_model(req.model)
+    checks.check_model(req.model)
     prompt = req.single_prompt
     if isinstance(prompt, str):
-        prompt_ids = state.encode(prompt, "prompt")
+        prompt_ids = checks.encode(prompt, "prompt")
     else:
-        prompt_ids = state.prompt_ids(prompt, "prompt")
-    max_tokens = state.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
-    priority = state.priority_for(req.priority, api_key)
-    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias, priority)
-    namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n)
+        prompt_ids = checks.prompt_ids(prompt, "prompt")
+    return _prepare_openai(checks, req, prompt_ids, req.sampling_kwargs(), api_key, "prompt")
 
 
-def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+def prepare_chat(checks: RequestChecks, body: bytes, api_key: str | None) -> Prepared:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     req.check_supported()
-    state.check_model(req.model)
+    checks.check_model(req.model)
     tools = Tools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
     fields = req.sampling_kwargs()
     if tools is not None and tools.is_forced:
@@ -77,12 +73,33 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
         if error := grammar_error(fields["grammar"]):
             raise APIError(f"the tools' parameters do not compile: {error}", param="tools")
     messages = [m.template_dict() for m in req.messages]
-    prompt_ids = state.apply_chat_template(messages, req.tools if tools is not None else None)
-    max_tokens = state.max_tokens_for(len(prompt_ids), req.requested_max_tokens, "messages")
-    priority = state.priority_for(req.priority, api_key)
-    params = state.sampling_params(fields, max_tokens, req.logit_bias, priority)
-    namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n, tools)
+    prompt_ids = checks.apply_chat_template(messages, req.tools if tools is not None else None)
+    return _prepare_openai(checks, req, prompt_ids, fields, api_key, "messages", tools)
+
+
+def _prepare_openai(
+    checks: RequestChecks,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    fields: dict[str, Any],
+    api_key: str | None,
+    param: str,
+    tools: Tools | None = None,
+) -> Prepared:
+    return checks.prepare(
+        prompt_ids,
+        fields,
+        param=param,
+        max_tokens=req.requested_max_tokens,
+        logit_bias=req.logit_bias,
+        priority=req.priority,
+        api_key=api_key,
+        cache_salt=req.cache_salt,
+        stream=req.stream,
+        include_usage=req.include_usage,
+        n=req.n,
+        tools=tools,
+    )
 
 
 class _StreamRenderer:

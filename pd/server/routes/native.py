@@ -5,17 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Step
 from pd.server.http.errors import APIError
 from pd.server.openai.protocol import GenerateRequest
 from pd.server.openai.responses import GenerateResponse
 from pd.server.routes.common import json_body, parse_body, serve_generation
-from pd.server.state import Prepared, ServerState
 
 router = APIRouter()
 
 
-def prepare_generate(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+def prepare_generate(checks: RequestChecks, body: bytes, api_key: str | None) -> Prepared:
     req: GenerateRequest = parse_body(GenerateRequest, body)
     req.check_supported()
     if (req.input_ids is None) == (req.text is None):
@@ -23,14 +23,21 @@ def prepare_generate(state: ServerState, body: bytes, api_key: str | None) -> Pr
     if req.input_ids is not None:
         if not req.input_ids:
             raise APIError("input_ids must not be empty", param="input_ids")
-        prompt_ids = state.prompt_ids(req.input_ids, "input_ids")
+        prompt_ids = checks.prompt_ids(req.input_ids, "input_ids")
     else:
-        prompt_ids = state.encode(req.text or "", "text")
+        prompt_ids = checks.encode(req.text or "", "text")
     sp = req.sampling_params
-    max_tokens = state.max_tokens_for(len(prompt_ids), sp.max_new_tokens, "input_ids")
-    priority = state.priority_for(None, api_key)
-    params = state.sampling_params(sp.sampling_kwargs(), max_tokens, sp.logit_bias, priority)
-    return Prepared(prompt_ids, params, state.namespace(api_key, req.cache_salt), req.stream)
+    return checks.prepare(
+        prompt_ids,
+        sp.sampling_kwargs(),
+        param="input_ids",
+        max_tokens=sp.max_new_tokens,
+        logit_bias=sp.logit_bias,
+        priority=None,  # the API key's
+        api_key=api_key,
+        cache_salt=req.cache_salt,
+        stream=req.stream,
+    )
 
 
 class GenerateRenderer:
