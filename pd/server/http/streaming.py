@@ -160,7 +160,7 @@ async def anext_or_none(it: AsyncIterator[T]) -> T | None:
 async def sse_steps(
     choices: Choices,
     make_chunk: Callable[[int, Step], BaseModel | None],
-    usage_chunk: Callable[[], BaseModel] | None,
+    usage_chunk: Callable[[], BaseModel | None] | None,
     first: BaseModel | None,
     deadline: float,
     on_timeout: Callable[[], APIError],
@@ -184,8 +184,8 @@ async def sse_steps(
                 chunk = make_chunk(*step)
                 if chunk is not None:
                     yield sse_event(chunk)
-        if usage_chunk is not None:
-            yield sse_event(usage_chunk())
+        if usage_chunk is not None and (usage := usage_chunk()) is not None:
+            yield sse_event(usage)
     except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
     except Exception as e:

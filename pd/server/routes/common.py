@@ -44,15 +44,27 @@ _INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loo
 
 
 class Renderer(Protocol):
-    """An endpoint's response shapes."""
+    """One request's response shapes, an endpoint's kind of them: built from the served
+    model's name and the request's choices (``MakeRenderer``), each method a model or None."""
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None: ...
+    def first(self) -> BaseModel | None:
+        """A stream's opening chunk, if it has one."""
+        ...
 
-    def usage(self, choices: Choices) -> BaseModel: ...
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
+        """A stream's chunk of choice ``index`` for one of its steps (None: nothing to send)."""
+        ...
 
-    def first(self, choices: Choices) -> BaseModel | None: ...
+    def usage(self) -> BaseModel | None:
+        """A stream's usage chunk, when the request asks for one."""
+        ...
 
-    def final(self, choices: Choices) -> BaseModel: ...
+    def final(self) -> BaseModel:
+        """The answer of a request that does not stream."""
+        ...
+
+
+MakeRenderer = Callable[[str, Choices], Renderer]
 
 
 class _AdmissionFields(BaseModel):
@@ -93,7 +105,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 async def serve_generation(
-    request: Request, prefix: str, prepare: Prepare, render: Renderer
+    request: Request, prefix: str, prepare: Prepare, make_renderer: MakeRenderer
 ) -> Response:
     state = server_state(request)
     timeout_s = state.config.request_timeout
@@ -128,12 +140,13 @@ async def serve_generation(
         assert prep.n <= num_choices, (prep.n, num_choices)
         # per-key tokens per minute
         choices = state.new_choices(prefix, prep, request.scope.get(TOKEN_METER_SCOPE))
+        render = make_renderer(state.model_name, choices)
         if prep.stream:
             steps = sse_steps(
                 choices,
-                lambda index, step: render.chunk(choices, index, step),
-                (lambda: render.usage(choices)) if prep.include_usage else None,
-                render.first(choices),
+                render.chunk,
+                render.usage if prep.include_usage else None,
+                render.first(),
                 deadline,
                 state.timed_out,
             )
@@ -149,7 +162,7 @@ async def serve_generation(
             return response
         if (gone := await state.run(request, choices, deadline)) is not None:
             return gone
-        return Response(render.final(choices).model_dump_json(), media_type="application/json")
+        return Response(render.final().model_dump_json(), media_type="application/json")
     finally:
         if ticket is not None:
             ticket.release()

@@ -107,8 +107,9 @@ class _StreamRenderer:
 
     chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, choices: Choices) -> None:
         self.model_name = model_name
+        self.choices = choices
 
     def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any) -> Any:
         raise NotImplementedError
@@ -116,18 +117,20 @@ class _StreamRenderer:
     def _logprobs(self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]) -> Any:
         raise NotImplementedError
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
         """A step's chunk, for choice ``index``: its text, and its tokens' logprobs when asked
         for (a step whose tokens make no text yet still carries them)."""
         if not step.text and step.finish_reason is None and not step.logprobs:
             return None
+        choices = self.choices
         gen = choices.gens[index]
         want = gen.params.logprobs is not None
         logprobs = self._logprobs(gen, index, step.logprobs) if want else None
         choice = self._choice(index, step.text, step.finish_reason, logprobs)
         return self.chunk_model(id=choices.request_id, model=self.model_name, choices=[choice])
 
-    def usage(self, choices: Choices) -> BaseModel:
+    def usage(self) -> BaseModel:
+        choices = self.choices
         return self.chunk_model(
             id=choices.request_id, model=self.model_name, choices=[], usage=usage_of(choices)
         )
@@ -136,8 +139,8 @@ class _StreamRenderer:
 class CompletionRenderer(_StreamRenderer):
     chunk_model = CompletionResponse
 
-    def __init__(self, model_name: str) -> None:
-        super().__init__(model_name)
+    def __init__(self, model_name: str, choices: Choices) -> None:
+        super().__init__(model_name, choices)
         # each choice's: where its next chunk's tokens start (``text_offset``)
         self._text_offsets: dict[int, int] = {}
 
@@ -156,10 +159,11 @@ class CompletionRenderer(_StreamRenderer):
         self._text_offsets[index] = offset + sum(len(t) for t in out.tokens)
         return out
 
-    def first(self, choices: Choices) -> BaseModel | None:
+    def first(self) -> BaseModel | None:
         return None
 
-    def final(self, choices: Choices) -> BaseModel:
+    def final(self) -> BaseModel:
+        choices = self.choices
         out = []
         for index, gen in enumerate(choices.gens):
             want = gen.params.logprobs is not None
@@ -173,16 +177,17 @@ class CompletionRenderer(_StreamRenderer):
 class ChatRenderer(_StreamRenderer):
     chunk_model = ChatCompletionChunk
 
-    def __init__(self, model_name: str) -> None:
-        super().__init__(model_name)
+    def __init__(self, model_name: str, choices: Choices) -> None:
+        super().__init__(model_name, choices)
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls, with tools
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
         """With tools, a step's content and ``tool_calls`` (``pd.server.openai.tool_stream``); the
         last step's ``finish_reason`` is ``"tool_calls"`` when the choice made a call."""
+        choices = self.choices
         gen = choices.gens[index]
         if gen.tools is None:
-            return super().chunk(choices, index, step)
+            return super().chunk(index, step)
         calls = self._tool_streams.setdefault(index, ToolCallStream(gen.tools))
         out = calls.feed(step.text, step.finish_reason is not None)
         finish_reason = step.finish_reason
@@ -213,15 +218,17 @@ class ChatRenderer(_StreamRenderer):
     ) -> ChatLogprobs:
         return chat_logprobs(gen.tokenizer, lps)
 
-    def first(self, choices: Choices) -> BaseModel | None:
+    def first(self) -> BaseModel | None:
         # the role, once for each choice (as OpenAI streams them)
+        choices = self.choices
         roles = [
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
             for i in range(len(choices.gens))
         ]
         return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=roles)
 
-    def final(self, choices: Choices) -> BaseModel:
+    def final(self) -> BaseModel:
+        choices = self.choices
         out = []
         for index, gen in enumerate(choices.gens):
             out.append(self._final_choice(index, gen))
@@ -250,8 +257,7 @@ class ChatRenderer(_StreamRenderer):
     openapi_extra=json_body(CompletionRequest),
 )
 async def completions(request: Request) -> Response:
-    render = CompletionRenderer(request.app.state.server.model_name)
-    return await serve_generation(request, "cmpl", prepare_completion, render)
+    return await serve_generation(request, "cmpl", prepare_completion, CompletionRenderer)
 
 
 @router.post(
@@ -260,5 +266,4 @@ async def completions(request: Request) -> Response:
     openapi_extra=json_body(ChatCompletionRequest),
 )
 async def chat_completions(request: Request) -> Response:
-    render = ChatRenderer(request.app.state.server.model_name)
-    return await serve_generation(request, "chatcmpl", prepare_chat, render)
+    return await serve_generation(request, "chatcmpl", prepare_chat, ChatRenderer)

@@ -41,8 +41,14 @@ def prepare_generate(checks: RequestChecks, body: bytes, api_key: str | None) ->
 
 
 class GenerateRenderer:
-    def chunk(self, choices: Choices, index: int, step: Step) -> GenerateResponse:
-        gen = choices.gens[index]  # /generate has one choice
+    def __init__(self, model_name: str, choices: Choices) -> None:
+        self.choices = choices
+
+    def first(self) -> None:
+        return None
+
+    def chunk(self, index: int, step: Step) -> GenerateResponse:
+        gen = self.choices.gens[index]  # /generate has one choice
         return GenerateResponse(
             id=gen.request_id,
             output_ids=step.token_ids,
@@ -53,17 +59,14 @@ class GenerateRenderer:
             cached_tokens=gen.num_cached_tokens,
         )
 
-    def usage(self, choices: Choices) -> GenerateResponse:
-        raise AssertionError("/generate streams carry their counts in every chunk")
+    def usage(self) -> None:
+        return None  # /generate's chunks carry their counts, every one
 
-    def first(self, choices: Choices) -> None:
-        return None
-
-    def final(self, choices: Choices) -> GenerateResponse:
-        gen = choices.gens[0]
-        return self.chunk(choices, 0, Step(gen.text, gen.output_ids, gen.finish_reason))
+    def final(self) -> GenerateResponse:
+        gen = self.choices.gens[0]
+        return self.chunk(0, Step(gen.text, gen.output_ids, gen.finish_reason))
 
 
 @router.post("/generate", response_model=GenerateResponse, openapi_extra=json_body(GenerateRequest))
 async def generate(request: Request) -> Response:
-    return await serve_generation(request, "gen", prepare_generate, GenerateRenderer())
+    return await serve_generation(request, "gen", prepare_generate, GenerateRenderer)
