@@ -36,6 +36,8 @@ class Prepared(NamedTuple):
 
 
 class RequestChecks:
+    """The checks of a request's fields against the model and the server's limits."""
+
     def __init__(
         self, tokenizer: Any, model_name: str, max_model_len: int, config: ServerConfig
     ) -> None:
@@ -85,7 +87,6 @@ class RequestChecks:
         if requested is not None:
             return requested
         return self.key_priority.get(api_key, 0) if api_key is not None else 0
-
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -55,7 +55,7 @@ class Generation:
     num_prompt_tokens: int = field(init=False)
     on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
     count_prompt: bool = True  # False: on_tokens is told only the outputs (choices after the first)
-    tools: Any = None  # chat: the tool calls to parse out of the answer (pd.server.openai.tools.Tools)
+    tools: Any = None  # chat: the calls to parse out of the answer (pd.server.openai.tools.Tools)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)

@@ -37,9 +37,8 @@ def test_conversions_and_the_native_endpoints_fields() -> None:
     )
     kwargs = chat.sampling_kwargs()
     assert (kwargs["logprobs"], kwargs["stop"], kwargs["stop_token_ids"]) == (3, ("x",), ())
-    assert CompletionRequest.model_validate({"prompt": "a", "logprobs": 2}).sampling_kwargs()[
-        "logprobs"
-    ] == 2
+    completion = CompletionRequest.model_validate({"prompt": "a", "logprobs": 2})
+    assert completion.sampling_kwargs()["logprobs"] == 2
     # /generate has no min_tokens, logprobs or grammar: SamplingParams' defaults
     native = GenerateSamplingParams.model_validate({"temperature": 0.5}).sampling_kwargs()
     assert set(native) == FIELDS - SET_BY_SERVER - {"min_tokens", "logprobs", "grammar"}

@@ -1,6 +1,6 @@
-"""``pd.server.openai.tool_stream`` on its own: an answer fed in pieces (whole, a character at a time,
-random cuts) adds up to what ``Tools.parse`` reads out of it whole, each call's name in its
-first delta and its arguments streamed as they come."""
+"""``pd.server.openai.tool_stream`` on its own: an answer fed in pieces (whole, a character at a
+time, random cuts) adds up to what ``Tools.parse`` reads out of it whole, each call's name in
+its first delta and its arguments streamed as they come."""
 
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ A stream is ``data: {json}\\n\\n`` events ending with the raw ``data: [DONE]\\n\
 Its request generates into a pipe (``pd.server.http.stream_buffer``) that the connection empties
 as its client reads: a slow reader holds its admission place while its request generates, not
 while it reads the rest. A stream that ends early (its client left, or stopped reading and was
-cut off by ``pd.server.http.middleware.WriteTimeoutMiddleware``) closes its generator at once, which aborts the
-request on the engine (in ``Generation``); a plain handler is not cancelled by the server, so
-``cancel_on_disconnect`` watches for its client leaving (and for one leaving the admission
-queue). A request past its deadline is cancelled the same way (so aborted on the engine) and
-answered with a timeout error (an error event, then ``[DONE]``, on a stream).
+cut off by ``pd.server.http.middleware.WriteTimeoutMiddleware``) closes its generator at once,
+which aborts the request on the engine (in ``Generation``); a plain handler is not cancelled by
+the server, so ``cancel_on_disconnect`` watches for its client leaving (and for one leaving the
+admission queue). A request past its deadline is cancelled the same way (so aborted on the
+engine) and answered with a timeout error (an error event, then ``[DONE]``, on a stream).
 """
 
 from __future__ import annotations
