@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
-from pd.server.auth import cache_namespace
+from pd.server.http.auth import cache_namespace
 
 TENANT_A = cache_namespace("tenant-a-key", None)
 TENANT_B = cache_namespace("tenant-b-key", None)

@@ -9,15 +9,21 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
     pd.node    the node: its loop and parts (server link, peers, transfer, heartbeats)
     prefill, decode   the two roles; they never import each other
     pd.cluster coordinator, cluster client, launcher, admin, autoscaler
-    pd.server  the HTTP server
+    pd.server  the HTTP server: its core (app, state, checks, generation, routes/), the OpenAI
+               surface (``pd.server.openai``) and the HTTP shell (``pd.server.http``)
     pd.cli     the command line
     pdtools    the libraries of scripts/ (benchmarks, the chaos soak, the netns harness): tools
                over the runtime, which never imports them
+
+Inside a room (a top folder: ``pd.server`` with its sub-rooms, ``pd.engine``, ``prefill``, ...)
+no import circle may close, counting function-local and type-only imports too
+(``test_no_new_import_circle_inside_a_room``).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -133,3 +139,118 @@ def test_the_check_sees_an_upward_import(
     fake.write_text(source)
     assert imported_modules(fake), "the parser found no import"
     assert bool(upward_imports(fake, module)) is is_bad, (module, source)
+
+
+# Import circles that exist today inside a room, each a set of modules: to be broken (issue 53).
+# The test fails on any circle not listed here, and on a listed one that is gone (drop it).
+KNOWN_CIRCLES: list[frozenset[str]] = [
+    frozenset({"decode.incoming", "decode.scheduler"}),
+    frozenset({"prefill.outgoing", "prefill.scheduler"}),
+    frozenset({"pd.cluster.client", "pd.cluster.flights"}),
+    frozenset({"pd.engine.core", "pd.engine.stats"}),
+    frozenset({"pd.engine.rank_kv", "pd.engine.runner", "pd.engine.tensor_parallel"}),
+    frozenset({"pd.model.config", "pd.model.families"}),
+    frozenset({"pdtools.chaos_faults", "pdtools.chaos_hardening"}),
+    frozenset({"pd.cli", "pd.cli.serve"}),
+]
+
+
+def room_of(module: str) -> str:
+    """A module's room: its layer's package (``pd.server`` holds its sub-rooms), else its top
+    folder."""
+    found = layer_of(module)
+    return found[0] if found is not None else module.split(".")[0]
+
+
+def import_edges(path: Path, modules: Iterable[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports, anywhere in it (function-local and
+    ``TYPE_CHECKING`` imports included): ``from a import b`` is an edge to ``a.b`` when that is
+    a module, else to ``a``; an import of a name inside a module is an edge to that module."""
+    known = set(modules)
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                add(sub if sub in known else node.module)
+    return found
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one node (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def room_circles() -> list[frozenset[str]]:
+    modules = {module_name(p): p for p in source_files()}
+    graph = {
+        name: {
+            other
+            for other in import_edges(path, modules)
+            if other != name and room_of(other) == room_of(name)
+        }
+        for name, path in modules.items()
+    }
+    return circles(graph)
+
+
+def test_no_new_import_circle_inside_a_room() -> None:
+    found = room_circles()
+    new = [sorted(c) for c in found if c not in KNOWN_CIRCLES]
+    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in found]
+    assert new == [], f"import circles inside a room (break them): {new}"
+    assert gone == [], f"circles in KNOWN_CIRCLES that no longer close (drop them): {gone}"
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [frozenset({"a", "b", "c"})]
+    assert circles({"a": {"b"}, "b": set()}) == []

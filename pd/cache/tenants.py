@@ -1,7 +1,7 @@
 """Tenants of the prefix cache, and their shares of it under pressure.
 
 A namespace's first ``/``-part names its tenant when it is a key's (``k...``) or a key group's
-(``g...``), as ``pd.server.auth.cache_namespace`` builds them with caches isolated per key
+(``g...``), as ``pd.server.http.auth.cache_namespace`` builds them with caches isolated per key
 (the default with API keys): every namespace of one key group, salted ones included, belongs to
 one tenant. Anything else (``""``, a bare salt's ``s...``) belongs to the shared tenant ``""``.
 

@@ -33,7 +33,7 @@ from pd.engine.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
-from pd.server.listener import Listener, max_connections_for, raise_fd_limit
+from pd.server.http.listener import Listener, max_connections_for, raise_fd_limit
 from pd.server.metrics import ServerMetrics
 from pd.server.state import ServerState
 from transfer import TransferConfig

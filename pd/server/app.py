@@ -24,19 +24,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from pd.core.outputs import EngineClient
-from pd.server.auth import ApiKeys
 from pd.server.config import ServerConfig
-from pd.server.errors import APIError, validation_error
-from pd.server.key_limits import KeyLimiter, KeyLimitMiddleware
-from pd.server.metrics import ServerMetrics
-from pd.server.middleware import (
+from pd.server.http.auth import ApiKeys
+from pd.server.http.errors import APIError, validation_error
+from pd.server.http.key_limits import KeyLimiter, KeyLimitMiddleware
+from pd.server.http.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
     BodyRefused,
     CatchAllMiddleware,
     WriteTimeoutMiddleware,
 )
-from pd.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from pd.server.metrics import ServerMetrics
+from pd.server.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pd.server.routes import ROUTERS
 from pd.server.routes import admin as admin_routes
 from pd.server.routes.ops import HealthFn, StatsFn

@@ -42,7 +42,7 @@ class Generation:
     params: SamplingParams
     tokenizer: Any
     metrics: ServerMetrics
-    namespace: str = ""  # prefix-cache scope (pd.server.auth.cache_namespace)
+    namespace: str = ""  # prefix-cache scope (pd.server.http.auth.cache_namespace)
     # the server's ids of running requests: this one is in it while it runs (a shutdown past
     # its grace aborts them)
     running: set[str] = field(default_factory=set)
@@ -55,7 +55,7 @@ class Generation:
     num_prompt_tokens: int = field(init=False)
     on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
     count_prompt: bool = True  # False: on_tokens is told only the outputs (choices after the first)
-    tools: Any = None  # chat: the tool calls to parse out of the answer (pd.server.tools.Tools)
+    tools: Any = None  # chat: the calls to parse out of the answer (pd.server.openai.tools.Tools)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)

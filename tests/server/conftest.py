@@ -18,7 +18,7 @@ from pd.server import ServerConfig, ServerMetrics, build_app
 from tests.server.fake_engine import FakeEngineClient
 
 if TYPE_CHECKING:
-    from pd.server.listener import Listener
+    from pd.server.http.listener import Listener
 
 MODEL_NAME = "smollm2-test"
 MAX_MODEL_LEN = 256

@@ -20,7 +20,7 @@ from pd.cluster.coordinator import Pull, Route
 from pd.cluster.route_log import RouteLog
 from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, ServerMetrics, build_app
-from pd.server.auth import cache_namespace
+from pd.server.http.auth import cache_namespace
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, serve
 from tests.server.fake_engine import FakeEngineClient
 

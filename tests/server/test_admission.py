@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from pd.server import ServerConfig, ServerMetrics
-from pd.server.admission import Admission
-from pd.server.errors import APIError
+from pd.server.http.admission import Admission
+from pd.server.http.errors import APIError
 from tests.server.conftest import serve, wait_for
 from tests.server.fake_engine import FakeEngineClient
 

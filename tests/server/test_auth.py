@@ -12,7 +12,7 @@ import pytest
 from pd.cache.tenants import group_namespace, tenant_of
 from pd.core import envs
 from pd.server import ServerConfig
-from pd.server.auth import cache_namespace
+from pd.server.http.auth import cache_namespace
 from tests.server.conftest import MODEL_NAME, serve
 from tests.server.fake_engine import FakeEngineClient
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from pd.server import ServerConfig
-from pd.server.errors import APIError
-from pd.server.key_limits import KeyLimiter, TokenWindow
+from pd.server.http.errors import APIError
+from pd.server.http.key_limits import KeyLimiter, TokenWindow
 from tests.server.conftest import serve
 from tests.server.fake_engine import FakeEngineClient
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pd.server import ServerMetrics
-from pd.server.listener import Listener, max_connections_for, raise_fd_limit
+from pd.server.http.listener import Listener, max_connections_for, raise_fd_limit
 from tests.server.conftest import serve, wait_for
 from tests.server.fake_engine import FakeEngineClient
 from tests.server.raw_client import NORMAL, close_all, connect, read_to_end, request_head

@@ -12,8 +12,8 @@ import pytest
 
 from pd.core.priority import MAX_OVERTAKES, insert_ranked
 from pd.server import ServerConfig, ServerMetrics
-from pd.server.admission import Admission
-from pd.server.errors import APIError
+from pd.server.http.admission import Admission
+from pd.server.http.errors import APIError
 from tests.server.conftest import serve
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pd.server.stream_buffer import MAX_SEND_BYTES, StreamBytes, StreamPipe
+from pd.server.http.stream_buffer import MAX_SEND_BYTES, StreamBytes, StreamPipe
 
 pytestmark = pytest.mark.timeout(10)
 

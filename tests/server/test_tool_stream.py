@@ -1,6 +1,6 @@
-"""``pd.server.tool_stream`` on its own: an answer fed in pieces (whole, a character at a time,
-random cuts) adds up to what ``Tools.parse`` reads out of it whole, each call's name in its
-first delta and its arguments streamed as they come."""
+"""``pd.server.openai.tool_stream`` on its own: an answer fed in pieces (whole, a character at a
+time, random cuts) adds up to what ``Tools.parse`` reads out of it whole, each call's name in
+its first delta and its arguments streamed as they come."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pd.server.tool_stream import ToolCallStream
-from pd.server.tools import Tools
+from pd.server.openai.tool_stream import ToolCallStream
+from pd.server.openai.tools import Tools
 from tests.server.test_tools import ADD, NOW
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'

@@ -1,4 +1,4 @@
-"""``pd.server.tools`` on its own: the checks of ``tools`` and ``tool_choice``, the parse of
+"""``pd.server.openai.tools`` on its own: the checks of ``tools`` and ``tool_choice``, the parse of
 Hermes/Qwen blocks and of a Llama-3 JSON call, and the grammar of a required call."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from pd.engine.grammar import grammar_error
-from pd.server.errors import APIError
-from pd.server.tools import Tools
+from pd.server.http.errors import APIError
+from pd.server.openai.tools import Tools
 
 ADD = {
     "type": "function",

@@ -30,10 +30,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError
+from pd.server.checks import RequestChecks
+from pd.server.http.auth import API_KEY_SCOPE
+from pd.server.http.errors import APIError
 from pd.server.routes.common import server_state
-from pd.server.state import ServerState
 
 if TYPE_CHECKING:  # the colocated server never imports the cluster (nor Ray)
     from pd.cluster.admin import ClusterAdmin
@@ -107,18 +107,18 @@ async def drain(node_id: str, request: Request) -> JSONResponse:
     return JSONResponse(_pools(admin), status_code=202)
 
 
-def _warmup_prompts(state: ServerState, body: WarmupRequest) -> list[list[int]]:
+def _warmup_prompts(checks: RequestChecks, body: WarmupRequest) -> list[list[int]]:
     """Token ids of each prompt, checked like a request's (4xx with the prompt's index)."""
     prompts: list[list[int]] = []
     for i, prompt in enumerate(body.prompts):
         param = f"prompts[{i}]"
         if isinstance(prompt, str):
-            ids = state.encode(prompt, param)
+            ids = checks.encode(prompt, param)
         else:
-            ids = state.prompt_ids(prompt, param)
+            ids = checks.prompt_ids(prompt, param)
         if not ids:
             raise HTTPException(400, f"{param} is empty")
-        state.max_tokens_for(len(ids), 1, param)  # it must leave room for its one token
+        checks.max_tokens_for(len(ids), 1, param)  # it must leave room for its one token
         prompts.append(ids)
     return prompts
 
@@ -127,10 +127,10 @@ def _warmup_prompts(state: ServerState, body: WarmupRequest) -> list[list[int]]:
 async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     if body.key_group is not None:
-        namespace = state.group_namespace(body.key_group, body.cache_salt)
+        namespace = state.checks.group_namespace(body.key_group, body.cache_salt)
     else:
-        namespace = state.namespace(request.scope.get(API_KEY_SCOPE), body.cache_salt)
-    prompts = await state.in_thread(_warmup_prompts, state, body)  # tokenizing takes a while
+        namespace = state.checks.namespace(request.scope.get(API_KEY_SCOPE), body.cache_salt)
+    prompts = await state.in_thread(_warmup_prompts, state.checks, body)  # tokenizing takes a while
     results = await _admin(request).warmup(prompts, namespace)
     return {
         "prompts": [

@@ -12,7 +12,7 @@
 
 The admission place is released when the response is over: at once for an error or a plain
 answer; for a stream, when its generation ends and what its client has not read yet fits the
-server's budget for slow readers (``pd.server.stream_buffer``), or when the stream ends,
+server's budget for slow readers (``pd.server.http.stream_buffer``), or when the stream ends,
 however it ends, if that comes first. A client that leaves is counted
 (``pd_server_client_gone_total``) and answered nothing (499 in the access log).
 """
@@ -28,29 +28,43 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pd.server.admission import AdmissionTicket
-from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError, validation_error
+from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Step
-from pd.server.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
-from pd.server.protocol import MAX_N
-from pd.server.state import Prepared, ServerState
-from pd.server.streaming import ClientGone, sse_response, sse_steps
+from pd.server.http.admission import AdmissionTicket
+from pd.server.http.auth import API_KEY_SCOPE
+from pd.server.http.errors import APIError, validation_error
+from pd.server.http.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
+from pd.server.http.streaming import ClientGone, sse_response, sse_steps
+from pd.server.openai.protocol import MAX_N
+from pd.server.state import ServerState
 
-Prepare = Callable[[ServerState, bytes, "str | None"], Prepared]
+# parses, checks and tokenizes a body in a parse thread (given the API key the request carried)
+Prepare = Callable[[RequestChecks, bytes, "str | None"], Prepared]
 _INLINE_PEEK_BYTES = 16 << 10  # a body this small is peeked at on the event loop (microseconds)
 
 
 class Renderer(Protocol):
-    """An endpoint's response shapes."""
+    """One request's response shapes, an endpoint's kind of them: built from the served
+    model's name and the request's choices (``MakeRenderer``), each method a model or None."""
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None: ...
+    def first(self) -> BaseModel | None:
+        """A stream's opening chunk, if it has one."""
+        ...
 
-    def usage(self, choices: Choices) -> BaseModel: ...
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
+        """A stream's chunk of choice ``index`` for one of its steps (None: nothing to send)."""
+        ...
 
-    def first(self, choices: Choices) -> BaseModel | None: ...
+    def usage(self) -> BaseModel | None:
+        """A stream's usage chunk, when the request asks for one."""
+        ...
 
-    def final(self, choices: Choices) -> BaseModel: ...
+    def final(self) -> BaseModel:
+        """The answer of a request that does not stream."""
+        ...
+
+
+MakeRenderer = Callable[[str, Choices], Renderer]
 
 
 class _AdmissionFields(BaseModel):
@@ -91,7 +105,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 async def serve_generation(
-    request: Request, prefix: str, prepare: Prepare, render: Renderer
+    request: Request, prefix: str, prepare: Prepare, make_renderer: MakeRenderer
 ) -> Response:
     state = server_state(request)
     timeout_s = state.config.request_timeout
@@ -114,7 +128,7 @@ async def serve_generation(
             widen(num_choices)  # the key's requests in flight: n
         except APIError as e:
             return e.response()
-    priority = state.priority_for(peek.priority, api_key)
+    priority = state.checks.priority_for(peek.priority, api_key)
     try:
         ticket: AdmissionTicket | None = await state.admit(
             request, timeout_s, num_choices, priority
@@ -122,16 +136,17 @@ async def serve_generation(
     except ClientGone:
         return Response(status_code=499)
     try:
-        prep = await state.in_thread(prepare, state, body, api_key)
+        prep = await state.in_thread(prepare, state.checks, body, api_key)
         assert prep.n <= num_choices, (prep.n, num_choices)
         # per-key tokens per minute
         choices = state.new_choices(prefix, prep, request.scope.get(TOKEN_METER_SCOPE))
+        render = make_renderer(state.model_name, choices)
         if prep.stream:
             steps = sse_steps(
                 choices,
-                lambda index, step: render.chunk(choices, index, step),
-                (lambda: render.usage(choices)) if prep.include_usage else None,
-                render.first(choices),
+                render.chunk,
+                render.usage if prep.include_usage else None,
+                render.first(),
                 deadline,
                 state.timed_out,
             )
@@ -147,7 +162,7 @@ async def serve_generation(
             return response
         if (gone := await state.run(request, choices, deadline)) is not None:
             return gone
-        return Response(render.final(choices).model_dump_json(), media_type="application/json")
+        return Response(render.final().model_dump_json(), media_type="application/json")
     finally:
         if ticket is not None:
             ticket.release()

@@ -12,11 +12,12 @@ from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.engine.grammar import grammar_error
-from pd.server.errors import APIError
+from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Generation, Step
-from pd.server.logprobs import chat_logprobs, completion_logprobs
-from pd.server.protocol import ChatCompletionRequest, CompletionRequest
-from pd.server.responses import (
+from pd.server.http.errors import APIError
+from pd.server.openai.logprobs import chat_logprobs, completion_logprobs
+from pd.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pd.server.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -29,10 +30,9 @@ from pd.server.responses import (
     DeltaMessage,
     Usage,
 )
+from pd.server.openai.tool_stream import ToolCallStream
+from pd.server.openai.tools import Tools
 from pd.server.routes.common import json_body, parse_body, serve_generation
-from pd.server.state import Prepared, ServerState
-from pd.server.tool_stream import ToolCallStream
-from pd.server.tools import Tools
 
 router = APIRouter()
 
@@ -44,26 +44,22 @@ def usage_of(choices: Choices) -> Usage:
     )
 
 
-def prepare_completion(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+def prepare_completion(checks: RequestChecks, body: bytes, api_key: str | None) -> Prepared:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     req.check_supported()
-    state.check_model(req.model)
+    checks.check_model(req.model)
     prompt = req.single_prompt
     if isinstance(prompt, str):
-        prompt_ids = state.encode(prompt, "prompt")
+        prompt_ids = checks.encode(prompt, "prompt")
     else:
-        prompt_ids = state.prompt_ids(prompt, "prompt")
-    max_tokens = state.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
-    priority = state.priority_for(req.priority, api_key)
-    params = state.sampling_params(req.sampling_kwargs(), max_tokens, req.logit_bias, priority)
-    namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n)
+        prompt_ids = checks.prompt_ids(prompt, "prompt")
+    return _prepare_openai(checks, req, prompt_ids, req.sampling_kwargs(), api_key, "prompt")
 
 
-def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepared:
+def prepare_chat(checks: RequestChecks, body: bytes, api_key: str | None) -> Prepared:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     req.check_supported()
-    state.check_model(req.model)
+    checks.check_model(req.model)
     tools = Tools.of(req.tools, req.tool_choice, req.parallel_tool_calls)
     fields = req.sampling_kwargs()
     if tools is not None and tools.is_forced:
@@ -77,12 +73,33 @@ def prepare_chat(state: ServerState, body: bytes, api_key: str | None) -> Prepar
         if error := grammar_error(fields["grammar"]):
             raise APIError(f"the tools' parameters do not compile: {error}", param="tools")
     messages = [m.template_dict() for m in req.messages]
-    prompt_ids = state.apply_chat_template(messages, req.tools if tools is not None else None)
-    max_tokens = state.max_tokens_for(len(prompt_ids), req.requested_max_tokens, "messages")
-    priority = state.priority_for(req.priority, api_key)
-    params = state.sampling_params(fields, max_tokens, req.logit_bias, priority)
-    namespace = state.namespace(api_key, req.cache_salt)
-    return Prepared(prompt_ids, params, namespace, req.stream, req.include_usage, req.n, tools)
+    prompt_ids = checks.apply_chat_template(messages, req.tools if tools is not None else None)
+    return _prepare_openai(checks, req, prompt_ids, fields, api_key, "messages", tools)
+
+
+def _prepare_openai(
+    checks: RequestChecks,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    fields: dict[str, Any],
+    api_key: str | None,
+    param: str,
+    tools: Tools | None = None,
+) -> Prepared:
+    return checks.prepare(
+        prompt_ids,
+        fields,
+        param=param,
+        max_tokens=req.requested_max_tokens,
+        logit_bias=req.logit_bias,
+        priority=req.priority,
+        api_key=api_key,
+        cache_salt=req.cache_salt,
+        stream=req.stream,
+        include_usage=req.include_usage,
+        n=req.n,
+        tools=tools,
+    )
 
 
 class _StreamRenderer:
@@ -90,8 +107,9 @@ class _StreamRenderer:
 
     chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, choices: Choices) -> None:
         self.model_name = model_name
+        self.choices = choices
 
     def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any) -> Any:
         raise NotImplementedError
@@ -99,18 +117,20 @@ class _StreamRenderer:
     def _logprobs(self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]) -> Any:
         raise NotImplementedError
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
         """A step's chunk, for choice ``index``: its text, and its tokens' logprobs when asked
         for (a step whose tokens make no text yet still carries them)."""
         if not step.text and step.finish_reason is None and not step.logprobs:
             return None
+        choices = self.choices
         gen = choices.gens[index]
         want = gen.params.logprobs is not None
         logprobs = self._logprobs(gen, index, step.logprobs) if want else None
         choice = self._choice(index, step.text, step.finish_reason, logprobs)
         return self.chunk_model(id=choices.request_id, model=self.model_name, choices=[choice])
 
-    def usage(self, choices: Choices) -> BaseModel:
+    def usage(self) -> BaseModel:
+        choices = self.choices
         return self.chunk_model(
             id=choices.request_id, model=self.model_name, choices=[], usage=usage_of(choices)
         )
@@ -119,8 +139,8 @@ class _StreamRenderer:
 class CompletionRenderer(_StreamRenderer):
     chunk_model = CompletionResponse
 
-    def __init__(self, model_name: str) -> None:
-        super().__init__(model_name)
+    def __init__(self, model_name: str, choices: Choices) -> None:
+        super().__init__(model_name, choices)
         # each choice's: where its next chunk's tokens start (``text_offset``)
         self._text_offsets: dict[int, int] = {}
 
@@ -139,10 +159,11 @@ class CompletionRenderer(_StreamRenderer):
         self._text_offsets[index] = offset + sum(len(t) for t in out.tokens)
         return out
 
-    def first(self, choices: Choices) -> BaseModel | None:
+    def first(self) -> BaseModel | None:
         return None
 
-    def final(self, choices: Choices) -> BaseModel:
+    def final(self) -> BaseModel:
+        choices = self.choices
         out = []
         for index, gen in enumerate(choices.gens):
             want = gen.params.logprobs is not None
@@ -156,16 +177,17 @@ class CompletionRenderer(_StreamRenderer):
 class ChatRenderer(_StreamRenderer):
     chunk_model = ChatCompletionChunk
 
-    def __init__(self, model_name: str) -> None:
-        super().__init__(model_name)
+    def __init__(self, model_name: str, choices: Choices) -> None:
+        super().__init__(model_name, choices)
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls, with tools
 
-    def chunk(self, choices: Choices, index: int, step: Step) -> BaseModel | None:
-        """With tools, a step's content and ``tool_calls`` (``pd.server.tool_stream``); the
+    def chunk(self, index: int, step: Step) -> BaseModel | None:
+        """With tools, a step's content and ``tool_calls`` (``pd.server.openai.tool_stream``); the
         last step's ``finish_reason`` is ``"tool_calls"`` when the choice made a call."""
+        choices = self.choices
         gen = choices.gens[index]
         if gen.tools is None:
-            return super().chunk(choices, index, step)
+            return super().chunk(index, step)
         calls = self._tool_streams.setdefault(index, ToolCallStream(gen.tools))
         out = calls.feed(step.text, step.finish_reason is not None)
         finish_reason = step.finish_reason
@@ -196,15 +218,17 @@ class ChatRenderer(_StreamRenderer):
     ) -> ChatLogprobs:
         return chat_logprobs(gen.tokenizer, lps)
 
-    def first(self, choices: Choices) -> BaseModel | None:
+    def first(self) -> BaseModel | None:
         # the role, once for each choice (as OpenAI streams them)
+        choices = self.choices
         roles = [
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
             for i in range(len(choices.gens))
         ]
         return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=roles)
 
-    def final(self, choices: Choices) -> BaseModel:
+    def final(self) -> BaseModel:
+        choices = self.choices
         out = []
         for index, gen in enumerate(choices.gens):
             out.append(self._final_choice(index, gen))
@@ -233,8 +257,7 @@ class ChatRenderer(_StreamRenderer):
     openapi_extra=json_body(CompletionRequest),
 )
 async def completions(request: Request) -> Response:
-    render = CompletionRenderer(request.app.state.server.model_name)
-    return await serve_generation(request, "cmpl", prepare_completion, render)
+    return await serve_generation(request, "cmpl", prepare_completion, CompletionRenderer)
 
 
 @router.post(
@@ -243,5 +266,4 @@ async def completions(request: Request) -> Response:
     openapi_extra=json_body(ChatCompletionRequest),
 )
 async def chat_completions(request: Request) -> Response:
-    render = ChatRenderer(request.app.state.server.model_name)
-    return await serve_generation(request, "chatcmpl", prepare_chat, render)
+    return await serve_generation(request, "chatcmpl", prepare_chat, ChatRenderer)

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pd.core.outputs import ClusterStats
-from pd.server.auth import ROLE_SCOPE, Role
-from pd.server.responses import ModelCard, ModelList
+from pd.server.http.auth import ROLE_SCOPE, Role
+from pd.server.openai.responses import ModelCard, ModelList
 from pd.server.routes.common import server_state
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pd.server.auth import API_KEY_SCOPE
-from pd.server.errors import APIError, rate_limited
+from pd.server.http.auth import API_KEY_SCOPE
+from pd.server.http.errors import APIError, rate_limited
 from pd.server.metrics import ServerMetrics
 
 WINDOW_S = 60

@@ -27,7 +27,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pd.server.errors import APIError
+from pd.server.http.errors import APIError
 from pd.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

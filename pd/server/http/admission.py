@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from pd.core.priority import insert_ranked
-from pd.server.errors import APIError
+from pd.server.http.errors import APIError
 from pd.server.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1

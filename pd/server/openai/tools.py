@@ -12,7 +12,7 @@ given, the grammar a required call is sampled under, and the answer's ``tool_cal
 3. An answer with calls has ``finish_reason: "tool_calls"``, each call's ``arguments`` the
    JSON text of its arguments (the model's own text where the block opens with its name,
    ``{"name": ..., "arguments": {...``: what a stream sends as it comes,
-   ``pd.server.tool_stream``), and the text outside the blocks (if any) as its content.
+   ``pd.server.openai.tool_stream``), and the text outside the blocks (if any) as its content.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import llguidance
 
-from pd.server.errors import APIError
+from pd.server.http.errors import APIError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

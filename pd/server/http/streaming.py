@@ -1,14 +1,14 @@
 """SSE framing, client-disconnect handling and deadlines of the HTTP server.
 
 A stream is ``data: {json}\\n\\n`` events ending with the raw ``data: [DONE]\\n\\n`` sentinel.
-Its request generates into a pipe (``pd.server.stream_buffer``) that the connection empties
+Its request generates into a pipe (``pd.server.http.stream_buffer``) that the connection empties
 as its client reads: a slow reader holds its admission place while its request generates, not
 while it reads the rest. A stream that ends early (its client left, or stopped reading and was
-cut off by ``pd.server.middleware.WriteTimeoutMiddleware``) closes its generator at once, which aborts the
-request on the engine (in ``Generation``); a plain handler is not cancelled by the server, so
-``cancel_on_disconnect`` watches for its client leaving (and for one leaving the admission
-queue). A request past its deadline is cancelled the same way (so aborted on the engine) and
-answered with a timeout error (an error event, then ``[DONE]``, on a stream).
+cut off by ``pd.server.http.middleware.WriteTimeoutMiddleware``) closes its generator at once,
+which aborts the request on the engine (in ``Generation``); a plain handler is not cancelled by
+the server, so ``cancel_on_disconnect`` watches for its client leaving (and for one leaving the
+admission queue). A request past its deadline is cancelled the same way (so aborted on the
+engine) and answered with a timeout error (an error event, then ``[DONE]``, on a stream).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
-from pd.server.errors import APIError, internal_error
 from pd.server.generation import Choices, Step
-from pd.server.stream_buffer import StreamBytes, StreamPipe
+from pd.server.http.errors import APIError, internal_error
+from pd.server.http.stream_buffer import StreamBytes, StreamPipe
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def sse_response(
 ) -> StreamingResponse:
     """The response of a stream: ``on_close`` gives its admission place back once its
     generation ends and its unsent bytes (at most ``max_buffer_bytes``, then the request
-    waits) fit ``budget``, or when the response is over (``pd.server.stream_buffer``)."""
+    waits) fit ``budget``, or when the response is over (``pd.server.http.stream_buffer``)."""
     pipe = StreamPipe(max_buffer_bytes, budget, on_close)
     return _PipedStreamingResponse(body, pipe, on_gone)
 
@@ -160,7 +160,7 @@ async def anext_or_none(it: AsyncIterator[T]) -> T | None:
 async def sse_steps(
     choices: Choices,
     make_chunk: Callable[[int, Step], BaseModel | None],
-    usage_chunk: Callable[[], BaseModel] | None,
+    usage_chunk: Callable[[], BaseModel | None] | None,
     first: BaseModel | None,
     deadline: float,
     on_timeout: Callable[[], APIError],
@@ -184,8 +184,8 @@ async def sse_steps(
                 chunk = make_chunk(*step)
                 if chunk is not None:
                     yield sse_event(chunk)
-        if usage_chunk is not None:
-            yield sse_event(usage_chunk())
+        if usage_chunk is not None and (usage := usage_chunk()) is not None:
+            yield sse_event(usage)
     except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
     except Exception as e:

@@ -6,7 +6,7 @@ Every field is one of three kinds, and anything else is refused with a 400 that 
 - implemented (``temperature``, ``stop``, ``logit_bias``, the penalties, ``min_p``,
   ``logprobs``, ``cache_salt``, ``n`` up to ``MAX_N``, ``priority``, structured outputs
   (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``:
-  ``pd.server.structured``), ...);
+  ``pd.server.openai.structured``), ...);
 - accepted only at its neutral value (``neutral_values``: ``best_of=n``,
   ``echo=false``, ...), because common clients send it at that value;
 - harmless and ignored (``user``, ``metadata``, ``stream_options`` without a stream's usage ...).
@@ -14,17 +14,28 @@ Every field is one of three kinds, and anything else is refused with a 400 that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from pd.core.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED
-from pd.server.errors import APIError
-from pd.server.structured import grammar_of
+from pd.core.sampling_params import (
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    SamplingParams,
+)
+from pd.server.http.errors import APIError
+from pd.server.openai.structured import grammar_of
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: logprobs in 0..5
 MAX_N = 16  # choices one request may ask for
+# SamplingParams' fields the server sets itself, not a request's ``sampling_kwargs``: the budget
+# and the bias once checked against the context and the vocabulary, the priority from the key's
+SET_BY_SERVER = frozenset({"max_tokens", "logit_bias", "priority"})
+_ABSENT = object()
 
 __all__ = [
     "APIError",
@@ -93,22 +104,25 @@ class _SamplerFields(_Strict):
         return stops
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams' fields, less max_tokens and logit_bias (the server checks those
-        against the context and the vocabulary)."""
-        return dict(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop_list,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
-        )
+        """SamplingParams' fields that this request carries under their own names (in
+        SamplingParams' order), less ``SET_BY_SERVER``: a field added there reaches every
+        endpoint that takes it."""
+        out = {}
+        for field in dataclasses.fields(SamplingParams):
+            if field.name not in SET_BY_SERVER:
+                value = self._sampling_value(field.name)
+                if value is not _ABSENT:
+                    out[field.name] = value
+        return out
+
+    def _sampling_value(self, name: str) -> Any:
+        """This request's value of the SamplingParams field ``name`` (``_ABSENT`` if it has no
+        such field), in SamplingParams' shape."""
+        if name == "stop":
+            return self.stop_list
+        if name == "stop_token_ids":
+            return tuple(self.stop_token_ids or ())
+        return getattr(self, name, _ABSENT)
 
 
 class _OpenAIFields(_SamplerFields):
@@ -123,7 +137,7 @@ class _OpenAIFields(_SamplerFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
-    # structured outputs (``pd.server.structured``): at most one of these
+    # structured outputs (``pd.server.openai.structured``): at most one of these
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -136,13 +150,10 @@ class _OpenAIFields(_SamplerFields):
     store: bool | None = None
     service_tier: str | None = None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """... with the structured-output fields compiled into one grammar (a 400 if it does
-        not compile)."""
-        return {**super().sampling_kwargs(), "min_tokens": self.min_tokens, "grammar": self.grammar}
-
     @property
     def grammar(self) -> str:
+        """The structured-output fields compiled into one grammar (a 400 if it does not
+        compile)."""
         return grammar_of(
             {
                 "response_format": self.response_format,
@@ -178,6 +189,11 @@ class _OpenAIFields(_SamplerFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The completion's budget the request asks for (None: the rest of the context)."""
+        return self.max_tokens
+
 
 class CompletionRequest(_OpenAIFields):
     # One prompt: text or token ids. A one-element batch is unwrapped; larger batches -> 400.
@@ -209,9 +225,6 @@ class CompletionRequest(_OpenAIFields):
                 param="best_of",
             )
         super().check_supported()
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        return {**super().sampling_kwargs(), "logprobs": self.logprobs}
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -261,7 +274,7 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # tool calls (``pd.server.tools``)
+    # tool calls (``pd.server.openai.tools``)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -282,9 +295,10 @@ class ChatCompletionRequest(_OpenAIFields):
                 f"top_logprobs={self.top_logprobs} needs logprobs=true", param="top_logprobs"
             )
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return {**super().sampling_kwargs(), "logprobs": logprobs}
+    def _sampling_value(self, name: str) -> Any:
+        if name == "logprobs":  # chat's is a switch, and top_logprobs the alternatives
+            return (self.top_logprobs or 0) if self.logprobs else None
+        return super()._sampling_value(name)
 
     @property
     def requested_max_tokens(self) -> int | None:

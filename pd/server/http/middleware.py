@@ -5,7 +5,7 @@
 - ``CatchAllMiddleware``: anything unexpected is a 500 in OpenAI's shape, never plain text;
 - ``AuthMiddleware``: ``Authorization: Bearer <key>`` on every path but the open ones (401),
   an admin key on the admin paths (403 for a tenant key);
-- ``KeyLimitMiddleware`` (``pd.server.key_limits``): each key's requests in flight and tokens
+- ``KeyLimitMiddleware`` (``pd.server.http.key_limits``): each key's requests in flight and tokens
   per minute (429);
 - ``BodyLimitMiddleware``: a body larger than the cap is 413, on its Content-Length before
   anything is read, or as soon as the bytes read (of a chunked body) pass the cap; a body not
@@ -30,9 +30,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pd.server.admission import RETRY_AFTER_S
-from pd.server.auth import API_KEY_SCOPE, ROLE_SCOPE, ApiKeys, Role
-from pd.server.errors import APIError, internal_error, rate_limited
+from pd.server.http.admission import RETRY_AFTER_S
+from pd.server.http.auth import API_KEY_SCOPE, ROLE_SCOPE, ApiKeys, Role
+from pd.server.http.errors import APIError, internal_error, rate_limited
 from pd.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] | None = None  # pd.server.tools.ToolCall.openai()
+    tool_calls: list[dict[str, Any]] | None = None  # pd.server.openai.tools.ToolCall.openai()
 
     @model_serializer(mode="wrap")
     def _without_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -106,7 +106,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # pd.server.tool_stream.ChoiceDelta's
+    tool_calls: list[dict[str, Any]] | None = None  # pd.server.openai.tool_stream.ChoiceDelta's
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pd.core.messages import TokenLogprobsMsg
-from pd.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pd.server.openai.responses import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
 
 
 @functools.lru_cache(maxsize=1 << 18)  # one entry per (tokenizer, id): a vocabulary or two

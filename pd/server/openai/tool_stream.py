@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from pd.server.tools import CALL_CLOSE, CALL_OPEN, JsonEnd, ToolCall, Tools, arguments_head
+from pd.server.openai.tools import CALL_CLOSE, CALL_OPEN, JsonEnd, ToolCall, Tools, arguments_head
 
 
 class ChoiceDelta(NamedTuple):
