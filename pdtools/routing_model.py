@@ -33,7 +33,7 @@ import msgspec
 from pd.cache.prefix_index import SharedPrefixIndex
 from pd.cache.radix_cache import RadixCache
 from pd.cache.radix_tree import RadixTree
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 

@@ -13,9 +13,9 @@ import os
 import sys
 from typing import TypeVar
 
-from pd.cluster.autoscaler import AutoscalerConfig
+from pd.fleet.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
-from pd.cluster.coordinator import POLICIES, CoordinatorConfig
+from pd.router.coordinator import POLICIES, CoordinatorConfig
 from pd.core import envs
 from pd.engine.config import EngineConfig
 from pd.model.loader import ModelLoadError

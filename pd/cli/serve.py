@@ -24,11 +24,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from pd.cluster.admin import ClusterAdmin
-from pd.cluster.autoscaler import Autoscaler, AutoscalerConfig
+from pd.fleet.admin import ClusterAdmin
+from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from pd.cluster.client import ClientConfig
-from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig
+from pd.router.coordinator import CoordinatorConfig
+from pd.fleet.launcher import Cluster, ClusterConfig
 from pd.engine.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
 from pd.server.app import build_app

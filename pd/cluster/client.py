@@ -66,7 +66,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pd.cluster.coordinator import Coordinator
+from pd.router.coordinator import Coordinator
 from pd.cluster.event_loop import LoopHandoff, TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightStatus
 from pd.cluster.flights import ClusterError, Flights

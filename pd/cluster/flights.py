@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pd.cluster.coordinator import Coordinator, Route
+from pd.router.coordinator import Coordinator, Route
 from pd.cluster.event_loop import TaskSet
 from pd.cluster.flight import Flight, FlightEvent, FlightStatus
-from pd.cluster.pulls import Pull
+from pd.router.pulls import Pull
 from pd.cluster.room import RoomQueue
 from pd.cluster.sockets import NodeSockets
 from pd.core.messages import (

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pd.cluster.policy import NoCapacityError
+from pd.router.policy import NoCapacityError
 from pd.core.priority import insert_ranked
 
 T = TypeVar("T")

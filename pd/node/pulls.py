@@ -2,7 +2,7 @@
 
 The coordinator sends a request to a prefill node that lacks a prefix another node (prefill or
 decode) holds, with ``PrefillReqMsg.pull`` set, when it estimated pulling that prefix faster
-than computing it (``pd.cluster.pulls``). Both ends use the transfer engine as decode
+than computing it (``pd.router.pulls``). Both ends use the transfer engine as decode
 does: the same sealed control plane and pair groups, the holder as sender.
 
 The life of a pull (R = the requesting prefill node, H = the holder):

@@ -29,7 +29,7 @@ from tests.conftest import free_port
 
 class LiveCluster(NamedTuple):
     url: str  # http://127.0.0.1:PORT
-    cluster: object  # pd.cluster.launcher.Cluster
+    cluster: object  # pd.fleet.launcher.Cluster
 
 
 @pytest.fixture(scope="session")
@@ -81,8 +81,8 @@ def start_live_cluster(
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
-    from pd.cluster.coordinator import CoordinatorConfig
-    from pd.cluster.launcher import Cluster, ClusterConfig
+    from pd.router.coordinator import CoordinatorConfig
+    from pd.fleet.launcher import Cluster, ClusterConfig
     from pd.engine.config import EngineConfig
 
     engine_kw: dict[str, object] = {"max_total_tokens": 8192, "max_running_requests": 48}

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from pd.cluster.client import ClientConfig
-from pd.cluster.pools import NodeState
+from pd.fleet.pools import NodeState
 from pd.server import ServerConfig
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
 from transfer import TransferConfig

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pd.cluster.autoscaler import (
+from pd.fleet.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     PoolState,
@@ -226,7 +226,7 @@ def test_an_operators_size_outside_the_range_is_kept_until_the_operator_changes_
     """Through ClusterAdmin, as /admin/scale and a drain call it: a size above the max (or below
     the min) is the operator's, held however idle the pool; one within the range is where the
     rule goes on from, its cooldown counted from the operator's change."""
-    from pd.cluster.admin import ClusterAdmin
+    from pd.fleet.admin import ClusterAdmin
 
     cluster, clock = _Cluster(), [100.0]
     auto = Autoscaler(CFG, cluster, clock=lambda: clock[0])  # type: ignore[arg-type]

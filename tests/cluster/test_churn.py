@@ -22,7 +22,7 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,

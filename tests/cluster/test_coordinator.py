@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from pd.cache import NoPrefixCache
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
+from pd.router.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 from pd.core.request import Req

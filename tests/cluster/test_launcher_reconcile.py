@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig
-from pd.cluster.pools import NodeState, PoolNode
+from pd.router.coordinator import CoordinatorConfig
+from pd.fleet.launcher import Cluster, ClusterConfig
+from pd.fleet.pools import NodeState, PoolNode
 from pd.engine.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(30)

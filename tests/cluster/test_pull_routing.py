@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig, PullCosts
+from pd.router.coordinator import Coordinator, CoordinatorConfig, PullCosts
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
 
 PREFIX = list(range(100, 1100))  # 1,000 tokens

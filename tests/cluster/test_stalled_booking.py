@@ -15,7 +15,7 @@ import pytest
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import DecodeReqMsg, PrefillReqMsg
 from pd.server import ServerConfig, build_app
 from tests.cluster.test_client import SECRET, FakeNode

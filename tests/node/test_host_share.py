@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from decode.node import DecodeRole
-from pd.cluster.actors import NodeActors
-from pd.cluster.config import ClusterConfig
-from pd.cluster.pools import Pools
+from pd.fleet.actors import NodeActors
+from pd.fleet.config import ClusterConfig
+from pd.fleet.pools import Pools
 from pd.engine import host_pool
 from pd.engine.config import EngineConfig
 from pd.node import Node, NodeConfig

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from pd.cluster.client import ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.sockets import READ_BUDGET
 from pd.core.messages import CacheEventMsg, NodeInfo
 from tests.conftest import free_port, make_node_stats

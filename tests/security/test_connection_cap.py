@@ -147,7 +147,7 @@ def _read_until(reader: SealedReader, payload: bytes, timeout_s: float) -> bool:
 
 
 def test_a_cluster_the_cap_cannot_hold_is_refused_with_the_numbers() -> None:
-    from pd.cluster.config import ClusterConfig
+    from pd.fleet.config import ClusterConfig
     from transfer import TransferConfig
 
     with pytest.raises(ValueError, match="32 nodes need transfer max_conns > 32 .* got 32"):

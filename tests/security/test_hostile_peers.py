@@ -18,7 +18,7 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.cluster.client import ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,

@@ -14,10 +14,10 @@ import pytest
 
 from pd.cache.tenants import group_namespace
 from pd.cli import main as pd_main
-from pd.cluster.admin import CapacityRefusal, NodeView, PoolSizes
+from pd.fleet.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
-from pd.cluster.coordinator import Pull, Route
-from pd.cluster.route_log import RouteLog
+from pd.router.coordinator import Pull, Route
+from pd.router.route_log import RouteLog
 from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, ServerMetrics, build_app
 from pd.server.auth import cache_namespace

@@ -1,7 +1,7 @@
 """``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
 
 Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling): every Ray
-call is in ``NodeActors`` (``pd.cluster.actors``); requests, tokens, cache events and transfer
+call is in ``NodeActors`` (``pd.fleet.actors``); requests, tokens, cache events and transfer
 handshakes never go through Ray. Locally (``address=None``) a private Ray instance is always
 started, with the nodes as CPU actors, whatever other Ray cluster (live, or dead with its record
 left behind) the machine has; with ``address="auto"`` (or a Ray address) the nodes join that
@@ -18,7 +18,7 @@ nodes or drains the surplus until the pool matches it, and again whenever a node
 or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
 while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
 every request to a decode node alone (``Coordinator.decode_only``). Each node's life is one
-record in ``Pools`` (``pd.cluster.pools``): ``starting`` (its actor started, not registered),
+record in ``Pools`` (``pd.fleet.pools``): ``starting`` (its actor started, not registered),
 ``ready``, ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then
 it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``. A start
 that fails lowers the target again. The record keeps the node's role and number in its pool:
@@ -41,12 +41,12 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pd.cluster.actors import STOP_TIMEOUT_S, NodeActors
+from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
 from pd.cluster.client import MIN_POOL, ROLES, ClusterClient
-from pd.cluster.config import ClusterConfig, free_port, init_ray
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.fleet.config import ClusterConfig, free_port, init_ray
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.event_loop import TaskSet
-from pd.cluster.placement import (
+from pd.fleet.placement import (
     Capacity,
     node_demand,
     pool_capacity,
@@ -54,7 +54,7 @@ from pd.cluster.placement import (
     ray_totals,
     socket_capacity,
 )
-from pd.cluster.pools import NodeState, Pools
+from pd.fleet.pools import NodeState, Pools
 from pd.core.addresses import choose_addrs
 from pd.core.messages import NodeInfo
 from pd.engine.config import EngineConfig
@@ -188,7 +188,7 @@ class Cluster:
 
     def capacity(self, role: str, num_other: int) -> Capacity:
         """How many ``role`` nodes the Ray cluster can hold beside ``num_other`` nodes of the
-        other pool (``pd.cluster.placement``), and the server's socket can take (its
+        other pool (``pd.fleet.placement``), and the server's socket can take (its
         ``--transfer-max-conns``). Blocking (it asks Ray): not on the event loop.
         A CPU node takes in memory the largest resident size a node reports, or before any
         has, its checkpoint's weight files."""

@@ -1,7 +1,7 @@
 """The coordinator: books each request on the nodes ``RoutePolicy`` chooses, and keeps what is
 booked until the request is prefilled and finished.
 
-``route`` is two steps. First ``RoutePolicy.choose`` (``pd.cluster.policy``, whose docstring
+``route`` is two steps. First ``RoutePolicy.choose`` (``pd.router.policy``, whose docstring
 gives the rules): the decode node, the prefill node or none (the decode node prefills the
 request itself: conditional disaggregation), and a pull or not; it books nothing. Then
 ``_book``, the one place a route is booked: the decode node's KV slots for the prompt and the
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
-from pd.cluster.policy import (
+from pd.router.policy import (
     POLICIES,
     Choice,
     CoordinatorConfig,
@@ -48,8 +48,8 @@ from pd.cluster.policy import (
     PrefillState,
     RoutePolicy,
 )
-from pd.cluster.pulls import Pull, PullCosts, PullLog
-from pd.cluster.route_log import RouteLog
+from pd.router.pulls import Pull, PullCosts, PullLog
+from pd.router.route_log import RouteLog
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
 from pd.engine.slots import expected_new_tokens
 

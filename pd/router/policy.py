@@ -53,7 +53,7 @@ whose KV it is receiving counts only once its events say so.
 Pulls (off with ``pull_min_tokens=-1``): when the chosen prefill node is expected to hold less
 of the prompt than another node (prefill or decode, in any tier its events announce) holds, by at
 least ``pull_min_tokens``, the choice names that holder (``Choice.pull``) if moving the missing
-tokens' KV is estimated faster than computing them (``pd.cluster.pulls``: ``PullCosts``,
+tokens' KV is estimated faster than computing them (``pd.router.pulls``: ``PullCosts``,
 ``plan_pull``), none before the prefill rate is measured; until a pull has been measured, one is
 tried. Each such decision, either way, rides in the choice for the coordinator to log. So a
 prefix is never stranded where it was computed (a conversation prefilled on its decode node, a
@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch
-from pd.cluster.pulls import Pull, PullCosts, PullDecision, PullPlan, plan_pull
+from pd.router.pulls import Pull, PullCosts, PullDecision, PullPlan, plan_pull
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
-from pd.cluster.launcher import Cluster
-from pd.cluster.pools import NodeState
+from pd.fleet.launcher import Cluster
+from pd.fleet.pools import NodeState
 from pd.core.messages import NodeInfo, NodeStatsMsg
 
 if TYPE_CHECKING:
-    from pd.cluster.autoscaler import Autoscaler
+    from pd.fleet.autoscaler import Autoscaler
 
 STATES = ("starting", "ready", "draining")  # the NodeState values a view shows
 

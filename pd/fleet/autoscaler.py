@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pd.cluster.client import ROLES
 
 if TYPE_CHECKING:
-    from pd.cluster.launcher import Cluster
+    from pd.fleet.launcher import Cluster
 
 logger = logging.getLogger(__name__)
 
