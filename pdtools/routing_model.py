@@ -33,9 +33,9 @@ import msgspec
 from pd.cache.prefix_index import SharedPrefixIndex
 from pd.cache.radix_cache import RadixCache
 from pd.cache.radix_tree import RadixTree
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 
 VOCAB = 49152  # SmolLM2's vocabulary
 MAX_TOKENS = 64  # decode budget booked per request (decode nodes never run out here)

@@ -13,12 +13,12 @@ import os
 import sys
 from typing import TypeVar
 
-from pd.fleet.autoscaler import AutoscalerConfig
 from pd.cluster.client import ClientConfig
-from pd.router.coordinator import POLICIES, CoordinatorConfig
 from pd.core import envs
 from pd.engine.config import EngineConfig
+from pd.fleet.autoscaler import AutoscalerConfig
 from pd.model.loader import ModelLoadError
+from pd.router.coordinator import POLICIES, CoordinatorConfig
 from pd.server.config import ServerConfig
 from transfer import TransferConfig
 

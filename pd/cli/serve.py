@@ -24,13 +24,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pd.cluster.client import ClientConfig
+from pd.engine.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
 from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
-from pd.cluster.client import ClientConfig
-from pd.router.coordinator import CoordinatorConfig
 from pd.fleet.launcher import Cluster, ClusterConfig
-from pd.engine.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
+from pd.router.coordinator import CoordinatorConfig
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
 from pd.server.listener import Listener, max_connections_for, raise_fd_limit

@@ -66,7 +66,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pd.router.coordinator import Coordinator
 from pd.cluster.event_loop import LoopHandoff, TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightStatus
 from pd.cluster.flights import ClusterError, Flights
@@ -87,6 +86,7 @@ from pd.core.messages import (
 from pd.core.options import option
 from pd.core.outputs import ClusterStats, RequestOutput
 from pd.core.sampling_params import SamplingParams
+from pd.router.coordinator import Coordinator
 from transfer.auth import DEFAULT_MAX_AGE_S
 from transfer.conn_cap import MAX_CONNS
 from transfer.endpoint import parse_endpoint

@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pd.router.coordinator import Coordinator, Route
 from pd.cluster.event_loop import TaskSet
 from pd.cluster.flight import Flight, FlightEvent, FlightStatus
-from pd.router.pulls import Pull
 from pd.cluster.room import RoomQueue
 from pd.cluster.sockets import NodeSockets
 from pd.core.messages import (
@@ -41,6 +39,8 @@ from pd.core.messages import (
     PullFrom,
     TokenMsg,
 )
+from pd.router.coordinator import Coordinator, Route
+from pd.router.pulls import Pull
 
 if TYPE_CHECKING:
     from pd.cluster.client import ClientConfig

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pd.cluster.client import ROLES, ClusterClient, WarmResult
+from pd.core.messages import NodeInfo, NodeStatsMsg
 from pd.fleet.launcher import Cluster
 from pd.fleet.pools import NodeState
-from pd.core.messages import NodeInfo, NodeStatsMsg
 
 if TYPE_CHECKING:
     from pd.fleet.autoscaler import Autoscaler

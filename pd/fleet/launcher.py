@@ -41,11 +41,13 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
 from pd.cluster.client import MIN_POOL, ROLES, ClusterClient
-from pd.fleet.config import ClusterConfig, free_port, init_ray
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.event_loop import TaskSet
+from pd.core.addresses import choose_addrs
+from pd.core.messages import NodeInfo
+from pd.engine.config import EngineConfig
+from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
+from pd.fleet.config import ClusterConfig, free_port, init_ray
 from pd.fleet.placement import (
     Capacity,
     node_demand,
@@ -55,10 +57,8 @@ from pd.fleet.placement import (
     socket_capacity,
 )
 from pd.fleet.pools import NodeState, Pools
-from pd.core.addresses import choose_addrs
-from pd.core.messages import NodeInfo
-from pd.engine.config import EngineConfig
 from pd.model.loader import resolve_model
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from transfer.auth import new_secret
 
 if TYPE_CHECKING:

@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
+from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
+from pd.engine.slots import expected_new_tokens
 from pd.router.policy import (
     POLICIES,
     Choice,
@@ -50,8 +52,6 @@ from pd.router.policy import (
 )
 from pd.router.pulls import Pull, PullCosts, PullLog
 from pd.router.route_log import RouteLog
-from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
-from pd.engine.slots import expected_new_tokens
 
 # CoordinatorConfig, NoCapacityError and POLICIES live with the policy; Pull and PullCosts with
 # pull costing: importable from here too, where callers look for them

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pd.cluster.slo import LatencyWindow
+from pd.core.messages import NodeStatsMsg
 from pd.fleet.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
@@ -17,8 +19,6 @@ from pd.fleet.autoscaler import (
     decide,
     pressure,
 )
-from pd.cluster.slo import LatencyWindow
-from pd.core.messages import NodeStatsMsg
 from tests.conftest import make_node_stats
 
 pytestmark = pytest.mark.timeout(30)

@@ -22,11 +22,11 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from prefill.node import PrefillRole
 from transfer import TransferConfig
 

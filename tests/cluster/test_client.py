@@ -17,7 +17,6 @@ import zmq
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -32,6 +31,7 @@ from pd.core.messages import (
 )
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from tests.conftest import make_node_stats
 from transfer.auth import Opener, Sealer, new_secret

@@ -15,12 +15,12 @@ from typing import NamedTuple
 import pytest
 
 from pd.cache import NoPrefixCache
-from pd.router.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.slots import SlotBudget
+from pd.router.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.

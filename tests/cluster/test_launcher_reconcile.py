@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from pd.router.coordinator import CoordinatorConfig
+from pd.engine.config import EngineConfig
 from pd.fleet.launcher import Cluster, ClusterConfig
 from pd.fleet.pools import NodeState, PoolNode
-from pd.engine.config import EngineConfig
+from pd.router.coordinator import CoordinatorConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,8 +12,8 @@ import pytest
 import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import CacheEventMsg
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from tests.cluster.test_client import SECRET, FakeNode
 from tests.conftest import free_port
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from decode.node import DecodeRole
+from pd.engine import host_pool
+from pd.engine.config import EngineConfig
 from pd.fleet.actors import NodeActors
 from pd.fleet.config import ClusterConfig
 from pd.fleet.pools import Pools
-from pd.engine import host_pool
-from pd.engine.config import EngineConfig
 from pd.node import Node, NodeConfig
 from tests.node.harness import SECRET
 from transfer import TransferConfig

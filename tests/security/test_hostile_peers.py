@@ -18,7 +18,6 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.cluster.client import ClusterClient
-from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -29,6 +28,7 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
+from pd.router.coordinator import Coordinator, CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillRole
 from tests.conftest import free_port, make_node_stats

@@ -14,11 +14,11 @@ import pytest
 
 from pd.cache.tenants import group_namespace
 from pd.cli import main as pd_main
-from pd.fleet.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
+from pd.fleet.admin import CapacityRefusal, NodeView, PoolSizes
+from pd.model.tokenizer import encode_prompt
 from pd.router.coordinator import Pull, Route
 from pd.router.route_log import RouteLog
-from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, ServerMetrics, build_app
 from pd.server.auth import cache_namespace
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, serve
