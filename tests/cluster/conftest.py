@@ -1,7 +1,8 @@
 """A live cluster behind a real HTTP server, for end-to-end tests.
 
-Ray starts once per test session; each cluster (1P+1D, 2P+1D, ...) lives for one module or
-one parametrization, and after every test each node's slot pool must be back to idle.
+Ray starts once per test session (``ray_session``, in ``tests/conftest.py``: the fleet's tests
+share it); each cluster (1P+1D, 2P+1D, ...) lives for one module or one parametrization, and
+after every test each node's slot pool must be back to idle.
 
 ``ServeProcess`` is the other way in: a ``pd serve`` process, as users start it.
 
@@ -30,22 +31,6 @@ from tests.conftest import free_port
 class LiveCluster(NamedTuple):
     url: str  # http://127.0.0.1:PORT
     cluster: object  # pd.fleet.launcher.Cluster
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # a private instance, whatever else runs on the machine
-            num_cpus=4,
-            include_dashboard=False,
-            object_store_memory=80 * 2**20,
-            log_to_driver=False,
-        )
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 requests checked like any other (4xx naming the field), a pool grown past what the cluster can
 place refused with the numbers, warm-up prompts tokenized and namespaced as requests are; and
 ``pd scale`` / ``pd status`` against them. The live clusters behind them are
-tests/cluster/test_operate.py and tests/cluster/test_admin_live.py."""
+tests/fleet/test_operate.py and tests/fleet/test_admin_live.py."""
 
 from __future__ import annotations
 
