@@ -20,7 +20,7 @@ from pd.fleet.autoscaler import AutoscalerConfig
 from pd.model.loader import ModelLoadError
 from pd.router.coordinator import POLICIES, CoordinatorConfig
 from pd.server.config import ServerConfig
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

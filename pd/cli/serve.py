@@ -36,8 +36,8 @@ from pd.server.config import ServerConfig
 from pd.server.listener import Listener, max_connections_for, raise_fd_limit
 from pd.server.metrics import ServerMetrics
 from pd.server.state import ServerState
-from transfer import TransferConfig
 from transfer.endpoint import is_loopback
+from transfer.state import TransferConfig
 
 logger = logging.getLogger(__name__)
 _EXIT_RESERVE_S = 5.0  # at most, of the shutdown grace period: for closing and stopping

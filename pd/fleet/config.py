@@ -11,7 +11,7 @@ from pathlib import Path
 import ray
 
 from pd.cluster.client import MIN_POOL, ROLES, ClientConfig
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 
 @dataclass(frozen=True)

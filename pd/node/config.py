@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.engine.config import EngineConfig
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
 from pd.node.staged_owner import StagedSlotOwner
-from transfer import TransferAgent
+from transfer.agent import TransferAgent
 from transfer.inbound import max_frame_bytes, merge_top
 
 logger = logging.getLogger(__name__)

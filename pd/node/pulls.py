@@ -38,7 +38,9 @@ from pd.core.messages import PullDoneMsg, PullFrom, PullRefusedMsg, PullReqMsg
 from pd.core.request import Req
 from pd.engine.core import EngineCore
 from pd.node.links import PeerLinks, ServerLink
-from transfer import BaseSlotOwner, KVPoll, KVSender, SlotReservation, TransferAgent
+from transfer.agent import TransferAgent
+from transfer.sender import KVSender
+from transfer.state import BaseSlotOwner, KVPoll, SlotReservation
 
 
 def pull_id(request_id: str) -> str:

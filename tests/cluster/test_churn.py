@@ -28,7 +28,7 @@ from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
 from pd.router.coordinator import Coordinator, CoordinatorConfig
 from prefill.node import PrefillRole
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 NUM_CYCLES = 50
 MAX_TOKENS = 8

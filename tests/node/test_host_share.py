@@ -15,7 +15,7 @@ from pd.fleet.config import ClusterConfig
 from pd.fleet.pools import Pools
 from pd.node import Node, NodeConfig
 from tests.node.harness import SECRET
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(120)
 

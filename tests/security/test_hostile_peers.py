@@ -33,9 +33,9 @@ from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillRole
 from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
-from transfer import TransferConfig
 from transfer.auth import new_secret
 from transfer.messages import TransferReadyMsg, TransferRequestMsg
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(120)
 
