@@ -18,7 +18,7 @@ from pd.core import envs
 from pd.engine.config import EngineConfig
 from pd.fleet.autoscaler import AutoscalerConfig
 from pd.model.loader import ModelLoadError
-from pd.router.coordinator import POLICIES, CoordinatorConfig
+from pd.router.policy import POLICIES, CoordinatorConfig
 from pd.server.config import ServerConfig
 from transfer.state import TransferConfig
 

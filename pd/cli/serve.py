@@ -28,9 +28,10 @@ from pd.cluster.client import ClientConfig
 from pd.engine.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
 from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
-from pd.fleet.launcher import Cluster, ClusterConfig
+from pd.fleet.config import ClusterConfig
+from pd.fleet.launcher import Cluster
 from pd.model.tokenizer import load_tokenizer
-from pd.router.coordinator import CoordinatorConfig
+from pd.router.policy import CoordinatorConfig
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
 from pd.server.listener import Listener, max_connections_for, raise_fd_limit

@@ -96,7 +96,6 @@ __all__ = [
     "ROLES",
     "ClientConfig",
     "ClusterClient",
-    "ClusterError",
     "WarmResult",
 ]
 logger = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from pd.core.addresses import choose_addrs
 from pd.core.messages import NodeInfo
 from pd.engine.config import EngineConfig
 from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
-from pd.fleet.config import ClusterConfig, free_port, init_ray
+from pd.fleet.config import ClusterConfig, free_port
 from pd.fleet.placement import (
     Capacity,
     node_demand,
@@ -58,13 +58,13 @@ from pd.fleet.placement import (
 )
 from pd.fleet.pools import NodeState, Pools
 from pd.model.loader import resolve_model
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from transfer.auth import new_secret
 
 if TYPE_CHECKING:
     import ray
 
-__all__ = ["Cluster", "ClusterConfig", "init_ray"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 

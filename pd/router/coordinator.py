@@ -40,30 +40,16 @@ from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
 from pd.engine.slots import expected_new_tokens
 from pd.router.policy import (
-    POLICIES,
     Choice,
     CoordinatorConfig,
     DecodeState,
     InFlight,
     Members,
-    NoCapacityError,
     PrefillState,
     RoutePolicy,
 )
 from pd.router.pulls import Pull, PullCosts, PullLog
 from pd.router.route_log import RouteLog
-
-# CoordinatorConfig, NoCapacityError and POLICIES live with the policy; Pull and PullCosts with
-# pull costing: importable from here too, where callers look for them
-__all__ = [
-    "POLICIES",
-    "Coordinator",
-    "CoordinatorConfig",
-    "NoCapacityError",
-    "Pull",
-    "PullCosts",
-    "Route",
-]
 
 
 class Route(NamedTuple):

@@ -67,8 +67,9 @@ def start_live_cluster(
 
     from pd.cli.serve import build_cluster_app
     from pd.engine.config import EngineConfig
-    from pd.fleet.launcher import Cluster, ClusterConfig
-    from pd.router.coordinator import CoordinatorConfig
+    from pd.fleet.config import ClusterConfig
+    from pd.fleet.launcher import Cluster
+    from pd.router.policy import CoordinatorConfig
 
     engine_kw: dict[str, object] = {"max_total_tokens": 8192, "max_running_requests": 48}
     engine_kw.update(engine_kwargs or {})

@@ -26,7 +26,8 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from prefill.node import PrefillRole
 from transfer.state import TransferConfig
 

@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
+from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.flights import ClusterError
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -31,7 +32,8 @@ from pd.core.messages import (
 )
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from tests.conftest import make_node_stats
 from transfer.auth import Opener, Sealer, new_secret

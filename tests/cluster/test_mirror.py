@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient
 from pd.core.messages import CacheEventMsg
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from tests.cluster.test_client import SECRET, FakeNode
 from tests.conftest import free_port
 

@@ -16,7 +16,8 @@ import zmq.asyncio
 
 from pd.cluster.client import ClientConfig, ClusterClient
 from pd.core.messages import DecodeReqMsg, PrefillReqMsg
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server import ServerConfig, build_app
 from tests.cluster.test_client import SECRET, FakeNode
 from tests.conftest import free_port

@@ -9,9 +9,10 @@ import asyncio
 import pytest
 
 from pd.engine.config import EngineConfig
-from pd.fleet.launcher import Cluster, ClusterConfig
+from pd.fleet.config import ClusterConfig
+from pd.fleet.launcher import Cluster
 from pd.fleet.pools import NodeState, PoolNode
-from pd.router.coordinator import CoordinatorConfig
+from pd.router.policy import CoordinatorConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -82,7 +82,7 @@ def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
     from pd.engine.config import EngineConfig
     from pd.fleet.config import ClusterConfig
     from pd.fleet.launcher import Cluster
-    from pd.router.coordinator import CoordinatorConfig
+    from pd.router.policy import CoordinatorConfig
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
 
@@ -117,7 +117,7 @@ def test_a_node_of_n_ranks_takes_n_gpus_of_one_machine_and_the_pools_count_them(
     from pd.engine.config import EngineConfig
     from pd.fleet.config import ClusterConfig
     from pd.fleet.launcher import Cluster
-    from pd.router.coordinator import CoordinatorConfig
+    from pd.router.policy import CoordinatorConfig
 
     cfg = ClusterConfig(num_prefill=1, num_decode=2, prefill_tensor_parallel_size=4)
     cluster = Cluster(EngineConfig(tensor_parallel_size=2), cfg, CoordinatorConfig())

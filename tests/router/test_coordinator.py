@@ -20,7 +20,8 @@ from pd.core.messages import CacheEventMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.slots import SlotBudget
-from pd.router.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
+from pd.router.coordinator import Coordinator, Route
+from pd.router.policy import CoordinatorConfig, NoCapacityError
 from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.

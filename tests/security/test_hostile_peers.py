@@ -28,7 +28,8 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
-from pd.router.coordinator import Coordinator, CoordinatorConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillRole
 from tests.conftest import free_port, make_node_stats

@@ -17,7 +17,8 @@ from pd.cli import main as pd_main
 from pd.cluster.client import WarmResult
 from pd.fleet.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.model.tokenizer import encode_prompt
-from pd.router.coordinator import Pull, Route
+from pd.router.coordinator import Route
+from pd.router.pulls import Pull
 from pd.router.route_log import RouteLog
 from pd.server import ServerConfig, ServerMetrics, build_app
 from pd.server.auth import cache_namespace
