@@ -17,15 +17,16 @@ Each pool has a target size (``scale``, the admin API, the autoscaler); ``_recon
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
 or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
 while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
-every request to a decode node alone (``Coordinator.decode_only``). Each node's life is one
+every request to a decode node alone (``ClusterClient.set_decode_only``). Each node's life is one
 record in ``Pools`` (``pd.fleet.pools``): ``starting`` (its actor started, not registered),
 ``ready``, ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then
 it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``. A start
 that fails lowers the target again. The record keeps the node's role and number in its pool:
 nothing reads them back out of a node id but attaching, which finds nodes by their names. The
 launcher tells the client about nodes through its membership calls (``register_node``,
-``drain_node``, ``unregister_node``, ``begin_start``/``end_start``) and hears of deaths through
-``on_node_failed``.
+``drain_node``, ``unregister_node``, ``begin_start``/``end_start``, ``set_decode_only``), reads
+them back through its read-only views (``nodes``, ``node_stats``) and hears of deaths through
+``on_node_failed``; it never reaches the coordinator.
 
 The launcher makes the cluster's secret, which every zmq frame and pair rendezvous is
 authenticated with, and hands it to the client and (through Ray, inside ``TransferConfig``) to
@@ -79,9 +80,8 @@ class Cluster:
         self._secret = new_secret()
         self.pools = Pools(cfg.num_prefill, cfg.num_decode)
         self.actors = NodeActors(cfg, self.pools)
-        self.coordinator = Coordinator(self.coordinator_cfg)
         self.client = ClusterClient(
-            self.coordinator,
+            Coordinator(self.coordinator_cfg),
             "tcp://127.0.0.1:0",  # replaced in start(), once Ray tells this machine's IP
             cfg.client,
             secret=self._secret,
@@ -115,7 +115,7 @@ class Cluster:
         if running:
             self._attach(running)
         # _reconcile keeps it from here on (the nodes below register on the loop, maybe later)
-        self.coordinator.decode_only = self.pools.target["prefill"] == 0
+        self.client.set_decode_only(self.pools.target["prefill"] == 0)
         started = []
         for role in ROLES:
             for _ in range(self.pools.target[role] - len(self.pools.ready(role))):
@@ -229,9 +229,9 @@ class Cluster:
         starts). Not while a dead node's replacement starts: then they wait for it, as the
         operator asked for a prefill pool and a decode node's long prefills would stretch the
         running streams' TPOT."""
-        self.coordinator.decode_only = not self.pools.ready(
-            "prefill"
-        ) and not self.pools.num_replacing("prefill")
+        self.client.set_decode_only(
+            not self.pools.ready("prefill") and not self.pools.num_replacing("prefill")
+        )
 
     def _reconcile(self) -> None:
         self._sync_decode_only()
@@ -349,7 +349,7 @@ class Cluster:
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Every registered node's slot and resource accounting (asserts inside each node);
         nodes still starting are not waited for."""
-        registered = self.client.nodes
+        registered = self.client.nodes  # a read-only view
         return self.actors.check_integrity([n for n in self.actors.running() if n in registered])
 
     async def _grow(self, role: str) -> str | None:
