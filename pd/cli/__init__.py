@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, TypeVar
 
-from pd.cluster.client import ClientConfig
+from pd.cluster.client_config import ClientConfig
 from pd.core import envs
 from pd.engine.config import EngineConfig
 from pd.fleet.autoscaler import AutoscalerConfig

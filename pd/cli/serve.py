@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from pd.cluster.client import ClientConfig
+from pd.cluster.client_config import ClientConfig
 from pd.engine.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
 from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig

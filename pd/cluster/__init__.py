@@ -3,4 +3,4 @@ cluster as an ``EngineClient`` in the server process, and its membership) compos
 ``NodeSockets`` (``sockets.py``), ``Flights`` (``flights.py``, one ``Flight`` a request in
 ``flight.py``), ``Liveness`` (the watchdog), ``MirrorSync`` (cache snapshots, ``mirror.py``), the
 queue for room (``room.py``), latency windows (``slo.py``) and its event loop
-(``event_loop.py``)."""
+(``event_loop.py``); its settings and the pools it knows in ``client_config.py``."""

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import zmq
 
+from pd.cluster.client_config import ClientConfig
 from pd.cluster.event_loop import TaskSet
 from pd.cluster.flight import Flight, FlightEvent, FlightStatus
 from pd.cluster.room import RoomQueue
@@ -41,9 +41,6 @@ from pd.core.messages import (
 )
 from pd.router.coordinator import Coordinator, Route
 from pd.router.pulls import Pull
-
-if TYPE_CHECKING:
-    from pd.cluster.client import ClientConfig
 
 
 class ClusterError(RuntimeError):

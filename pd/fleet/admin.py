@@ -15,7 +15,8 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pd.cluster.client import ROLES, ClusterClient, WarmResult
+from pd.cluster.client import ClusterClient, WarmResult
+from pd.cluster.client_config import ROLES
 from pd.core.messages import NodeInfo, NodeStatsMsg
 from pd.fleet.launcher import Cluster
 from pd.fleet.pools import NodeState

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pd.cluster.client import ROLES
+from pd.cluster.client_config import ROLES
 from pd.core.options import option
 
 if TYPE_CHECKING:

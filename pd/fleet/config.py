@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pd.cluster.client import MIN_POOL, ROLES, ClientConfig
+from pd.cluster.client_config import MIN_POOL, ROLES, ClientConfig
 from pd.core.options import json_numbers, option
 from transfer.state import TransferConfig
 

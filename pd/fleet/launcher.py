@@ -42,7 +42,8 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pd.cluster.client import MIN_POOL, ROLES, ClusterClient
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import MIN_POOL, ROLES
 from pd.cluster.event_loop import TaskSet
 from pd.core.addresses import choose_addrs
 from pd.core.messages import NodeInfo

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from decode.node import DecodeRole
-from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine

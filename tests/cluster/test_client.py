@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.cluster.flights import ClusterError
 from pd.core.messages import (
     AbortMsg,

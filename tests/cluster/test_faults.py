@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from pd.cluster.client import ClientConfig
+from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.messages import CacheEventMsg
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig

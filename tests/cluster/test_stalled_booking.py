@@ -14,7 +14,8 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.messages import DecodeReqMsg, PrefillReqMsg
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pd.cluster.client import ClientConfig
+from pd.cluster.client_config import ClientConfig
 from pd.fleet.pools import NodeState
 from pd.server import ServerConfig
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
