@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pd.core.request import Req, ReqStatus
 from pd.engine.scheduler import HeldSlots
-from transfer import BaseSlotOwner, SlotReservation, TransferAgent
+from transfer.agent import TransferAgent
+from transfer.state import BaseSlotOwner, SlotReservation
 
 if TYPE_CHECKING:
     from decode.scheduler import DecodeScheduler

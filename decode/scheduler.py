@@ -27,7 +27,7 @@ from typing import Any
 from decode.incoming import IncomingQueue
 from pd.core.request import Req, ReqStatus
 from pd.engine.scheduler import HeldSlots, Scheduler
-from transfer import SlotReservation
+from transfer.state import SlotReservation
 
 
 class DecodeScheduler(Scheduler):

@@ -33,9 +33,10 @@ import msgspec
 from pd.cache.prefix_index import SharedPrefixIndex
 from pd.cache.radix_cache import RadixCache
 from pd.cache.radix_tree import RadixTree
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 
 VOCAB = 49152  # SmolLM2's vocabulary
 MAX_TOKENS = 64  # decode budget booked per request (decode nodes never run out here)

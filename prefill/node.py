@@ -53,7 +53,8 @@ from pd.node.links import PeerLinks, ServerLink
 from pd.node.pulls import PullSink
 from prefill.outgoing import Outgoing, OutgoingQueue, Route
 from prefill.scheduler import PrefillScheduler
-from transfer import KVPoll, KVSender
+from transfer.sender import KVSender
+from transfer.state import KVPoll
 
 
 class PrefillRole(BaseRole):

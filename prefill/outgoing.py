@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from pd.core.request import Req, ReqStatus
-from transfer import KVPoll, KVSender
+from transfer.sender import KVSender
+from transfer.state import KVPoll
 
 if TYPE_CHECKING:
     from prefill.scheduler import PrefillScheduler

@@ -29,8 +29,8 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
-from transfer import TransferConfig
 from transfer.auth import Opener, Sealer, new_secret
+from transfer.state import TransferConfig
 
 
 def _retries(node: Node) -> int:

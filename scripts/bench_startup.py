@@ -35,8 +35,9 @@ import sys, time
 import ray
 ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20,
          log_to_driver=False)
-from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig
+from pd.router.policy import CoordinatorConfig
+from pd.fleet.config import ClusterConfig
+from pd.fleet.launcher import Cluster
 from pd.engine.config import EngineConfig
 cfg = EngineConfig(model=sys.argv[1] or None, max_total_tokens=8192, max_running_requests=48)
 cluster = Cluster(cfg, ClusterConfig(num_prefill=int(sys.argv[2]), num_decode=int(sys.argv[3]),

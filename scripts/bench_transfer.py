@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from pd.core.kv_pool import KVPool, SlotAllocator
-from transfer import CallbackSlotOwner, KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
 from transfer.layout import KVLayout
+from transfer.state import CallbackSlotOwner, KVPoll, TransferConfig
 
 CASES = {  # name -> (source scattered, destination scattered)
     "both one run": (False, False),

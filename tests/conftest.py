@@ -1,5 +1,5 @@
-"""Suite-wide fixtures: the default model and tiny random HF checkpoints; ``free_port`` and
-``make_node_stats``.
+"""Suite-wide fixtures: the default model and tiny random HF checkpoints, the session's Ray
+instance (``ray_session``); ``free_port`` and ``make_node_stats``.
 
 Keep this file light at import time: heavy imports happen inside fixtures.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +168,24 @@ def make_node_stats(node_id: str, role: str, **counts: float) -> NodeStatsMsg:
 
     zeros = {f.name: f.type() for f in msgspec.structs.fields(NodeStatsMsg)[2:]}
     return NodeStatsMsg(node_id=node_id, role=role, **{**zeros, **counts})
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A private local Ray instance for the session (the cluster's and the fleet's live tests;
+    a test that asks for it is marked ``cluster``)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",  # a private instance, whatever else runs on the machine
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=False,
+        )
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

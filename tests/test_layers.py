@@ -8,7 +8,11 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
     pd.engine  runner, attention backends, scheduler, engine core, colocated engine
     pd.node    the node: its loop and parts (server link, peers, transfer, heartbeats)
     prefill, decode   the two roles; they never import each other
-    pd.cluster coordinator, cluster client, launcher, admin, autoscaler
+    pd.router  the coordinator, its route policy, pull costing, the route log: plain Python, no
+               sockets, no Ray
+    pd.cluster the server's request plane: the cluster client, its flights, sockets, liveness,
+               cache-mirror sync, event loop
+    pd.fleet   the Ray lifecycle: launcher, node actors, pools, placement, autoscaler, admin
     pd.server  the HTTP server: its core (app, state, checks, generation, routes/), the OpenAI
                surface (``pd.server.openai``) and the HTTP shell (``pd.server.http``)
     pd.cli     the command line
@@ -40,10 +44,12 @@ LAYERS: list[tuple[str, int]] = [
     ("pd.node", 5),
     ("prefill", 6),
     ("decode", 6),
-    ("pd.cluster", 7),
-    ("pd.server", 8),
-    ("pd.cli", 9),
-    ("pdtools", 10),
+    ("pd.router", 7),
+    ("pd.cluster", 8),
+    ("pd.fleet", 9),
+    ("pd.server", 10),
+    ("pd.cli", 11),
+    ("pdtools", 12),
 ]
 
 
@@ -126,9 +132,11 @@ def test_imports_only_point_down() -> None:
         ("transfer.x", "from pd.core import envs\n", True),
         ("pd.engine.x", "from pd import node\n", True),
         ("pd.engine.x", "from pd.cache.base import BasePrefixCache\n", False),
-        ("pd.cluster.x", "from prefill.node import PrefillRole\n", False),
+        ("pd.fleet.x", "from prefill.node import PrefillRole\n", False),
+        ("pd.router.x", "from pd.cluster.client import ClusterClient\n", True),
+        ("pd.cluster.x", "from pd.fleet.launcher import Cluster\n", True),
         ("pd.server.x", "from pdtools.bench_client import Result\n", True),
-        ("pdtools.x", "from pd.cluster.coordinator import Coordinator\n", False),
+        ("pdtools.x", "from pd.router.coordinator import Coordinator\n", False),
     ],
 )
 def test_the_check_sees_an_upward_import(
@@ -146,7 +154,6 @@ def test_the_check_sees_an_upward_import(
 KNOWN_CIRCLES: list[frozenset[str]] = [
     frozenset({"decode.incoming", "decode.scheduler"}),
     frozenset({"prefill.outgoing", "prefill.scheduler"}),
-    frozenset({"pd.cluster.client", "pd.cluster.flights"}),
     frozenset({"pd.engine.core", "pd.engine.stats"}),
     frozenset({"pd.engine.rank_kv", "pd.engine.runner", "pd.engine.tensor_parallel"}),
     frozenset({"pd.model.config", "pd.model.families"}),

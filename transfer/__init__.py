@@ -31,28 +31,8 @@ The life of a transfer (P = prefill node, sending; D = decode node, receiving):
 6. Any error, timeout or ``abort()`` makes that side FAILED and sends ``TransferAbortMsg``;
    D releases its reserved slots through the slot owner as soon as no worker can write into
    them. A pair that errored or timed out is closed and rebuilt under a new prefix.
+
+The package exports nothing: import each name from the module that defines it (``agent``,
+``sender``, ``receiver``, ``state``), so that importing one light module (``endpoint``, ``auth``)
+does not load the whole engine, zmq included.
 """
-
-from __future__ import annotations
-
-from transfer.agent import TransferAgent
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
-from transfer.state import (
-    BaseSlotOwner,
-    CallbackSlotOwner,
-    KVPoll,
-    SlotReservation,
-    TransferConfig,
-)
-
-__all__ = [
-    "BaseSlotOwner",
-    "CallbackSlotOwner",
-    "KVPoll",
-    "KVReceiver",
-    "KVSender",
-    "SlotReservation",
-    "TransferAgent",
-    "TransferConfig",
-]

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from pd.cluster.autoscaler import AutoscalerConfig
-from pd.cluster.client import ClientConfig
-from pd.cluster.coordinator import POLICIES, CoordinatorConfig
+from pd.cluster.client_config import ClientConfig
 from pd.core import envs
 from pd.engine.config import EngineConfig
+from pd.fleet.autoscaler import AutoscalerConfig
+from pd.fleet.config import ClusterConfig
 from pd.model.loader import ModelLoadError
+from pd.router.policy import CoordinatorConfig
 from pd.server.config import ServerConfig
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -65,19 +65,20 @@ def add_dataclass_args(
     only: tuple[str, ...] | None = None,
     group: str | dict[str, str] = "engine",
 ) -> None:
-    """One ``--flag`` per field (``--{prefix}{field}``, or the field's ``flag`` metadata; only
-    the fields in ``only`` if given); default, type and help read from the dataclass, in the
-    help's ``group`` (a title, or field -> title with "engine" for the others). The value lands
-    in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
+    """One ``--flag`` per ``option`` field (``--{prefix}{field}``, or the field's ``flag``
+    metadata; only the fields in ``only`` if given); default, type, choices and help read from
+    the dataclass, in the help's ``group`` (a title, or field -> title with "engine" for the
+    others). The value lands in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
     groups = _groups(parser)
-    for f in dataclasses.fields(cls):
+    for f in _option_fields(cls):
         if only is not None and f.name not in only:
             continue
         title = group if isinstance(group, str) else group.get(f.name, "engine")
         add = groups[title].add_argument
-        flag = "--" + f.metadata.get("flag", prefix + f.name).replace("_", "-")
-        flags = (flag, *(() if prefix else f.metadata.get("aliases", ())))
-        dest, default, help_ = prefix + f.name, f.default, f.metadata.get("help")
+        name = f.metadata.get("flag", prefix + f.name)
+        flags = ("--" + name.replace("_", "-"), *(() if prefix else f.metadata["aliases"]))
+        dest, help_ = prefix + f.name, f.metadata["help"]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         if isinstance(default, bool):
             add(
                 *flags,
@@ -89,19 +90,39 @@ def add_dataclass_args(
         elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
             add(*flags, action="append", default=None, help=help_, dest=dest)
         else:
-            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            add(*flags, type=kind, default=default, help=help_, dest=dest)
+            kind = f.metadata.get("parse") or (
+                int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            )
+            # a field naming its own flag shows it (--prefill PREFILL, not NUM_PREFILL)
+            metavar = name.upper() if "flag" in f.metadata and not prefix else None
+            add(
+                *flags,
+                type=kind,
+                default=default,
+                help=help_,
+                dest=dest,
+                choices=f.metadata.get("choices"),
+                metavar=metavar,
+            )
+
+
+def _option_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The fields of ``cls`` declared with ``option()``: its flags."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]  # type: ignore[arg-type]
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return dataclass_from_args(EngineConfig, args)
 
 
-def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
-    """``cls`` built from the flags ``add_dataclass_args`` added (other fields: defaults)."""
+def dataclass_from_args(
+    cls: type[T], args: argparse.Namespace, prefix: str = "", **fields: Any
+) -> T:
+    """``cls`` built from the flags ``add_dataclass_args`` added, ``fields`` in place of
+    theirs (other fields: defaults)."""
     given = vars(args)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    return cls(**{n: given[prefix + n] for n in names if prefix + n in given})
+    names = [f.name for f in _option_fields(cls)]
+    return cls(**{n: given[prefix + n] for n in names if prefix + n in given} | fields)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -262,22 +283,9 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _json_object(text: str) -> dict[str, float]:
-    """A --*-resources value: a JSON object of resource names to amounts."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
-    ):
-        raise argparse.ArgumentTypeError(f'want an object like {{"prefill": 1}}, got {text}')
-    return {str(k): float(v) for k, v in value.items()}
-
-
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    groups = _groups(parser)
-    server, cluster, routing = groups["server"], groups["cluster and Ray"], groups["routing"]
+    """The server's own flags, ``ClusterConfig``'s and ``CoordinatorConfig``'s."""
+    server = _groups(parser)["server"]
     server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     server.add_argument("--port", type=int, default=8000, help="HTTP port")
     server.add_argument(
@@ -285,82 +293,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model id clients send; default: the model dir's name",
     )
-    cluster.add_argument(
-        "--prefill",
-        type=int,
-        default=None,
-        help="prefill nodes; 0: the decode nodes prefill every prompt. Default: 0 on one CPU "
-        "machine (no --address, --node-gpus or --autoscale: it would share the cores), else 1",
-    )
-    cluster.add_argument("--decode", type=int, default=1, help="decode nodes")
-    cluster.add_argument(
-        "--address", default=None, help="join a running Ray cluster ('auto'); default: start one"
-    )
-    cluster.add_argument(
-        "--prefill-resources",
-        type=_json_object,
-        default={},
-        help="Ray custom resources each prefill node asks for, e.g. '{\"prefill\": 1}'",
-    )
-    cluster.add_argument(
-        "--decode-resources",
-        type=_json_object,
-        default={},
-        help="Ray custom resources each decode node asks for, e.g. '{\"decode\": 1}'",
-    )
-    cluster.add_argument(
-        "--node-gpus",
-        type=float,
-        default=None,
-        help="GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
-        "where Ray's autoscaler adds GPU machines for nodes that wait",
-    )
-    for role in ("prefill", "decode"):
-        cluster.add_argument(
-            f"--{role}-tensor-parallel-size",
-            type=int,
-            default=None,
-            help=f"ranks of each {role} node (a GPU each); default: --tensor-parallel-size",
-        )
-    cluster.add_argument(
-        "--namespace", default="pd", help="with --address: the Ray namespace of the nodes"
-    )
-    cluster.add_argument(
-        "--keep-nodes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --address: leave the nodes running when pd serve exits (the next one "
-        "attaches to them and their caches)",
-    )
-    routing.add_argument("--policy", default="cache_aware", choices=POLICIES)
-    routing.add_argument(
-        "--local-prefill-tokens",
-        type=int,
-        default=CoordinatorConfig.local_prefill_tokens,
-        help="a request is prefilled on its decode node (no KV transfer) when that node would "
-        "compute at most this many prompt tokens; -1: never",
-    )
-    routing.add_argument(
-        "--local-prefill-min-held",
-        type=float,
-        default=CoordinatorConfig.local_prefill_min_held,
-        help="... or when the decode node holds at least this fraction of the prompt and no "
-        "prefill node holds more (a conversation's next turn)",
-    )
-    routing.add_argument(
-        "--local-prefill-balance",
-        action=argparse.BooleanOptionalAction,
-        default=CoordinatorConfig.local_prefill_balance,
-        help="... or when the decode node would get through the prompt sooner than the prefill "
-        "node (queued prefills counted)",
-    )
-    routing.add_argument(
-        "--pull-min-tokens",
-        type=int,
-        default=CoordinatorConfig.pull_min_tokens,
-        help="pull a prefix's KV from the node holding it when that saves at least this many "
-        "tokens and is estimated faster than computing them; -1: never",
-    )
+    add_dataclass_args(parser, ClusterConfig, group="cluster and Ray")
+    parser.set_defaults(num_prefill=None)  # ``pd.cli.serve.prefill_pool_size`` decides
+    add_dataclass_args(parser, CoordinatorConfig, group="routing")
     server.add_argument(
         "--colocated",
         action="store_true",

@@ -24,20 +24,21 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from pd.cluster.admin import ClusterAdmin
-from pd.cluster.autoscaler import Autoscaler, AutoscalerConfig
-from pd.cluster.client import ClientConfig
-from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig
+from pd.cluster.client_config import ClientConfig
 from pd.engine.config import EngineConfig
+from pd.fleet.admin import ClusterAdmin
+from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
+from pd.fleet.config import ClusterConfig
+from pd.fleet.launcher import Cluster
 from pd.model.tokenizer import load_tokenizer
+from pd.router.policy import CoordinatorConfig
 from pd.server.app import build_app
 from pd.server.config import ServerConfig
 from pd.server.http.listener import Listener, max_connections_for, raise_fd_limit
 from pd.server.metrics import ServerMetrics
 from pd.server.state import ServerState
-from transfer import TransferConfig
 from transfer.endpoint import is_loopback
+from transfer.state import TransferConfig
 
 logger = logging.getLogger(__name__)
 _EXIT_RESERVE_S = 5.0  # at most, of the shutdown grace period: for closing and stopping
@@ -161,38 +162,22 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         dataclass_from_args(ClientConfig, args), request_timeout_s=server_cfg.request_timeout
     )
     num_prefill = prefill_pool_size(args)
-    cluster_cfg = ClusterConfig(
+    cluster_cfg = dataclass_from_args(
+        ClusterConfig,
+        args,
         num_prefill=num_prefill,
-        num_decode=args.decode,
-        address=args.address,
         host=args.host,
-        node_gpus=args.node_gpus,
-        namespace=args.namespace,
-        keep_nodes=args.keep_nodes,
-        prefill_resources=args.prefill_resources,
-        decode_resources=args.decode_resources,
-        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
-        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         client=client_cfg,
         transfer=dataclass_from_args(TransferConfig, args, prefix="transfer_"),
     )
     autoscaler = dataclass_from_args(AutoscalerConfig, args, prefix=AUTOSCALE_PREFIX)
-    cluster = Cluster(
-        engine_cfg,
-        cluster_cfg,
-        CoordinatorConfig(
-            policy=args.policy,
-            local_prefill_tokens=args.local_prefill_tokens,
-            local_prefill_min_held=args.local_prefill_min_held,
-            local_prefill_balance=args.local_prefill_balance,
-            pull_min_tokens=args.pull_min_tokens,
-        ),
-    )
+    cluster = Cluster(engine_cfg, cluster_cfg, dataclass_from_args(CoordinatorConfig, args))
+    num_decode = cluster_cfg.num_decode
     if num_prefill:
-        print(f"starting {num_prefill} prefill + {args.decode} decode nodes ...", flush=True)
+        print(f"starting {num_prefill} prefill + {num_decode} decode nodes ...", flush=True)
     else:
         print(
-            f"starting {args.decode} decode node(s), which prefill too (no prefill pool; "
+            f"starting {num_decode} decode node(s), which prefill too (no prefill pool; "
             "--prefill N or `pd scale --prefill N` adds one) ...",
             flush=True,
         )
@@ -218,8 +203,8 @@ def prefill_pool_size(args: argparse.Namespace) -> int:
     prefill pool on one CPU machine"); else 1,
     the smallest disaggregated cluster, and 1 with ``--autoscale`` (whose prefill pool starts
     at its minimum)."""
-    if args.prefill is not None:
-        return int(args.prefill)
+    if args.num_prefill is not None:
+        return int(args.num_prefill)
     on_this_cpu = args.address is None and not args.node_gpus
     return 0 if on_this_cpu and not args.autoscale_enabled else 1
 

@@ -1,6 +1,6 @@
-"""The cluster (layer 7, above the node and its roles): the ``Coordinator`` (it books what
-``RoutePolicy`` chooses; pull costing in ``pulls``), the ``Cluster`` launcher with its ``Pools``
-(a record per node) and ``NodeActors`` (its Ray actors ``PrefillNode``, ``DecodeNode``), the
-``ClusterClient`` (the cluster as an ``EngineClient`` in the server process: membership, over
-its ``NodeSockets`` and ``Flights``), liveness, the queue for room, cache-mirror sync, the
-autoscaler and the admin operations."""
+"""The server's request plane (above the router): the ``ClusterClient`` (``client.py``: the
+cluster as an ``EngineClient`` in the server process, and its membership) composed of its
+``NodeSockets`` (``sockets.py``), ``Flights`` (``flights.py``, one ``Flight`` a request in
+``flight.py``), ``Liveness`` (the watchdog), ``MirrorSync`` (cache snapshots, ``mirror.py``), the
+queue for room (``room.py``), latency windows (``slo.py``) and its event loop
+(``event_loop.py``); its settings and the pools it knows in ``client_config.py``."""

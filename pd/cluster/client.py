@@ -62,11 +62,11 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from pd.cluster.coordinator import Coordinator
+from pd.cluster.client_config import ROLES, ClientConfig
 from pd.cluster.event_loop import LoopHandoff, TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightStatus
 from pd.cluster.flights import ClusterError, Flights
@@ -84,57 +84,20 @@ from pd.core.messages import (
     ServerMsg,
     TokenMsg,
 )
-from pd.core.options import option
 from pd.core.outputs import ClusterStats, RequestOutput
 from pd.core.sampling_params import SamplingParams
+from pd.router.coordinator import Coordinator
+from pd.router.pulls import PullLog
+from pd.router.route_log import RouteRecord
 from transfer.auth import DEFAULT_MAX_AGE_S
 from transfer.conn_cap import MAX_CONNS
 from transfer.endpoint import parse_endpoint
 
-__all__ = [
-    "MIN_POOL",
-    "ROLES",
-    "ClientConfig",
-    "ClusterClient",
-    "ClusterError",
-    "WarmResult",
-]
+__all__ = ["ClusterClient", "WarmResult"]
 logger = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
-# Each pool's smallest size: the prefill pool may be empty (its decode nodes then prefill every
-# prompt themselves: ``Coordinator.decode_only``), the decode pool may not.
-MIN_POOL = {"prefill": 0, "decode": 1}
 # a warm-up ends at its first token, on the prefill node (nothing is sent to the decode node;
 # on the decode node that prefills it when the prefill pool is empty)
 _WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Deadlines and liveness of the cluster client."""
-
-    request_timeout_s: float = option(600.0, "a request's deadline, waits for room included")
-    heartbeat_timeout_s: float = option(
-        10.0,
-        "a node whose loop publishes nothing for this long is dead (its loop also beats between "
-        "the layers of a forward pass)",
-    )
-    watch_interval_s: float = 0.25  # how often heartbeats are checked and actors pinged
-    ping_timeout_s: float = 10.0  # an unanswered ping is left to the heartbeat to judge
-    max_reroutes: int = 1  # times a request that streamed nothing moves off a dead node
-    # a request that streamed nothing and whose KV transfer failed is re-routed after this
-    # long, unless a node death explains the failure first (then at once, off that node)
-    retry_delay_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "heartbeat_timeout_s", "watch_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_reroutes < 0 or self.retry_delay_s < 0:
-            raise ValueError(
-                f"max_reroutes ({self.max_reroutes}) and retry_delay_s ({self.retry_delay_s}) "
-                "must be >= 0"
-            )
 
 
 class WarmResult(NamedTuple):
@@ -165,14 +128,14 @@ class ClusterClient:
         self.pull_addr = pull_addr  # what the PULL socket binds
         self.addr = pull_addr  # what nodes push to (``listen_at``)
         self._secret = secret
-        self.nodes: dict[str, NodeInfo] = {}
-        self.node_stats: dict[str, NodeStatsMsg] = {}
+        self._nodes: dict[str, NodeInfo] = {}  # registered: ready or draining
+        self._node_stats: dict[str, NodeStatsMsg] = {}  # each node's latest
         self.dead_nodes: dict[str, str] = {}  # node_id -> why
         self._num_starting: Counter[str] = Counter()  # nodes being started, per role
         self._handoff = LoopHandoff()
         self._tasks = TaskSet()  # the reader, the watchdog, snapshot requests, retries
         self.sockets = NodeSockets(max_msg_age_s, self._on_node_msg, max_conns)
-        self.flights = Flights(coordinator, self.sockets, self.nodes, c, self._tasks)
+        self.flights = Flights(coordinator, self.sockets, self._nodes, c, self._tasks)
         self.liveness = Liveness(
             c.heartbeat_timeout_s, c.watch_interval_s, c.ping_timeout_s, ping, self.fail_node
         )
@@ -196,6 +159,26 @@ class ClusterClient:
         to). Only before ``start()``."""
         assert self._handoff.loop is None, "the PULL socket is already reading"
         self._secret = secret
+
+    @property
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        """The registered nodes (ready or draining), read-only: the membership calls change
+        them."""
+        return MappingProxyType(self._nodes)
+
+    @property
+    def node_stats(self) -> Mapping[str, NodeStatsMsg]:
+        """Each registered node's latest stats, read-only."""
+        return MappingProxyType(self._node_stats)
+
+    @property
+    def pull_log(self) -> PullLog:
+        """The coordinator's pull decisions and counts (to read)."""
+        return self.coordinator.pulls
+
+    def routes_of(self, request_id: str) -> list[RouteRecord]:
+        """Where each attempt of ``request_id`` went, oldest first (``GET /admin/routes``)."""
+        return self.coordinator.routes_of(request_id)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -226,6 +209,11 @@ class ClusterClient:
         """Requests in flight that this node serves (or is about to receive)."""
         return self._handoff.call(lambda: self.flights.num_routed_to(node_id))
 
+    def set_decode_only(self, on: bool) -> None:
+        """Send every request to a decode node alone (``on``: the prefill pool has no node and
+        waits for none) or, off, through a prefill node (``Coordinator.decode_only``)."""
+        self._handoff.call(lambda: self.coordinator.set_decode_only(on))
+
     def begin_start(self, role: str) -> None:
         """A node of ``role`` is being started: requests may wait for it (``is_ready``)."""
         self._handoff.call(lambda: self._num_starting.update((role,)))
@@ -240,7 +228,7 @@ class ClusterClient:
             return
         self._handoff.bind(asyncio.get_running_loop())
         # sized for the longest context of the nodes known now (they register before start)
-        max_model_len = max((i.max_model_len for i in self.nodes.values()), default=0)
+        max_model_len = max((i.max_model_len for i in self._nodes.values()), default=0)
         self.sockets.bind(self.pull_addr, self.addr, self._secret, max_model_len)
         self._tasks.spawn(self.sockets.read_forever())
         self._tasks.spawn(self.liveness.run())
@@ -315,7 +303,7 @@ class ClusterClient:
         """The reader works (it has read since it last failed: nodes send stats a few times a
         second), and each pool needed has a node, or one starting (requests then wait for it)."""
         await self.start()
-        roles = {info.role for info in self.nodes.values()}
+        roles = {info.role for info in self._nodes.values()}
         roles |= {role for role, n in self._num_starting.items() if n}
         needed = set(_pools_needed(self.coordinator))
         return self.sockets.is_reading and roles >= needed and self.mirror.is_settled
@@ -328,7 +316,7 @@ class ClusterClient:
         if not self.sockets.is_reading:
             return "the server reads no node messages (its reader is starting or restarting)"
         for role in _pools_needed(self.coordinator):
-            if not any(info.role == role for info in self.nodes.values()):
+            if not any(info.role == role for info in self._nodes.values()):
                 starting = self._num_starting[role]
                 return f"no live {role} node" + (f" ({starting} starting)" if starting else "")
         if not self.mirror.is_settled:
@@ -343,7 +331,7 @@ class ClusterClient:
         """What GET /metrics shows: every node's latest stats and the requests waiting."""
         pulls = self.coordinator.pulls
         return ClusterStats(
-            list(self.node_stats.values()),
+            list(self._node_stats.values()),
             self.flights.num_waiting,
             num_rejected_msgs=self.num_rejected_msgs,
             rejected_by_peer=self.sockets.rejects.top(),
@@ -360,7 +348,7 @@ class ClusterClient:
     # -- membership, on the loop ------------------------------------------------------------
 
     def _register_node(self, info: NodeInfo, attached: bool) -> None:
-        self.nodes[info.node_id] = info
+        self._nodes[info.node_id] = info
         self.sockets.add_node(info)
         self.liveness.watch(info.node_id)
         if attached:
@@ -368,7 +356,7 @@ class ClusterClient:
         # before any request is routed to it (one socket per node keeps the order): a node
         # refusing a gone node's endpoints takes them back if this one was given them
         up = PeerUpMsg(node_id=info.node_id, addr=info.addr, transfer_addr=info.transfer_addr)
-        for other in [n for n in self.nodes if n != info.node_id]:
+        for other in [n for n in self._nodes if n != info.node_id]:
             self.sockets.tell(other, up)
         if info.role == "prefill":
             self.coordinator.add_prefill(info.node_id)
@@ -377,11 +365,11 @@ class ClusterClient:
         self.flights.wake()
 
     def _drop_node(self, node_id: str, why: str, is_dead: bool) -> None:
-        info = self.nodes.pop(node_id, None)
+        info = self._nodes.pop(node_id, None)
         if info is None:  # dropped already
             return
         self.coordinator.remove(node_id)
-        self.node_stats.pop(node_id, None)
+        self._node_stats.pop(node_id, None)
         self.liveness.forget(node_id)
         self.mirror.forget(node_id)
         self.sockets.remove_node(node_id)
@@ -390,7 +378,7 @@ class ClusterClient:
             self.dead_nodes[node_id] = why
         self.flights.on_node_lost(node_id, why)
         gone = PeerGoneMsg(node_id=node_id, addr=info.addr, transfer_addr=info.transfer_addr)
-        for other in list(self.nodes):
+        for other in list(self._nodes):
             self.sockets.tell(other, gone)
         if is_dead and self._on_node_failed is not None:
             self._on_node_failed(node_id)
@@ -399,17 +387,17 @@ class ClusterClient:
         """A message the reader read (a raise drops it, counted: ``NodeSockets``)."""
         if isinstance(msg, TokenMsg):
             self.flights.on_tokens(msg)
-        elif msg.node_id not in self.nodes:
+        elif msg.node_id not in self._nodes:
             return  # a dead or removed node's late event or stats
         elif isinstance(msg, CacheEventMsg):
             self.coordinator.apply_event(msg)
             if msg.kind == "reset":
                 self.mirror.on_reset(msg.node_id)
         elif isinstance(msg, NodeStatsMsg):
-            self.node_stats[msg.node_id] = msg
+            self._node_stats[msg.node_id] = msg
             self.liveness.heard(msg.node_id)
-            per_token = max((n.kv_bytes_per_token for n in self.nodes.values()), default=0)
-            self.coordinator.update_costs(self.node_stats.values(), per_token)
+            per_token = max((n.kv_bytes_per_token for n in self._nodes.values()), default=0)
+            self.coordinator.update_costs(self._node_stats.values(), per_token)
         elif isinstance(msg, PullDoneMsg):
             self.coordinator.on_pull_done(msg)
 

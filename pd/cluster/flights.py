@@ -22,14 +22,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import zmq
 
-from pd.cluster.coordinator import Coordinator, Route
+from pd.cluster.client_config import ClientConfig
 from pd.cluster.event_loop import TaskSet
 from pd.cluster.flight import Flight, FlightEvent, FlightStatus
-from pd.cluster.pulls import Pull
 from pd.cluster.room import RoomQueue
 from pd.cluster.sockets import NodeSockets
 from pd.core.messages import (
@@ -41,9 +39,8 @@ from pd.core.messages import (
     PullFrom,
     TokenMsg,
 )
-
-if TYPE_CHECKING:
-    from pd.cluster.client import ClientConfig
+from pd.router.coordinator import Coordinator, Route
+from pd.router.pulls import Pull
 
 
 class ClusterError(RuntimeError):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pd.cluster.coordinator import Coordinator
+from pd.router.coordinator import Coordinator
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pd.cluster.policy import NoCapacityError
 from pd.core.priority import insert_ranked
+from pd.router.policy import NoCapacityError
 
 T = TypeVar("T")
 

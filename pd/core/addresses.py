@@ -61,7 +61,7 @@ def node_bind_host(is_local: bool) -> str:
 def node_addrs(bind_host: str, node_ip: str) -> SocketAddrs:
     """A node's sockets. A concrete bind host is the node's own address; "auto" and wildcards
     need ``node_ip``, the node's machine's cluster IP, which whoever placed the node looked up
-    (``pd.cluster.node_actor``: Ray's, inside the node's actor)."""
+    (``pd.fleet.node_actor``: Ray's, inside the node's actor)."""
     if bind_host == "auto" or is_wildcard(bind_host):
         if not node_ip:
             raise ValueError(f"bind host {bind_host!r} needs the node's cluster IP (node_ip)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.engine.config import EngineConfig
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class NodeConfig:
     # where this node's sockets bind ("auto": the machine's cluster IP; see pd.core.addresses)
     host: str = "127.0.0.1"
     # the node's machine's cluster IP and Ray node, filled in by whoever placed the node
-    # (pd.cluster.node_actor, from Ray, inside the node's process); "" outside Ray
+    # (pd.fleet.node_actor, from Ray, inside the node's process); "" outside Ray
     node_ip: str = ""
     ray_node_id: str = ""
     # pd nodes that may share this node's machine (the launcher counts them): the host tier's

@@ -21,7 +21,7 @@ When a peer dies or leaves
 what it kept for the peer's requests, and refuses the peer's transfer endpoint until a node
 joins there (``PeerUpMsg``: the kernel may give a replacement the gone node's port).
 
-The node outlives the server it was started by (a detached Ray actor, ``pd.cluster.node_actor``):
+The node outlives the server it was started by (a detached Ray actor, ``pd.fleet.node_actor``):
 while no server reads, its messages are dropped after ``server_send_timeout_ms`` instead of
 blocking the loop, and a new server ``attach``es to it (the old server's requests are aborted,
 messages go to the new address) and rebuilds its mirror of the cache from ``resync_cache``: a
@@ -57,7 +57,7 @@ from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
 from pd.node.staged_owner import StagedSlotOwner
-from transfer import TransferAgent
+from transfer.agent import TransferAgent
 from transfer.inbound import max_frame_bytes, merge_top
 
 logger = logging.getLogger(__name__)

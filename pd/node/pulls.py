@@ -2,7 +2,7 @@
 
 The coordinator sends a request to a prefill node that lacks a prefix another node (prefill or
 decode) holds, with ``PrefillReqMsg.pull`` set, when it estimated pulling that prefix faster
-than computing it (``pd.cluster.pulls``). Both ends use the transfer engine as decode
+than computing it (``pd.router.pulls``). Both ends use the transfer engine as decode
 does: the same sealed control plane and pair groups, the holder as sender.
 
 The life of a pull (R = the requesting prefill node, H = the holder):
@@ -38,7 +38,9 @@ from pd.core.messages import PullDoneMsg, PullFrom, PullRefusedMsg, PullReqMsg
 from pd.core.request import Req
 from pd.engine.core import EngineCore
 from pd.node.links import PeerLinks, ServerLink
-from transfer import BaseSlotOwner, KVPoll, KVSender, SlotReservation, TransferAgent
+from transfer.agent import TransferAgent
+from transfer.sender import KVSender
+from transfer.state import BaseSlotOwner, KVPoll, SlotReservation
 
 
 def pull_id(request_id: str) -> str:

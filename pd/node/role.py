@@ -16,7 +16,8 @@ from pd.core.messages import NodeMsg, PeerGoneMsg
 from pd.engine.core import EngineCore, TransferCounters
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.node.links import PeerLinks, ServerLink
-from transfer import BaseSlotOwner, TransferAgent
+from transfer.agent import TransferAgent
+from transfer.state import BaseSlotOwner
 
 
 class NodeParts(NamedTuple):

@@ -43,7 +43,7 @@ from pd.server.routes.ops import HealthFn, StatsFn
 from pd.server.state import ServerState
 
 if TYPE_CHECKING:  # the colocated server never imports the cluster (nor Ray)
-    from pd.cluster.admin import ClusterAdmin
+    from pd.fleet.admin import ClusterAdmin
 
 # Bodies the handlers parse themselves (off the event loop); their schemas are added to the
 # OpenAPI document by hand.

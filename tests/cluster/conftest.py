@@ -1,7 +1,8 @@
 """A live cluster behind a real HTTP server, for end-to-end tests.
 
-Ray starts once per test session; each cluster (1P+1D, 2P+1D, ...) lives for one module or
-one parametrization, and after every test each node's slot pool must be back to idle.
+Ray starts once per test session (``ray_session``, in ``tests/conftest.py``: the fleet's tests
+share it); each cluster (1P+1D, 2P+1D, ...) lives for one module or one parametrization, and
+after every test each node's slot pool must be back to idle.
 
 ``ServeProcess`` is the other way in: a ``pd serve`` process, as users start it.
 
@@ -29,23 +30,7 @@ from tests.conftest import free_port
 
 class LiveCluster(NamedTuple):
     url: str  # http://127.0.0.1:PORT
-    cluster: object  # pd.cluster.launcher.Cluster
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # a private instance, whatever else runs on the machine
-            num_cpus=4,
-            include_dashboard=False,
-            object_store_memory=80 * 2**20,
-            log_to_driver=False,
-        )
-    yield
-    ray.shutdown()
+    cluster: object  # pd.fleet.launcher.Cluster
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +66,10 @@ def start_live_cluster(
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
-    from pd.cluster.coordinator import CoordinatorConfig
-    from pd.cluster.launcher import Cluster, ClusterConfig
     from pd.engine.config import EngineConfig
+    from pd.fleet.config import ClusterConfig
+    from pd.fleet.launcher import Cluster
+    from pd.router.policy import CoordinatorConfig
 
     engine_kw: dict[str, object] = {"max_total_tokens": 8192, "max_running_requests": 48}
     engine_kw.update(engine_kwargs or {})

@@ -21,14 +21,16 @@ from typing import Any, NamedTuple
 import pytest
 
 from decode.node import DecodeRole
-from pd.cluster.client import ClientConfig, ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from prefill.node import PrefillRole
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 NUM_CYCLES = 50
 MAX_TOKENS = 8

@@ -16,8 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient, ClusterError
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
+from pd.cluster.flights import ClusterError
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -32,6 +33,8 @@ from pd.core.messages import (
 )
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from tests.conftest import make_node_stats
 from transfer.auth import Opener, Sealer, new_secret
@@ -497,7 +500,7 @@ async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -
     """``Coordinator.decode_only`` (the launcher's, for a prefill pool of 0): ready with a
     decode node alone, which gets every request and warm-up to prefill itself."""
     async with _harness() as h:
-        h.client.coordinator.decode_only = True
+        h.client.set_decode_only(True)
         d = h.add("decode-0")
         await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.readiness() is None and await h.client.is_ready()
@@ -510,7 +513,7 @@ async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -
         assert (await d.recv_until(LocalReqMsg)).request_id == "w"
         d.tokens("w", [1], finished=True)
         assert (await asyncio.wait_for(warm, 5)).node_id == "decode-0"
-        h.client.coordinator.decode_only = False  # a prefill pool again: it must have a node
+        h.client.set_decode_only(False)  # a prefill pool again: it must have a node
         assert await h.client.readiness() == "no live prefill node"
 
 

@@ -313,7 +313,7 @@ def test_cpu_prefill_nodes_openmp_threads_spin_briefly(live):
     """The CPU nodes share the cores: a prefill node's process gets libgomp's spin count for a
     process with more threads than cores, a decode node's keeps the default, unless the
     server's environment chose one (which every node inherits)."""
-    from pd.cluster.actors import PREFILL_SPIN_COUNT
+    from pd.fleet.actors import PREFILL_SPIN_COUNT
 
     chosen = os.environ.get("GOMP_SPINCOUNT")
     for node_id, node in live.cluster.client.nodes.items():

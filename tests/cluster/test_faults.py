@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from pd.cluster.client import ClientConfig
+from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from tests.cluster.conftest import LiveCluster, wait_idle_and_check
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(300)  # the live cluster's start-up is counted too
 HEARTBEAT_S = 4.0

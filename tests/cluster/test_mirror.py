@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.messages import CacheEventMsg
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from tests.cluster.test_client import SECRET, FakeNode
 from tests.conftest import free_port
 

@@ -29,7 +29,7 @@ def test_pd_serve_defaults_to_int4_and_compiled_steps_on_a_cpu_and_generate_to_f
 def test_pd_serve_has_no_prefill_pool_on_this_cpu_unless_asked_or_on_a_cluster() -> None:
     from pd.cli import build_parser
     from pd.cli.serve import prefill_pool_size
-    from pd.cluster.launcher import ClusterConfig
+    from pd.fleet.config import ClusterConfig
 
     def size(*flags: str) -> int:
         return prefill_pool_size(build_parser().parse_args(["serve", *flags]))

@@ -14,9 +14,11 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from pd.cluster.client import ClientConfig, ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import ClientConfig
 from pd.core.messages import DecodeReqMsg, PrefillReqMsg
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server import ServerConfig, build_app
 from tests.cluster.test_client import SECRET, FakeNode
 from tests.conftest import free_port

@@ -88,7 +88,7 @@ def _ranks(node_pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def faulty(tiny_kv3_dir: Path, ray_session: None) -> Iterator[Any]:
-    from pd.cluster.client import ClientConfig
+    from pd.cluster.client_config import ClientConfig
 
     engine = {"max_total_tokens": 2048, "compile_buckets": "off"}
     live, stop = start_live_cluster(

@@ -18,7 +18,7 @@ from pd.engine.sampler import SampledRow
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from prefill.outgoing import Route
 from prefill.scheduler import PrefillScheduler
-from transfer import SlotReservation
+from transfer.state import SlotReservation
 
 EOS = 2
 pytestmark = pytest.mark.timeout(10)

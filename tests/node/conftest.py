@@ -14,7 +14,7 @@ from pd.engine.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import SECRET, Server
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 Pair = tuple[Node, Node]
 

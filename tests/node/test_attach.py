@@ -21,7 +21,7 @@ from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.conftest import make_node_stats
 from tests.node.harness import GREEDY, PROMPTS, SECRET, Server, send_request
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(90)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from decode.node import DecodeRole
-from pd.cluster.actors import NodeActors
-from pd.cluster.config import ClusterConfig
-from pd.cluster.pools import Pools
 from pd.engine import host_pool
 from pd.engine.config import EngineConfig
+from pd.fleet.actors import NodeActors
+from pd.fleet.config import ClusterConfig
+from pd.fleet.pools import Pools
 from pd.node import Node, NodeConfig
 from tests.node.harness import SECRET
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(120)
 

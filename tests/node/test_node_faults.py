@@ -16,8 +16,8 @@ from pd.core.sampling_params import SamplingParams
 from pd.model.decoder import DecoderLayer
 from pd.node import Node
 from tests.node.harness import PROMPTS, assert_idle, run_until, send_request
-from transfer import KVPoll
 from transfer.backend import FakeTransferBackend
+from transfer.state import KVPoll
 
 pytestmark = pytest.mark.timeout(60)
 LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)

@@ -25,7 +25,7 @@ from tests.node.harness import (
     run_until,
     send_request,
 )
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(90)  # fixtures load models; each test runs in ~0.1 s
 

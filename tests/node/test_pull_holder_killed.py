@@ -22,7 +22,7 @@ from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import GREEDY, SECRET, Server, run_until
 from tests.node.test_pulls import OTHER, PREFIX, PROMPT, _idle, _pull_request, _run, _stats
-from transfer import KVPoll, TransferConfig
+from transfer.state import KVPoll, TransferConfig
 
 pytestmark = pytest.mark.timeout(120)
 SEND_DELAY_S = 0.4  # per send of the holder's pair: a pull of 3 layers takes a few seconds

@@ -17,7 +17,7 @@ from pd.engine.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import GREEDY, SECRET, Server, assert_idle, run_until
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(90)
 PREFIX = [(7 * i + 3) % 500 + 10 for i in range(48)]  # 12 pages of 4

@@ -13,9 +13,10 @@ import pytest
 import zmq
 
 from pd.cluster.client import ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.cluster.sockets import READ_BUDGET
 from pd.core.messages import CacheEventMsg, NodeInfo
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import random_frames, run_stranger
 from transfer.auth import Sealer, new_secret

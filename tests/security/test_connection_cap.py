@@ -147,8 +147,8 @@ def _read_until(reader: SealedReader, payload: bytes, timeout_s: float) -> bool:
 
 
 def test_a_cluster_the_cap_cannot_hold_is_refused_with_the_numbers() -> None:
-    from pd.cluster.config import ClusterConfig
-    from transfer import TransferConfig
+    from pd.fleet.config import ClusterConfig
+    from transfer.state import TransferConfig
 
     with pytest.raises(ValueError, match="32 nodes need transfer max_conns > 32 .* got 32"):
         ClusterConfig(num_prefill=16, num_decode=16)

@@ -18,7 +18,6 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.cluster.client import ClusterClient
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -29,13 +28,15 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.node import Node, NodeConfig
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from pd.server.metrics import ServerMetrics
 from prefill.node import PrefillRole
 from tests.conftest import free_port, make_node_stats
 from tests.security.helpers import capture, random_frames, run_stranger, unsigned
-from transfer import TransferConfig
 from transfer.auth import new_secret
 from transfer.messages import TransferReadyMsg, TransferRequestMsg
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from tests.security.helpers import (
     unsigned,
 )
 from tests.transfer.helpers import TrackingOwner, assert_moved, buffers, make_pool, run_until
-from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
 from transfer.auth import HEADER_BYTES, TAG_BYTES, Sealer, new_secret, reply_audience
 from transfer.control import ControlPlane
 from transfer.messages import (
@@ -33,6 +33,7 @@ from transfer.messages import (
     decode_msg,
     encode_msg,
 )
+from transfer.state import KVPoll, TransferConfig
 
 pytestmark = pytest.mark.timeout(90)
 

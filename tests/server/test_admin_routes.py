@@ -2,7 +2,7 @@
 requests checked like any other (4xx naming the field), a pool grown past what the cluster can
 place refused with the numbers, warm-up prompts tokenized and namespaced as requests are; and
 ``pd scale`` / ``pd status`` against them. The live clusters behind them are
-tests/cluster/test_operate.py and tests/cluster/test_admin_live.py."""
+tests/fleet/test_operate.py and tests/fleet/test_admin_live.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import pytest
 
 from pd.cache.tenants import group_namespace
 from pd.cli import main as pd_main
-from pd.cluster.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.cluster.client import WarmResult
-from pd.cluster.coordinator import Pull, Route
-from pd.cluster.route_log import RouteLog
+from pd.fleet.admin import CapacityRefusal, NodeView, PoolSizes
 from pd.model.tokenizer import encode_prompt
+from pd.router.coordinator import Route
+from pd.router.pulls import Pull
+from pd.router.route_log import RouteLog
 from pd.server import ServerConfig, ServerMetrics, build_app
 from pd.server.http.auth import cache_namespace
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, serve

@@ -164,8 +164,8 @@ async def test_a_keys_default_priority_comes_from_key_priority(make_app) -> None
 
 @pytest.mark.anyio
 async def test_the_coordinators_queue_for_room_serves_by_priority_then_arrival() -> None:
-    from pd.cluster.policy import NoCapacityError
     from pd.cluster.room import RoomQueue, RoomTicket
+    from pd.router.policy import NoCapacityError
 
     room = RoomQueue()
     free = [0]  # bookings the nodes have room for

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pd.core.kv_pool import KVPool, SlotAllocator
-from transfer import BaseSlotOwner, SlotReservation, TransferAgent
+from transfer.agent import TransferAgent
+from transfer.state import BaseSlotOwner, SlotReservation
 
 NUM_LAYERS, NUM_SLOTS, NUM_HEADS, HEAD_DIM = 3, 64, 2, 4
 

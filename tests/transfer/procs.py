@@ -16,7 +16,8 @@ from tests.transfer.helpers import (
     buffers,
     make_pool,
 )
-from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
+from transfer.state import KVPoll, TransferConfig
 
 SRC_SEED = 11
 

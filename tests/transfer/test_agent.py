@@ -17,9 +17,10 @@ from tests.transfer.helpers import (
     make_pool,
     run_until,
 )
-from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
 from transfer.auth import Sealer
 from transfer.messages import TransferDoneMsg, TransferStartMsg, encode_msg
+from transfer.state import KVPoll, TransferConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from transfer import TransferConfig
 from transfer.auth import (
     HEADER_BYTES,
     OVERHEAD_BYTES,
@@ -14,6 +13,7 @@ from transfer.auth import (
     new_secret,
     reply_audience,
 )
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(10)
 

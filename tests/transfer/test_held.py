@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.transfer.helpers import TrackingOwner, assert_moved, buffers, make_pool, run_until
-from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
+from transfer.state import KVPoll, TransferConfig
 
 pytestmark = pytest.mark.timeout(30)
 

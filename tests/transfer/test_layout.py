@@ -13,8 +13,9 @@ from tests.transfer.helpers import (
     run_until,
 )
 from tests.transfer.test_agent import _both_final, _make_pair
-from transfer import CallbackSlotOwner, KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
 from transfer.layout import MAX_SEGMENTS, in_wire_order, plan_wire, run_firsts
+from transfer.state import CallbackSlotOwner, KVPoll, TransferConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,7 +18,8 @@ import torch
 
 from tests.transfer.helpers import TrackingOwner, buffers, make_pool, run_until
 from tests.transfer.procs import SRC_SEED, receiver_main, sender_main
-from transfer import KVPoll, TransferAgent, TransferConfig
+from transfer.agent import TransferAgent
+from transfer.state import KVPoll, TransferConfig
 
 NUM_SLOTS = 256
 CFG = TransferConfig(

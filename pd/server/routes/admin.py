@@ -6,7 +6,7 @@
 - ``POST /admin/scale {"prefill": N, "decode": M}`` (either may be left out): set the pools'
   target sizes (prefill may be 0: the decode nodes then prefill every prompt, decode at
   least 1); nodes start, or drain and leave, in the background (202); a pool grown past
-  what the Ray cluster can hold is refused (409, with the numbers: ``pd.cluster.placement``);
+  what the Ray cluster can hold is refused (409, with the numbers: ``pd.fleet.placement``);
 - ``POST /admin/nodes/{id}/drain``: no new requests for it, the ones it has finish, then it
   leaves (its pool's target drops by one; 409 for the last decode node);
 - ``POST /admin/warmup {"prompts": [...], "cache_salt": ...}``: prefill each prompt (text or
@@ -14,7 +14,7 @@
   when the prefill pool is empty), generating nothing; the answer says where each went;
 - ``GET /admin/routes?request_id=ID``: where each attempt of a recent request went (its
   prefill node or none, its decode node, the prefix expected there, a pull), ID being the
-  ``id`` of its response (``pd.cluster.route_log``).
+  ``id`` of its response (``pd.router.route_log``).
 
 The router is included by ``build_app`` when it is given a ``ClusterAdmin`` (``app.state.admin``)
 and needs an admin key when the server has keys (``AuthMiddleware``: 401 without a key, 403
@@ -36,7 +36,7 @@ from pd.server.http.errors import APIError
 from pd.server.routes.common import server_state
 
 if TYPE_CHECKING:  # the colocated server never imports the cluster (nor Ray)
-    from pd.cluster.admin import ClusterAdmin
+    from pd.fleet.admin import ClusterAdmin
 
 router = APIRouter(prefix="/admin")
 MAX_WARMUP_PROMPTS = 256

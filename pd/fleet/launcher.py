@@ -1,7 +1,7 @@
 """``Cluster``: places prefill and decode nodes as Ray actors and wires them to the server.
 
 Ray is the lifecycle plane only (placement, health, replacing dead nodes, scaling): every Ray
-call is in ``NodeActors`` (``pd.cluster.actors``); requests, tokens, cache events and transfer
+call is in ``NodeActors`` (``pd.fleet.actors``); requests, tokens, cache events and transfer
 handshakes never go through Ray. Locally (``address=None``) a private Ray instance is always
 started, with the nodes as CPU actors, whatever other Ray cluster (live, or dead with its record
 left behind) the machine has; with ``address="auto"`` (or a Ray address) the nodes join that
@@ -17,15 +17,16 @@ Each pool has a target size (``scale``, the admin API, the autoscaler); ``_recon
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
 or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
 while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
-every request to a decode node alone (``Coordinator.decode_only``). Each node's life is one
-record in ``Pools`` (``pd.cluster.pools``): ``starting`` (its actor started, not registered),
+every request to a decode node alone (``ClusterClient.set_decode_only``). Each node's life is one
+record in ``Pools`` (``pd.fleet.pools``): ``starting`` (its actor started, not registered),
 ``ready``, ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then
 it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``. A start
 that fails lowers the target again. The record keeps the node's role and number in its pool:
 nothing reads them back out of a node id but attaching, which finds nodes by their names. The
 launcher tells the client about nodes through its membership calls (``register_node``,
-``drain_node``, ``unregister_node``, ``begin_start``/``end_start``) and hears of deaths through
-``on_node_failed``.
+``drain_node``, ``unregister_node``, ``begin_start``/``end_start``, ``set_decode_only``), reads
+them back through its read-only views (``nodes``, ``node_stats``) and hears of deaths through
+``on_node_failed``; it never reaches the coordinator.
 
 The launcher makes the cluster's secret, which every zmq frame and pair rendezvous is
 authenticated with, and hands it to the client and (through Ray, inside ``TransferConfig``) to
@@ -41,12 +42,15 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pd.cluster.actors import STOP_TIMEOUT_S, NodeActors
-from pd.cluster.client import MIN_POOL, ROLES, ClusterClient
-from pd.cluster.config import ClusterConfig, free_port, init_ray
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig
+from pd.cluster.client import ClusterClient
+from pd.cluster.client_config import MIN_POOL, ROLES
 from pd.cluster.event_loop import TaskSet
-from pd.cluster.placement import (
+from pd.core.addresses import choose_addrs
+from pd.core.messages import NodeInfo
+from pd.engine.config import EngineConfig
+from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
+from pd.fleet.config import ClusterConfig, free_port
+from pd.fleet.placement import (
     Capacity,
     node_demand,
     pool_capacity,
@@ -54,17 +58,15 @@ from pd.cluster.placement import (
     ray_totals,
     socket_capacity,
 )
-from pd.cluster.pools import NodeState, Pools
-from pd.core.addresses import choose_addrs
-from pd.core.messages import NodeInfo
-from pd.engine.config import EngineConfig
+from pd.fleet.pools import NodeState, Pools
 from pd.model.loader import resolve_model
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
 from transfer.auth import new_secret
 
 if TYPE_CHECKING:
     import ray
 
-__all__ = ["Cluster", "ClusterConfig", "init_ray"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -79,9 +81,8 @@ class Cluster:
         self._secret = new_secret()
         self.pools = Pools(cfg.num_prefill, cfg.num_decode)
         self.actors = NodeActors(cfg, self.pools)
-        self.coordinator = Coordinator(self.coordinator_cfg)
         self.client = ClusterClient(
-            self.coordinator,
+            Coordinator(self.coordinator_cfg),
             "tcp://127.0.0.1:0",  # replaced in start(), once Ray tells this machine's IP
             cfg.client,
             secret=self._secret,
@@ -115,7 +116,7 @@ class Cluster:
         if running:
             self._attach(running)
         # _reconcile keeps it from here on (the nodes below register on the loop, maybe later)
-        self.coordinator.decode_only = self.pools.target["prefill"] == 0
+        self.client.set_decode_only(self.pools.target["prefill"] == 0)
         started = []
         for role in ROLES:
             for _ in range(self.pools.target[role] - len(self.pools.ready(role))):
@@ -188,7 +189,7 @@ class Cluster:
 
     def capacity(self, role: str, num_other: int) -> Capacity:
         """How many ``role`` nodes the Ray cluster can hold beside ``num_other`` nodes of the
-        other pool (``pd.cluster.placement``), and the server's socket can take (its
+        other pool (``pd.fleet.placement``), and the server's socket can take (its
         ``--transfer-max-conns``). Blocking (it asks Ray): not on the event loop.
         A CPU node takes in memory the largest resident size a node reports, or before any
         has, its checkpoint's weight files."""
@@ -229,9 +230,9 @@ class Cluster:
         starts). Not while a dead node's replacement starts: then they wait for it, as the
         operator asked for a prefill pool and a decode node's long prefills would stretch the
         running streams' TPOT."""
-        self.coordinator.decode_only = not self.pools.ready(
-            "prefill"
-        ) and not self.pools.num_replacing("prefill")
+        self.client.set_decode_only(
+            not self.pools.ready("prefill") and not self.pools.num_replacing("prefill")
+        )
 
     def _reconcile(self) -> None:
         self._sync_decode_only()
@@ -349,7 +350,7 @@ class Cluster:
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Every registered node's slot and resource accounting (asserts inside each node);
         nodes still starting are not waited for."""
-        registered = self.client.nodes
+        registered = self.client.nodes  # a read-only view
         return self.actors.check_integrity([n for n in self.actors.running() if n in registered])
 
     async def _grow(self, role: str) -> str | None:

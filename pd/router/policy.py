@@ -27,7 +27,7 @@
 4. **Pull?** (``_plan_pull``, off with ``pull_min_tokens=-1``.) When another node, prefill or
    decode, holds at least ``pull_min_tokens`` more of the prompt than the chosen prefill node,
    the choice names that holder (``Choice.pull``) if moving the KV is estimated faster than
-   computing it (``pd.cluster.pulls.plan_pull``; with no pull timed yet, one is tried). The
+   computing it (``pd.router.pulls.plan_pull``; with no pull timed yet, one is tried). The
    decision, either way, rides in the choice for the coordinator to log.
 5. **Sooner alone?** (``_is_sooner_local``, with ``local_prefill_balance``.) The decode node
    prefills after all when it decodes nothing and would get through the prompt sooner, by
@@ -56,25 +56,41 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch
-from pd.cluster.pulls import Pull, PullCosts, PullDecision, PullPlan, plan_pull
+from pd.core.options import option
+from pd.router.pulls import Pull, PullCosts, PullDecision, PullPlan, plan_pull
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    policy: str = "cache_aware"
+    """How requests are routed. The ``option`` fields are ``pd serve``'s flags (group
+    "routing"), in this order."""
+
+    policy: str = option("cache_aware", None, choices=POLICIES)
     balance_abs_tokens: int = 4096  # loads must differ by more than this many tokens ...
     balance_rel: float = 2.0  # ... and by more than this factor to count as unbalanced
     cache_threshold: float = 0.25  # matched fraction of the prompt that makes a node sticky
-    # prefill on the decode node when it would compute at most this many tokens (-1: never)
-    local_prefill_tokens: int = 128
-    # ... or when it holds at least this fraction of the prompt, as much as any prefill node
-    local_prefill_min_held: float = 0.5
-    # ... or when the decode node would get through its prefill sooner than the prefill side
-    local_prefill_balance: bool = True
-    # pull a prefix another node holds when it saves at least this many tokens (-1: never)
-    pull_min_tokens: int = 64
+    local_prefill_tokens: int = option(
+        128,
+        "a request is prefilled on its decode node (no KV transfer) when that node would "
+        "compute at most this many prompt tokens; -1: never",
+    )
+    local_prefill_min_held: float = option(
+        0.5,
+        "... or when the decode node holds at least this fraction of the prompt and no "
+        "prefill node holds more (a conversation's next turn)",
+    )
+    local_prefill_balance: bool = option(
+        True,
+        "... or when the decode node would get through the prompt sooner than the prefill "
+        "node (queued prefills counted)",
+    )
+    pull_min_tokens: int = option(
+        64,
+        "pull a prefix's KV from the node holding it when that saves at least this many "
+        "tokens and is estimated faster than computing them; -1: never",
+    )
     pull_timeout_min_s: float = 1.0  # a pull waits at most max(this, 2x its compute estimate)
     page_size: int = 1
     seed: int = 0

@@ -8,17 +8,52 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
-
-from pd.cluster.client import MIN_POOL, ROLES, ClientConfig
-from transfer import TransferConfig
+from pd.cluster.client_config import MIN_POOL, ROLES, ClientConfig
+from pd.core.options import json_numbers, option
+from transfer.state import TransferConfig
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    num_prefill: int = 1  # 0: no prefill pool, the decode nodes prefill every prompt
-    num_decode: int = 1
-    address: str | None = None  # None: start a local Ray instance; "auto": join a running one
+    """The pools and their Ray placement. The ``option`` fields are ``pd serve``'s flags (group
+    "cluster and Ray"), in this order."""
+
+    # pd serve's default is ``pd.cli.serve.prefill_pool_size``'s
+    num_prefill: int = option(
+        1,
+        "prefill nodes; 0: the decode nodes prefill every prompt. Default: 0 on one CPU "
+        "machine (no --address, --node-gpus or --autoscale: it would share the cores), else 1",
+        flag="prefill",
+    )
+    num_decode: int = option(1, "decode nodes", flag="decode")
+    address: str | None = option(None, "join a running Ray cluster ('auto'); default: start one")
+    prefill_resources: dict[str, float] = option(
+        {},
+        "Ray custom resources each prefill node asks for, e.g. '{\"prefill\": 1}'",
+        parse=json_numbers,
+    )
+    decode_resources: dict[str, float] = option(
+        {},
+        "Ray custom resources each decode node asks for, e.g. '{\"decode\": 1}'",
+        parse=json_numbers,
+    )
+    node_gpus: float | None = option(
+        None,
+        "GPUs each node asks for (default: 1 if the Ray cluster has GPUs, else 0); 1 "
+        "where Ray's autoscaler adds GPU machines for nodes that wait",
+    )
+    prefill_tensor_parallel_size: int | None = option(
+        None, "ranks of each prefill node (a GPU each); default: --tensor-parallel-size"
+    )
+    decode_tensor_parallel_size: int | None = option(
+        None, "ranks of each decode node (a GPU each); default: --tensor-parallel-size"
+    )
+    namespace: str = option("pd", "with --address: the Ray namespace of the nodes")
+    keep_nodes: bool = option(
+        True,
+        "with --address: leave the nodes running when pd serve exits (the next one "
+        "attaches to them and their caches)",
+    )
     # where the server's PULL socket binds: an address, 0.0.0.0 (all interfaces) or "auto"
     # (this machine's Ray IP); nodes are always told a routable one (pd.core.addresses)
     host: str = "127.0.0.1"
@@ -27,17 +62,6 @@ class ClusterConfig:
     ready_timeout_s: float = 300.0
     replace_dead_nodes: bool = True  # start a new node of the same role when one dies
     connect_timeout_s: float = 5.0  # with an address: the cluster must answer within this
-    # GPUs each node asks for; None: 1 when the Ray cluster (an address) has GPUs now, else 0.
-    # Set 1 where GPU machines come and go (Ray's autoscaler adds one for a waiting node).
-    node_gpus: float | None = None
-    namespace: str = "pd"  # with an address: the Ray namespace of the (detached) node actors
-    keep_nodes: bool = True  # with an address: the nodes outlive the server (one attaches)
-    # Ray custom resources each node of a role asks for, e.g. {"prefill": 1}
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
-    # ranks of each node of a pool (tensor parallel); None: the engine's --tensor-parallel-size
-    prefill_tensor_parallel_size: int | None = None
-    decode_tensor_parallel_size: int | None = None
     drain_timeout_s: float | None = None  # a draining node's requests; None: request_timeout_s
     client: ClientConfig = field(default_factory=ClientConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # every node's
@@ -148,6 +172,8 @@ def init_ray(cfg: ClusterConfig) -> None:
     ``ray start`` cluster (live or dead) left on this machine. With one, that cluster, checked
     to be reachable first; "auto" is handed to Ray as it is, which then also finds the
     machine's auth token (``~/.ray/auth_token``): Ray never does for an explicit address."""
+    import ray  # here: ``pd.cli`` reads this module's flags, and ``pd generate`` needs no Ray
+
     if cfg.address is None:
         ray.init(
             address="local",

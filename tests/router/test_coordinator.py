@@ -15,12 +15,13 @@ from typing import NamedTuple
 import pytest
 
 from pd.cache import NoPrefixCache
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig, NoCapacityError, Route
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.slots import SlotBudget
+from pd.router.coordinator import Coordinator, Route
+from pd.router.policy import CoordinatorConfig, NoCapacityError
 from pdtools.routing_model import SimPrefill
 
 # Thresholds used throughout, spelled out so a change of CoordinatorConfig defaults shows up here.
@@ -602,7 +603,7 @@ def test_without_a_prefill_pool_every_request_is_prefilled_on_its_decode_node() 
     coord = _make_coordinator(num_prefill=0, decode_slots=(1 << 20, 1 << 20))
     with pytest.raises(NoCapacityError, match="no prefill node"):
         coord.route("waits", _tokens(0, 900), 8)  # the pool is empty while a node replaces one
-    coord.decode_only = True
+    coord.set_decode_only(True)
     _insert(coord, "d1", _tokens(0, 600))
     assert coord.route("a", _tokens(0, 900), 8) == Route(None, "d1", 600)  # the cache-aware pick
     coord.on_prefilled("a")  # d1 decodes "a" now

@@ -1,7 +1,7 @@
 """The coordinator: books each request on the nodes ``RoutePolicy`` chooses, and keeps what is
 booked until the request is prefilled and finished.
 
-``route`` is two steps. First ``RoutePolicy.choose`` (``pd.cluster.policy``, whose docstring
+``route`` is two steps. First ``RoutePolicy.choose`` (``pd.router.policy``, whose docstring
 gives the rules): the decode node, the prefill node or none (the decode node prefills the
 request itself: conditional disaggregation), and a pull or not; it books nothing. Then
 ``_book``, the one place a route is booked: the decode node's KV slots for the prompt and the
@@ -37,33 +37,19 @@ from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
-from pd.cluster.policy import (
-    POLICIES,
+from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
+from pd.engine.slots import expected_new_tokens
+from pd.router.policy import (
     Choice,
     CoordinatorConfig,
     DecodeState,
     InFlight,
     Members,
-    NoCapacityError,
     PrefillState,
     RoutePolicy,
 )
-from pd.cluster.pulls import Pull, PullCosts, PullLog
-from pd.cluster.route_log import RouteLog
-from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
-from pd.engine.slots import expected_new_tokens
-
-# CoordinatorConfig, NoCapacityError and POLICIES live with the policy; Pull and PullCosts with
-# pull costing: importable from here too, where callers look for them
-__all__ = [
-    "POLICIES",
-    "Coordinator",
-    "CoordinatorConfig",
-    "NoCapacityError",
-    "Pull",
-    "PullCosts",
-    "Route",
-]
+from pd.router.pulls import Pull, PullCosts, PullLog
+from pd.router.route_log import RouteLog, RouteRecord
 
 
 class Route(NamedTuple):
@@ -104,11 +90,7 @@ class Coordinator:
         self._ranks = itertools.count()
         self._members: Members | None = None  # rebuilt after membership changes
         self.num_local_routes = 0  # requests sent to a decode node alone
-        # Set by the launcher while the prefill pool has no node and waits for no replacement
-        # (its target is 0, or its first node starts): with no prefill node accepting, every
-        # request is prefilled on its decode node. Otherwise a request waits
-        # (NoCapacityError) while the prefill pool has no node, e.g. for a replacement.
-        self.decode_only = False
+        self._decode_only = False  # ``set_decode_only``
         self.costs = PullCosts()
         self.pulls = PullLog()
         self.routes = RouteLog()  # where each recent attempt went (GET /admin/routes)
@@ -137,6 +119,18 @@ class Coordinator:
             node.pos = -1  # its requests may still finish: their loads go nowhere
         self._decode.pop(node_id, None)
         self._mirror.remove(node_id)
+
+    def set_decode_only(self, on: bool) -> None:
+        """``on`` while the prefill pool has no node and waits for no replacement (its target
+        is 0, or its first node starts: the launcher says so, through the cluster client):
+        with no prefill node accepting, every request is prefilled on its decode node. Off, a
+        request waits (NoCapacityError) while the prefill pool has no node, e.g. for a
+        replacement."""
+        self._decode_only = on
+
+    @property
+    def decode_only(self) -> bool:
+        return self._decode_only
 
     @property
     def prefill_nodes(self) -> list[str]:
@@ -214,11 +208,15 @@ class Coordinator:
             most,
             match,
             allow_local=allow_local,
-            decode_only=self.decode_only,
+            decode_only=self._decode_only,
         )
         prompt = InFlight(key, namespace, len(prompt_ids) - choice.num_matched)
         booking = _Booking(choice.prefill, choice.decode, 0, len(prompt_ids), max_tokens)
         return self._book(request_id, choice, prompt, booking, need, match)
+
+    def routes_of(self, request_id: str) -> list[RouteRecord]:
+        """Where each attempt of ``request_id`` went (``RouteLog.of``), oldest first."""
+        return self.routes.of(request_id)
 
     def on_prefilled(self, request_id: str) -> None:
         """The request's first token came: its prefill load is gone, and its decode node is

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd.cluster.coordinator import Coordinator, CoordinatorConfig, PullCosts
 from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
+from pd.router.coordinator import Coordinator
+from pd.router.policy import CoordinatorConfig
+from pd.router.pulls import PullCosts
 
 PREFIX = list(range(100, 1100))  # 1,000 tokens
 PER_TOKEN = 30_720  # SmolLM2-135M's KV bytes per token at fp32 (30 layers x 2 x 3 x 64 x 4)

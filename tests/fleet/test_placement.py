@@ -1,11 +1,11 @@
-"""How many nodes of a pool a Ray cluster can hold (``pd.cluster.placement``), from its
+"""How many nodes of a pool a Ray cluster can hold (``pd.fleet.placement``), from its
 resources as Ray reports them; no Ray here. The live refusal is in test_admin_live.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from pd.cluster.placement import (
+from pd.fleet.placement import (
     Capacity,
     max_nodes,
     node_demand,
@@ -79,10 +79,10 @@ def test_what_rays_autoscaler_may_add_counts() -> None:
 def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pd.cluster.config import ClusterConfig
-    from pd.cluster.coordinator import CoordinatorConfig
-    from pd.cluster.launcher import Cluster
     from pd.engine.config import EngineConfig
+    from pd.fleet.config import ClusterConfig
+    from pd.fleet.launcher import Cluster
+    from pd.router.policy import CoordinatorConfig
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
 
@@ -114,10 +114,10 @@ def test_a_pool_is_bounded_by_the_connections_each_socket_takes() -> None:
 
 
 def test_a_node_of_n_ranks_takes_n_gpus_of_one_machine_and_the_pools_count_them() -> None:
-    from pd.cluster.config import ClusterConfig
-    from pd.cluster.coordinator import CoordinatorConfig
-    from pd.cluster.launcher import Cluster
     from pd.engine.config import EngineConfig
+    from pd.fleet.config import ClusterConfig
+    from pd.fleet.launcher import Cluster
+    from pd.router.policy import CoordinatorConfig
 
     cfg = ClusterConfig(num_prefill=1, num_decode=2, prefill_tensor_parallel_size=4)
     cluster = Cluster(EngineConfig(tensor_parallel_size=2), cfg, CoordinatorConfig())

@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
-from pd.cluster.client import ClientConfig
-from pd.cluster.pools import NodeState
+from pd.cluster.client_config import ClientConfig
+from pd.fleet.pools import NodeState
 from pd.server import ServerConfig
 from tests.cluster.conftest import LiveCluster, start_live_cluster, wait_idle_and_check
-from transfer import TransferConfig
+from transfer.state import TransferConfig
 
 pytestmark = pytest.mark.timeout(240)  # the cluster's start-up is counted too
 HEARTBEAT_S = 4.0

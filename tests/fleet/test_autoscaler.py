@@ -9,7 +9,9 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pd.cluster.autoscaler import (
+from pd.cluster.slo import LatencyWindow
+from pd.core.messages import NodeStatsMsg
+from pd.fleet.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     PoolState,
@@ -17,8 +19,6 @@ from pd.cluster.autoscaler import (
     decide,
     pressure,
 )
-from pd.cluster.slo import LatencyWindow
-from pd.core.messages import NodeStatsMsg
 from tests.conftest import make_node_stats
 
 pytestmark = pytest.mark.timeout(30)
@@ -226,7 +226,7 @@ def test_an_operators_size_outside_the_range_is_kept_until_the_operator_changes_
     """Through ClusterAdmin, as /admin/scale and a drain call it: a size above the max (or below
     the min) is the operator's, held however idle the pool; one within the range is where the
     rule goes on from, its cooldown counted from the operator's change."""
-    from pd.cluster.admin import ClusterAdmin
+    from pd.fleet.admin import ClusterAdmin
 
     cluster, clock = _Cluster(), [100.0]
     auto = Autoscaler(CFG, cluster, clock=lambda: clock[0])  # type: ignore[arg-type]

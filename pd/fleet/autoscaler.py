@@ -40,43 +40,41 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pd.cluster.client import ROLES
+from pd.cluster.client_config import ROLES
+from pd.core.options import option
 
 if TYPE_CHECKING:
-    from pd.cluster.launcher import Cluster
+    from pd.fleet.launcher import Cluster
 
 logger = logging.getLogger(__name__)
-
-
-def _flag(default: Any, help: str, flag: str | None = None) -> Any:
-    """A field with its CLI help and (``flag``) a flag name other than the field's."""
-    return field(default=default, metadata={"help": help, **({"flag": flag} if flag else {})})
 
 
 @dataclass(frozen=True)
 class AutoscalerConfig:
     """``pd serve`` flags: ``--autoscale``, ``--autoscale-*``, ``--ttft-slo``, ``--tpot-slo``."""
 
-    enabled: bool = _flag(False, "resize the pools to meet --ttft-slo and --tpot-slo", "autoscale")
-    min_prefill: int = _flag(1, "the prefill pool's smallest size")
-    max_prefill: int = _flag(4, "the prefill pool's largest size")
-    min_decode: int = _flag(1, "the decode pool's smallest size")
-    max_decode: int = _flag(4, "the decode pool's largest size")
-    ttft_slo: float = _flag(2.0, "target p90 time to first token (s)", "ttft_slo")
-    tpot_slo: float = _flag(0.2, "target p90 time per output token (s)", "tpot_slo")
-    kv_usage_target: float = _flag(0.85, "target share of a decode node's KV slots in use")
-    cooldown_s: float = _flag(
+    enabled: bool = option(
+        False, "resize the pools to meet --ttft-slo and --tpot-slo", flag="autoscale"
+    )
+    min_prefill: int = option(1, "the prefill pool's smallest size")
+    max_prefill: int = option(4, "the prefill pool's largest size")
+    min_decode: int = option(1, "the decode pool's smallest size")
+    max_decode: int = option(4, "the decode pool's largest size")
+    ttft_slo: float = option(2.0, "target p90 time to first token (s)", flag="ttft_slo")
+    tpot_slo: float = option(0.2, "target p90 time per output token (s)", flag="tpot_slo")
+    kv_usage_target: float = option(0.85, "target share of a decode node's KV slots in use")
+    cooldown_s: float = option(
         60.0, "a pool shrinks after this long below target and this long after its last change"
     )
-    up_breaches: int = _flag(2, "consecutive decisions above target before a pool grows")
-    interval_s: float = _flag(1.0, "seconds between decisions")
-    window_s: float = _flag(30.0, "latency quantiles are taken over this many seconds")
-    down_margin: float = _flag(
+    up_breaches: int = option(2, "consecutive decisions above target before a pool grows")
+    interval_s: float = option(1.0, "seconds between decisions")
+    window_s: float = option(30.0, "latency quantiles are taken over this many seconds")
+    down_margin: float = option(
         0.8, "a pool shrinks only if one node less keeps it under this share of its targets"
     )
 

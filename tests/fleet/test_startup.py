@@ -63,7 +63,7 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
         # 1. it runs, and ray.init() would join it (and refuse pd's resources): pd's own
         # start-up gets a private instance, even with RAY_ADDRESS naming the other one
         code = (
-            "import ray; from pd.cluster.launcher import ClusterConfig, init_ray; "
+            "import ray; from pd.fleet.launcher import ClusterConfig, init_ray; "
             "init_ray(ClusterConfig()); print('GCS', ray.get_runtime_context().gcs_address)"
         )
         out = subprocess.run(
@@ -113,7 +113,7 @@ def test_address_auto_reaches_ray_as_auto_so_it_finds_the_auth_token(monkeypatch
     was refused ("Authentication token is missing") when pd resolved "auto" itself."""
     import ray
 
-    from pd.cluster import config
+    from pd.fleet import config
 
     calls: list[str] = []
     monkeypatch.setattr(config, "reachable_address", lambda address, timeout_s: "10.0.0.10:6379")
@@ -129,7 +129,7 @@ def test_the_servers_port_is_picked_where_other_processes_ports_never_land(monke
     import random
     import socket
 
-    from pd.cluster import config
+    from pd.fleet import config
 
     low, _ = config._ephemeral_ports()
     assert low > 20000  # this machine's kernel: 32768

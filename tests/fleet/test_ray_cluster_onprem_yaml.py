@@ -17,7 +17,7 @@ import yaml
 
 from pdtools import netns_ray
 from pdtools.netns_ray import EXAMPLE_CHECKOUT, EXAMPLE_HEAD, PD_SERVE, render_onprem
-from tests.cluster.test_ray_cluster_yaml import documented_serve_command
+from tests.fleet.test_ray_cluster_yaml import documented_serve_command
 
 _ROOT = Path(__file__).resolve().parents[2]
 

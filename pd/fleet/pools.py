@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd.cluster.client import ROLES
+from pd.cluster.client_config import ROLES
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import checked_move
 

@@ -15,13 +15,14 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pd.cluster.client import ROLES, ClusterClient, WarmResult
-from pd.cluster.launcher import Cluster
-from pd.cluster.pools import NodeState
+from pd.cluster.client import ClusterClient, WarmResult
+from pd.cluster.client_config import ROLES
 from pd.core.messages import NodeInfo, NodeStatsMsg
+from pd.fleet.launcher import Cluster
+from pd.fleet.pools import NodeState
 
 if TYPE_CHECKING:
-    from pd.cluster.autoscaler import Autoscaler
+    from pd.fleet.autoscaler import Autoscaler
 
 STATES = ("starting", "ready", "draining")  # the NodeState values a view shows
 
@@ -77,7 +78,7 @@ class ClusterAdmin:
 
     def pulls(self, last: int = 32) -> dict[str, Any]:
         """The coordinator's pull counts and its ``last`` pull-or-compute decisions."""
-        log = self.client.coordinator.pulls
+        log = self.client.pull_log
         return {
             "num_pulls": log.num_pulls,
             "num_computed": log.num_computed,
@@ -89,7 +90,7 @@ class ClusterAdmin:
 
     def routes(self, request_id: str) -> list[dict[str, Any]]:
         """Where each attempt of ``request_id`` went (the coordinator's route log)."""
-        return [r._asdict() for r in self.client.coordinator.routes.of(request_id)]
+        return [r._asdict() for r in self.client.routes_of(request_id)]
 
     def nodes(self) -> list[NodeView]:
         pools, stats = self.cluster.pools, self.client.node_stats

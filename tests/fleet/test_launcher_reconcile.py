@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from pd.cluster.coordinator import CoordinatorConfig
-from pd.cluster.launcher import Cluster, ClusterConfig
-from pd.cluster.pools import NodeState, PoolNode
 from pd.engine.config import EngineConfig
+from pd.fleet.config import ClusterConfig
+from pd.fleet.launcher import Cluster
+from pd.fleet.pools import NodeState, PoolNode
+from pd.router.policy import CoordinatorConfig
 
 pytestmark = pytest.mark.timeout(30)
 
