@@ -94,3 +94,59 @@ def test_a_required_calls_grammar_admits_only_calls_of_the_tools() -> None:
     now = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     assert accepts(required.grammar(), call + "\n" + now)
     assert not accepts(required.grammar(), "Sure. " + call)
+
+
+@pytest.mark.timeout(60)
+def test_the_parse_is_linear_in_a_hostile_answer() -> None:
+    """A model forced (by a regex constraint, say) to write whitespace after ``<tool_call>``
+    must not freeze the event loop that parses its answer: the pattern this replaced took
+    seconds at 2,000 spaces and grew with their cube; 200,000 take milliseconds now."""
+    import time
+
+    tools = Tools.of([ADD], "auto", None)
+    assert tools is not None
+    for answer in (
+        "<tool_call>" + " " * 200_000,  # never closes
+        ("<tool_call>" + " " * 1_000) * 200 + "</tool_call>",  # opens again and again
+        "x" + "\t\n " * 70_000 + "<tool_call>" + " \n" * 70_000 + "}</tool_call>",
+    ):
+        t0 = time.perf_counter()
+        content, calls = tools.parse(answer)
+        assert time.perf_counter() - t0 < 5.0
+        assert calls == [] and content == answer
+
+
+def test_an_answer_nested_past_the_json_parsers_depth_is_no_call() -> None:
+    """``json.loads`` raises RecursionError, not ValueError, on deep nesting: no call (and no
+    500), in a block and as a whole Llama-3 answer."""
+    tools = Tools.of([ADD], "auto", None)
+    assert tools is not None
+    deep = '{"name": "add", "arguments": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    for answer in (f"<tool_call>{deep}</tool_call>", deep, "[" * 200_000):
+        content, calls = tools.parse(answer)
+        assert calls == [] and content == answer
+
+
+def test_blocks_are_what_the_pattern_found() -> None:
+    """The scan gives the blocks a ``<tool_call>\\s*(.*?)\\s*</tool_call>`` search gave: each
+    to the first close after its opening, bodies stripped, an unclosed tail ignored."""
+    import re
+
+    from pd.server.openai.tools import blocks
+
+    pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    for text in (
+        "a<tool_call> x </tool_call>b<tool_call>\ny\n</tool_call>",
+        "<tool_call><tool_call> inner </tool_call> </tool_call>",
+        "<tool_call>open only",
+        "<tool_call>a</tool_call><tool_call>b",
+        "no blocks",
+    ):
+        assert [body for _, body, _ in blocks(text)] == pattern.findall(text), text
+        rest = "".join(
+            text[a:b]
+            for a, b in zip(
+                [0] + [e for *_, e in blocks(text)], [s for s, *_ in blocks(text)] + [len(text)]
+            )
+        )
+        assert rest == pattern.sub("", text), text

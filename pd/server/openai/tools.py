@@ -29,7 +29,6 @@ import llguidance
 from pd.server.http.errors import APIError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # a call's head, up to the ``{`` that opens its arguments
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 # json.dumps' layout, as chat templates show calls; fixed: a small model cannot pad a call
@@ -118,15 +117,22 @@ class Tools:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the content left, the calls) of an answer: its ``<tool_call>`` blocks that name a
-        tool, else the whole answer as one Llama-3 JSON call; no call: (text, [])."""
+        tool, else the whole answer as one Llama-3 JSON call; no call: (text, []). Linear in
+        the answer's length (``blocks``: no pattern that can backtrack over a model's output,
+        which runs on the server's event loop)."""
+        found = blocks(text)
         calls = []
-        for block in _BLOCK.findall(text):
-            call = self._call(block, "arguments")
+        for _, body, _ in found:
+            call = self._call(body, "arguments")
             if call is not None:
                 calls.append(call)
         if calls:
-            rest = _BLOCK.sub("", text).strip()
-            return rest or None, calls
+            rest, at = [], 0
+            for start, _, end in found:
+                rest.append(text[at:start])
+                at = end
+            rest.append(text[at:])
+            return "".join(rest).strip() or None, calls
         call = self._call(text.strip(), "parameters") or self._call(text.strip(), "arguments")
         return (None, [call]) if call is not None else (text, [])
 
@@ -137,7 +143,7 @@ class Tools:
     def _call(self, text: str, args_key: str) -> ToolCall | None:
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
         if not isinstance(obj, dict) or obj.get("name") not in self.functions:
             return None
@@ -153,6 +159,23 @@ class Tools:
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def blocks(text: str) -> list[tuple[int, str, int]]:
+    """Each ``<tool_call>`` block of ``text`` that closes, in order: (where it opens, its body
+    stripped of whitespace, where it ends); a block runs to the first ``</tool_call>`` after
+    its opening. Two ``str.find`` calls a block: linear in ``text``."""
+    out: list[tuple[int, str, int]] = []
+    at = text.find(CALL_OPEN)
+    while at >= 0:
+        body = at + len(CALL_OPEN)
+        close = text.find(CALL_CLOSE, body)
+        if close < 0:  # no block after this one closes either
+            break
+        end = close + len(CALL_CLOSE)
+        out.append((at, text[body:close].strip(), end))
+        at = text.find(CALL_OPEN, end)
+    return out
+
+
 def arguments_head(text: str, start: int) -> tuple[str, int] | None:
     """(the name, where the arguments' ``{`` is) of a call whose body starts at ``start``
     and opens ``{"name": ..., "arguments": {``; None until that much is in, or if it never
@@ -162,7 +185,7 @@ def arguments_head(text: str, start: int) -> tuple[str, int] | None:
         return None
     try:
         name = json.loads(m.group(1))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return name, m.end()
 
