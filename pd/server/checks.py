@@ -83,10 +83,13 @@ class RequestChecks:
         return Prepared(prompt_ids, params, namespace, stream, include_usage, n, tools)
 
     def priority_for(self, requested: int | None, api_key: str | None) -> int:
-        """A request's priority: its own, else its API key's default, else 0."""
-        if requested is not None:
-            return requested
-        return self.key_priority.get(api_key, 0) if api_key is not None else 0
+        """A request's priority: its own, else its API key's configured one, else 0. A key's
+        configured priority is also a ceiling (lower runs first): its requests may ask to run
+        later than it, never sooner, so one tenant cannot outrank what the operator gave it."""
+        configured = self.key_priority.get(api_key) if api_key is not None else None
+        if requested is None:
+            return 0 if configured is None else configured
+        return requested if configured is None else max(requested, configured)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -37,8 +37,9 @@ class ServerConfig:
     )
     key_priority: tuple[str, ...] = option(
         (),
-        "KEY=PRIORITY: the default priority of API key KEY's requests (repeatable; an integer, "
-        "lower runs first, as vLLM's priority; a request's own priority wins; others: 0)",
+        "KEY=PRIORITY: the priority of API key KEY's requests (repeatable; an integer, lower "
+        "runs first, as vLLM's priority; a request may ask to run later, never sooner; "
+        "others: 0, or their own)",
     )
     isolate_cache_per_key: bool = option(
         True,

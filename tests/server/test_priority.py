@@ -143,7 +143,9 @@ async def test_n_counts_against_a_keys_requests_in_flight_with_a_429_that_says_s
 
 
 @pytest.mark.anyio
-async def test_a_keys_default_priority_comes_from_key_priority(make_app) -> None:
+async def test_a_keys_priority_comes_from_key_priority_and_is_its_ceiling(make_app) -> None:
+    # A's requests may ask to run later than -3, never sooner (a tenant cannot outrank what
+    # the operator gave it); B, with no priority configured, asks what it likes
     config = ServerConfig(api_key=(A, B), key_priority=(f"{A}=-3",))
     app, fake = make_app(config=config, output_ids=[100, 101])
     with serve(app) as url:
@@ -152,6 +154,8 @@ async def test_a_keys_default_priority_comes_from_key_priority(make_app) -> None
                 (A, {"prompt": "x", "max_tokens": 2}, -3),
                 (B, {"prompt": "x", "max_tokens": 2}, 0),
                 (A, {"prompt": "x", "max_tokens": 2, "priority": 4}, 4),
+                (A, {"prompt": "x", "max_tokens": 2, "priority": -100}, -3),
+                (B, {"prompt": "x", "max_tokens": 2, "priority": -100}, -100),
             ]:
                 r = await c.post("/v1/completions", json=body, headers=_auth(key))
                 assert r.status_code == 200, r.text
