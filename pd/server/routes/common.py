@@ -98,6 +98,10 @@ def parse_body(model: type[Any], body: bytes) -> Any:
         raise validation_error(e.errors()) from None
 
 
+def _final_json(render: Renderer) -> str:
+    return render.final().model_dump_json()
+
+
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` documenting a body the handler parses itself."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -162,7 +166,10 @@ async def serve_generation(
             return response
         if (gone := await state.run(request, choices, deadline)) is not None:
             return gone
-        return Response(render.final().model_dump_json(), media_type="application/json")
+        # built and serialized in a parse thread: n choices of many tokens, each with its
+        # top_logprobs, are seconds of work the event loop must not do
+        body_out = await state.in_thread(_final_json, render)
+        return Response(body_out, media_type="application/json")
     finally:
         if ticket is not None:
             ticket.release()
