@@ -44,7 +44,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     reports = [r for rs in terminalreporter.stats.values() for r in rs if hasattr(r, "when")]
     reports.sort(key=lambda r: getattr(r, "start", 0.0))
     for section in _SUMMARY_SECTIONS:
-        lines = [v for r in reports for k, v in r.user_properties if k == section]
+        lines = [v for r in reports for k, v in getattr(r, "user_properties", ()) if k == section]
         if lines:
             terminalreporter.section(section)
             for line in lines:

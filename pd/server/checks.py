@@ -9,6 +9,7 @@ field; ``prepare`` is the steps every endpoint ends with.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -124,7 +125,13 @@ class RequestChecks:
         limit = self.config.max_messages
         if len(messages) > limit:
             raise APIError(f"{len(messages)} messages, at most {limit}", param="messages")
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        # every character the template is given counts: the messages' text, their tool calls
+        # and the tools (their JSON text), so none of them is tokenized past the bound
+        chars = sum(len(m["content"] or "") for m in messages)
+        chars += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages
+                     if m.get("tool_calls"))  # fmt: skip
+        chars += len(json.dumps(tools, default=str)) if tools else 0
+        self._check_chars(chars, "messages")
         try:
             return encode_chat(self.tokenizer, messages, tools)
         except Exception as e:  # no template, or the template rejects the conversation

@@ -1,5 +1,6 @@
 """A request's structured-output fields -> one llguidance grammar (``SamplingParams.grammar``),
-compiled here, before admission: a grammar llguidance refuses is a 400 that says why.
+compiled here, before admission: a grammar llguidance refuses, or one longer than
+``MAX_GRAMMAR_CHARS``, is a 400 that says why.
 
 The fields, at most one per request (each names the other it met in its 400):
 
@@ -30,12 +31,26 @@ from pd.server.http.errors import APIError
 # until max_tokens)
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar")
+# The longest schema, regex, grammar or tools a request may bring, in characters of its JSON
+# text: OpenAI's own bound on a schema's property names and enums together is 120,000
+MAX_GRAMMAR_CHARS = 131_072
+
+
+def check_grammar_size(value: Any, param: str) -> None:
+    """APIError (400) when a schema, regex, grammar or the tools' JSON text is longer than
+    ``MAX_GRAMMAR_CHARS``: compiling and checking one takes time in proportion to it, in a parse
+    thread and then on every node that samples under it."""
+    size = len(value) if isinstance(value, str) else len(json.dumps(value, default=str))
+    if size > MAX_GRAMMAR_CHARS:
+        raise APIError(
+            f"{param} is {size} characters of JSON, at most {MAX_GRAMMAR_CHARS}", param=param
+        )
 
 
 def grammar_of(fields: Mapping[str, Any]) -> str:
     """The grammar of a request's structured-output fields (name -> value, None when not
     sent), "" when none asks for one; APIError (400, naming the field) for a malformed field,
-    two of them, or a grammar llguidance cannot compile."""
+    two of them, one past ``MAX_GRAMMAR_CHARS``, or a grammar llguidance cannot compile."""
     asked = {name: value for name, value in fields.items() if value is not None}
     rf = asked.get("response_format")
     if rf is not None and rf.get("type") == "text":
@@ -48,6 +63,7 @@ def grammar_of(fields: Mapping[str, Any]) -> str:
     if not asked:
         return ""
     ((name, value),) = asked.items()
+    check_grammar_size(value, name)
     try:
         if name == "response_format":
             grammar = _response_format(value)

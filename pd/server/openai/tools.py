@@ -27,6 +27,7 @@ from typing import Any
 import llguidance
 
 from pd.server.http.errors import APIError
+from pd.server.openai.structured import check_grammar_size
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # a call's head, up to the ``{`` that opens its arguments
@@ -64,6 +65,8 @@ class Tools:
     ) -> Tools | None:
         """The checked tools (None where nothing is to be parsed: no tools, or ``"none"``);
         APIError (400) for a malformed tool or choice."""
+        if tools:
+            check_grammar_size(tools, "tools")  # they become a grammar and a prompt
         functions = _functions(tools or [])
         if tool_choice is None:
             tool_choice = "auto" if functions else "none"
