@@ -154,13 +154,13 @@ async def test_tokens_per_minute_per_key_get_429_with_the_seconds_to_wait(
 
 
 @pytest.mark.anyio
-async def test_a_stream_counts_its_tokens_as_they_come_and_runs_on_past_the_limit(
+async def test_a_request_produces_at_most_its_keys_tokens_left_counted_as_they_come(
     make_app: MakeApp,
 ) -> None:
-    """Tokens count as the engine produces them, not when a request ends: once a key's running
-    stream takes it past its limit, the key's next request gets 429 while that stream is still
-    going; the stream itself is not cut (it was admitted under the limit) and ends with all its
-    tokens, each counted once."""
+    """What a request may still produce counts against its key: a stream asking for 40 tokens
+    under a limit of 20 is given the tokens left (its max_tokens lowered: finish_reason
+    "length"), reserved while it runs, so the key's next request gets 429 meanwhile; its
+    tokens count as they come, each once, and the key never passes its limit."""
     config = ServerConfig(api_key=(A,), max_tokens_per_minute_per_key=20)
     app, fake = make_app(config=config, output_ids=list(range(100, 140)), delay_s=0.02)
     limiter = app.state.key_limiter
@@ -172,7 +172,7 @@ async def test_a_stream_counts_its_tokens_as_they_come_and_runs_on_past_the_limi
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             async with c.stream("POST", "/v1/completions", json=body, headers=_auth(A)) as s:
                 assert s.status_code == 200
-                while limiter.num_tokens(A) < 20:
+                while limiter.num_tokens(A) < 5:
                     await asyncio.sleep(0.005)
                 r = await c.post("/v1/completions", json={"prompt": "x"}, headers=_auth(A))
                 assert r.status_code == 429 and r.json()["error"]["code"] == "key_token_limit"
@@ -180,7 +180,27 @@ async def test_a_stream_counts_its_tokens_as_they_come_and_runs_on_past_the_limi
                 chunks = [line[6:] async for line in s.aiter_lines() if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]"
     usage = json.loads(chunks[-2])["usage"]
-    assert usage["completion_tokens"] == 40  # not cut
+    assert usage["total_tokens"] == 20  # the key's whole minute, not 40 past it
     assert json.loads(chunks[-3])["choices"][0]["finish_reason"] == "length"
-    assert limiter.num_tokens(A) == usage["total_tokens"]
+    assert limiter.num_tokens(A) == 20 and limiter.num_reserved == {}
     assert len(fake.requests) == 1 and len(fake.finished) == 1
+
+
+@pytest.mark.anyio
+async def test_n_choices_without_max_tokens_stay_within_the_keys_limit(make_app: MakeApp) -> None:
+    """n=16 without max_tokens (the rest of the context each) reserved what the key has left:
+    every choice's tokens together and the prompt stay within the limit."""
+    config = ServerConfig(api_key=(A,), max_tokens_per_minute_per_key=100)
+    app, fake = make_app(config=config, output_ids=list(range(100, 400)))
+    limiter = app.state.key_limiter
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.post("/v1/completions", json={"prompt": "hello", "n": 16}, headers=_auth(A))
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["total_tokens"] <= 100 and usage["completion_tokens"] >= 16
+        assert limiter.num_tokens(A) == usage["total_tokens"] and limiter.num_reserved == {}
+        # the minute is spent: the next request waits for the window
+        r = await c.post("/v1/completions", json={"prompt": "hello", "n": 16, "max_tokens": 1},
+                         headers=_auth(A))  # fmt: skip
+        assert r.status_code == 429, r.text  # the minute is spent: wait

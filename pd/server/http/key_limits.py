@@ -6,9 +6,13 @@
   choices counts ``n`` once its body says so (``WIDEN_SCOPE``), as n requests would;
 - tokens per minute (``--max-tokens-per-minute-per-key``): prompt tokens when the request
   starts on the engine, completion tokens as they come; a request is refused while the key's
-  tokens of the last 60 s are at the limit (one admitted under it may take the key past it: a
-  request's length is known only once it is done). A request past the limit runs to its end,
-  never cut: the key's next ones are refused.
+  tokens of the last 60 s are at the limit. What a request may still produce counts too: once
+  its prompt is read (``TOKEN_BUDGET_SCOPE``), it reserves its prompt and ``n * max_tokens``
+  against the key's tokens left in the window (the window's and the other requests'
+  reservations taken off), its ``max_tokens`` lowered to fit (it ends with ``finish_reason:
+  "length"`` there), a 429 when not one token a choice fits; as tokens come they move from
+  the reservation to the window, and what is left is given back when it ends. So the key's
+  tokens in any window stay within its limit, whatever ``n`` and ``max_tokens`` it asks.
 
 Either refusal is a 429 in OpenAI's shape with ``Retry-After``: 1 s for requests in flight, the
 seconds until enough of the key's tokens have left the window for tokens. The window is 60
@@ -30,6 +34,9 @@ from pd.server.metrics import ServerMetrics
 
 WINDOW_S = 60
 TOKEN_METER_SCOPE = "pd.token_meter"  # the ASGI scope entry: a Callable[[int], None]
+# the ASGI scope entry: a Callable[[int, int, int], int]: (prompt tokens, choices, max_tokens)
+# -> the max_tokens the key's tokens left allow (reserved), or the 429 that refuses it
+TOKEN_BUDGET_SCOPE = "pd.token_budget"
 # the ASGI scope entry: a Callable[[int], None] that counts a request as that many in flight
 # (its n choices), or raises the 429 that refuses it
 WIDEN_SCOPE = "pd.key_widen"
@@ -84,6 +91,7 @@ class KeyLimiter:
         self.clock = clock
         self.num_inflight: dict[str, int] = {}
         self._windows: dict[str, TokenWindow] = {}
+        self.num_reserved: dict[str, int] = {}  # key -> tokens its running requests may add
 
     @property
     def is_enabled(self) -> bool:
@@ -143,6 +151,49 @@ class KeyLimiter:
         if self.max_tokens_per_minute and num_tokens:
             self._windows.setdefault(key, TokenWindow()).add(num_tokens, self.clock())
 
+    def reserve(self, key: str, num_prompt: int, num_choices: int, max_tokens: int) -> int:
+        """The max_tokens a request of ``key`` may have (at most ``max_tokens``) so that its
+        prompt and every choice's tokens fit the key's tokens left in the window, reserved
+        for it (``release`` gives back what it does not use); the 429 (or a 400 where even an
+        empty window could not hold it) that refuses it."""
+        if not self.max_tokens_per_minute:
+            return max_tokens
+        limit, reserved = self.max_tokens_per_minute, self.num_reserved.get(key, 0)
+        if num_prompt + num_choices > limit:
+            raise APIError(
+                f"this request needs at least {num_prompt + num_choices} tokens (its prompt and "
+                f"one a choice); this API key's limit is {limit} per minute",
+                param="messages",
+            )
+        left = limit - self.num_tokens(key) - reserved
+        allowed = min(max_tokens, (left - num_prompt) // num_choices)
+        if allowed < 1:
+            now = self.clock()
+            window = self._windows.get(key)
+            below = limit - reserved - num_prompt - num_choices + 1
+            wait = window.seconds_until_below(max(below, 1), now) if window else 0.0
+            retry_after = max(1, math.ceil(wait))
+            raise rate_limited(
+                f"this API key has {max(left, 0)} of its {limit} tokens per minute left (its "
+                f"running requests may still produce {reserved}); this request needs "
+                f"{num_prompt + num_choices} (its prompt and one a choice); retry in "
+                f"{retry_after} s",
+                "key_token_limit",
+                retry_after,
+            )
+        self.num_reserved[key] = reserved + num_prompt + num_choices * allowed
+        return allowed
+
+    def release(self, key: str, num_tokens: int) -> None:
+        """Give back ``num_tokens`` of ``key``'s reservation (produced, or never to be)."""
+        if num_tokens:
+            left = self.num_reserved[key] - num_tokens
+            assert left >= 0, (key, left)
+            if left:
+                self.num_reserved[key] = left
+            else:
+                del self.num_reserved[key]
+
     def num_tokens(self, key: str) -> int:
         """``key``'s tokens in the window now."""
         window = self._windows.get(key)
@@ -174,7 +225,9 @@ class KeyLimitMiddleware:
             self.metrics.rejected.labels(reason=reason).inc()
             await e.response()(scope, receive, send)
             return
-        scope[TOKEN_METER_SCOPE] = lambda n: self.limiter.add_tokens(key, n)
+        account = _TokenAccount(self.limiter, key)
+        scope[TOKEN_METER_SCOPE] = account.add
+        scope[TOKEN_BUDGET_SCOPE] = account.reserve
         held = [1]
 
         def widen(num_choices: int) -> None:
@@ -190,4 +243,32 @@ class KeyLimitMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
+            account.close()
             self.limiter.end(key, held[0])
+
+
+class _TokenAccount:
+    """One request's tokens against its key: reserved once its prompt is read, moved to the
+    window as they come, the rest given back when it ends."""
+
+    def __init__(self, limiter: KeyLimiter, key: str) -> None:
+        self.limiter = limiter
+        self.key = key
+        self.num_reserved = 0
+
+    def reserve(self, num_prompt: int, num_choices: int, max_tokens: int) -> int:
+        assert self.num_reserved == 0, "reserved once a request"
+        allowed = self.limiter.reserve(self.key, num_prompt, num_choices, max_tokens)
+        if self.limiter.max_tokens_per_minute:
+            self.num_reserved = num_prompt + num_choices * allowed
+        return allowed
+
+    def add(self, num_tokens: int) -> None:
+        self.limiter.add_tokens(self.key, num_tokens)
+        moved = min(num_tokens, self.num_reserved)
+        self.num_reserved -= moved
+        self.limiter.release(self.key, moved)
+
+    def close(self) -> None:
+        self.limiter.release(self.key, self.num_reserved)
+        self.num_reserved = 0

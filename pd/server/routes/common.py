@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -33,7 +34,7 @@ from pd.server.generation import Choices, Step
 from pd.server.http.admission import AdmissionTicket
 from pd.server.http.auth import API_KEY_SCOPE
 from pd.server.http.errors import APIError, validation_error
-from pd.server.http.key_limits import TOKEN_METER_SCOPE, WIDEN_SCOPE
+from pd.server.http.key_limits import TOKEN_BUDGET_SCOPE, TOKEN_METER_SCOPE, WIDEN_SCOPE
 from pd.server.http.streaming import ClientGone, sse_response, sse_steps
 from pd.server.openai.protocol import MAX_N
 from pd.server.state import ServerState
@@ -142,6 +143,11 @@ async def serve_generation(
     try:
         prep = await state.in_thread(prepare, state.checks, body, api_key)
         assert prep.n <= num_choices, (prep.n, num_choices)
+        if (budget := request.scope.get(TOKEN_BUDGET_SCOPE)) is not None:
+            # the key's tokens per minute bound what the request may produce, not only its start
+            allowed = budget(len(prep.prompt_ids), prep.n, prep.params.max_tokens)
+            if allowed < prep.params.max_tokens:
+                prep = prep._replace(params=replace(prep.params, max_tokens=allowed))
         # per-key tokens per minute
         choices = state.new_choices(prefix, prep, request.scope.get(TOKEN_METER_SCOPE))
         render = make_renderer(state.model_name, choices)
