@@ -14,7 +14,8 @@ defaults (int4 weights and compiled decode steps on a CPU), or ``--engine fp32-e
 speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
 of a node is also killed or frozen alone: the node must go down as one and be replaced); with
 ``--url`` it tests that server, and signals its
-nodes only with ``--server-pid`` (only processes under that pid). A wrong answer is reported
+nodes only with ``--server-pid`` (only processes under that pid). ``--faults`` runs some of the
+faults alone (``--help`` lists them by lane). A wrong answer is reported
 with the path that served it (``GET /admin/routes``: its nodes, the prefix expected cached there,
 a pull; its cached tokens; the last fault before it). ``--minutes`` counts from the
 first request after the reference answers to the report. Exit status: 0 pass, 1 a failure,
@@ -49,8 +50,8 @@ from pdtools.chaos_cluster import (
     rss_mib,
     serve_flags,
 )
-from pdtools.chaos_faults import NODE_FAULTS, RANK_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
-from pdtools.chaos_hardening import DISK_NODE_FAULTS, HARDENING_FAULTS
+from pdtools.chaos_faults import FAULTS, Chaos, Settings
+from pdtools.chaos_lanes import lanes
 from pdtools.chaos_load import Outcome, References, long_spec, make_specs, references, send
 from pdtools.chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
 from pdtools.disk_faults import writable_again
@@ -174,6 +175,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="with --url: the server's disk tier (its faults are skipped without one); a "
         "server the soak starts gets a fresh one",
+    )
+    p.add_argument(
+        "--faults",
+        nargs="+",
+        choices=list(FAULTS),
+        default=None,
+        metavar="FAULT",
+        help="run only these faults (default: every one that applies; the rank faults need "
+        "--tp > 1, planted-chunk a disk tier), by lane: "
+        + "; ".join(f"{lane}: {', '.join(names)}" for lane, names in lanes(2, True).items()),
     )
     return p.parse_args(argv)
 
@@ -362,15 +373,12 @@ async def _soak(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
     node_sampler = asyncio.get_running_loop().create_task(sample_node_rss(monitor, tree, node_rss))
-    disk = DISK_NODE_FAULTS if args.disk_cache_dir is not None else ()
+    faults = lanes(args.tp, args.disk_cache_dir is not None, args.faults)
     await asyncio.gather(
-        chaos.lane(
-            NODE_FAULTS + (RANK_FAULTS if args.tp > 1 else ()) + disk,
-            faults_end,
-            random.Random(f"{args.seed}/nodes"),
+        *(
+            chaos.lane(names, faults_end, random.Random(f"{args.seed}/{lane}"))
+            for lane, names in faults.items()
         ),
-        chaos.lane(TRAFFIC_FAULTS, faults_end, random.Random(f"{args.seed}/traffic")),
-        chaos.lane(HARDENING_FAULTS, faults_end, random.Random(f"{args.seed}/hardening")),
         *(
             steady(http, api, refs, 1000 * args.seed + i, load_end, deadline_s, outcomes)
             for i in range(args.concurrency)
