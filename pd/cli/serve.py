@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pd.cli.flags import AUTOSCALE_PREFIX, dataclass_from_args
 from pd.cluster.client_config import ClientConfig
 from pd.engine.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
@@ -154,7 +155,6 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         )
     if args.colocated:
         return _serve_colocated(args, engine_cfg, server_cfg)
-    from pd.cli import AUTOSCALE_PREFIX, dataclass_from_args
 
     # the cluster waits (for room, for a replacement node) no longer than the server lets a
     # request live
