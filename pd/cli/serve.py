@@ -55,7 +55,7 @@ def build_cluster_app(
     ``autoscaler.enabled``, the autoscaler running on the server's event loop)."""
     runner_dir = cluster.engine_cfg.model
     tokenizer = load_tokenizer(runner_dir)
-    info = next(iter(cluster.client.nodes.values()))
+    info = next(iter(cluster.client.membership.nodes.values()))
     client = cluster.client
     metrics = ServerMetrics()
     admin = ClusterAdmin(cluster)
@@ -67,7 +67,7 @@ def build_cluster_app(
         config=server_cfg,
         metrics=metrics,
         stats_fn=client.stats,
-        extra_health=lambda: {"nodes": sorted(client.nodes)},
+        extra_health=lambda: {"nodes": sorted(client.membership.nodes)},
         admin=admin,
     )
 

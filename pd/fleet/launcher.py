@@ -17,7 +17,7 @@ Each pool has a target size (``scale``, the admin API, the autoscaler); ``_recon
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
 or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
 while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
-every request to a decode node alone (``ClusterClient.set_decode_only``). Each node's life is one
+every request to a decode node alone (``Membership.set_decode_only``). Each node's life is one
 record in ``Pools`` (``pd.fleet.pools``): ``starting`` (its actor started, not registered),
 ``ready``, ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then
 it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``. A start
@@ -116,7 +116,7 @@ class Cluster:
         if running:
             self._attach(running)
         # _reconcile keeps it from here on (the nodes below register on the loop, maybe later)
-        self.client.set_decode_only(self.pools.target["prefill"] == 0)
+        self.client.membership.set_decode_only(self.pools.target["prefill"] == 0)
         started = []
         for role in ROLES:
             for _ in range(self.pools.target[role] - len(self.pools.ready(role))):
@@ -131,7 +131,7 @@ class Cluster:
             raise
         for (node, _), info in zip(started, infos):
             self.pools.joined(node.node_id)
-            self.client.register_node(info)
+            self.client.membership.register_node(info)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -164,7 +164,7 @@ class Cluster:
         infos = self.actors.attach(running, self.client.addr)
         for node_id, info in zip(running, infos):
             self.pools.adopt(node_id, info.role, running[node_id])
-            self.client.register_node(info, attached=True)
+            self.client.membership.register_node(info, attached=True)
         logger.warning("attached to %d running nodes: %s", len(running), sorted(running))
 
     # -- pools ------------------------------------------------------------------------------
@@ -194,7 +194,9 @@ class Cluster:
         A CPU node takes in memory the largest resident size a node reports, or before any
         has, its checkpoint's weight files."""
         other = next(r for r in ROLES if r != role)
-        memory = float(max((s.rss_bytes for s in self.client.node_stats.values()), default=0))
+        memory = float(
+            max((s.rss_bytes for s in self.client.membership.node_stats.values()), default=0)
+        )
         if not memory:
             model_dir = resolve_model(self.engine_cfg.model)
             memory = float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")))
@@ -230,7 +232,7 @@ class Cluster:
         starts). Not while a dead node's replacement starts: then they wait for it, as the
         operator asked for a prefill pool and a decode node's long prefills would stretch the
         running streams' TPOT."""
-        self.client.set_decode_only(
+        self.client.membership.set_decode_only(
             not self.pools.ready("prefill") and not self.pools.num_replacing("prefill")
         )
 
@@ -249,7 +251,7 @@ class Cluster:
                 if started is not None:
                     self._tasks.spawn(self._join(role, *started))
             n = min(surplus, len(ready))
-            for node_id in self.pools.victims(ready, n, self.client.node_stats):
+            for node_id in self.pools.victims(ready, n, self.client.membership.node_stats):
                 self._begin_drain(node_id)
 
     def _launch(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]] | None:
@@ -263,7 +265,7 @@ class Cluster:
             node.set_state(NodeState.GONE)
             self.pools.set_target(role, max(1, self.pools.target[role] - 1))
             return None
-        self.client.begin_start(role)  # requests wait for it rather than fail
+        self.client.membership.begin_start(role)  # requests wait for it rather than fail
         return node.node_id, ref
 
     async def _join(self, role: str, node_id: str, ref: ray.ObjectRef[NodeInfo]) -> str | None:
@@ -277,12 +279,12 @@ class Cluster:
             self.pools.set_target(role, max(1, self.pools.target[role] - 1))
             self.actors.stop(node_id)
         finally:
-            self.client.end_start(role)
+            self.client.membership.end_start(role)
             if info is None:  # failed, or cancelled: it never joins
                 self.pools[node_id].set_state(NodeState.GONE)
         if info is None:
             return None
-        self.client.register_node(info)
+        self.client.membership.register_node(info)
         self.pools.joined(node_id)
         logger.warning(
             "%s joined (%s pool: %d) at %s, transfers at %s",
@@ -296,7 +298,7 @@ class Cluster:
         that runs before it has left chooses no second node), and let it leave in the
         background."""
         self.pools[node_id].set_state(NodeState.DRAINING)
-        self.client.drain_node(node_id)  # the coordinator routes nothing new to it
+        self.client.membership.drain_node(node_id)  # the coordinator routes nothing new to it
         self._tasks.spawn(self._drain(node_id))
 
     async def _drain(self, node_id: str) -> None:
@@ -305,14 +307,16 @@ class Cluster:
         deadline = time.monotonic() + self.cfg.drain_deadline_s
         try:
             while time.monotonic() < deadline and self.pools[node_id].actor is not None:
-                if not self.client.num_routed_to(node_id):
+                if not self.client.membership.num_routed_to(node_id):
                     try:
                         if await self.actors.num_unfinished(node_id) == 0:
                             break
                     except Exception:  # died meanwhile: the watchdog drops it
                         break
                 await asyncio.sleep(0.05)
-            self.client.unregister_node(node_id)  # the others close their pair groups to it
+            self.client.membership.unregister_node(
+                node_id
+            )  # the others close their pair groups to it
             await self.actors.stop_async(node_id)
         finally:
             self.pools[node_id].set_state(NodeState.GONE)
@@ -350,7 +354,7 @@ class Cluster:
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Every registered node's slot and resource accounting (asserts inside each node);
         nodes still starting are not waited for."""
-        registered = self.client.nodes  # a read-only view
+        registered = self.client.membership.nodes  # a read-only view
         return self.actors.check_integrity([n for n in self.actors.running() if n in registered])
 
     async def _grow(self, role: str) -> str | None:
@@ -363,7 +367,7 @@ class Cluster:
         role = self.pools.ready_node(node_id).role
         self.pools.set_target(role, self.pools.target[role] - 1)
         self.pools[node_id].set_state(NodeState.DRAINING)
-        self.client.drain_node(node_id)  # the coordinator routes nothing new to it
+        self.client.membership.drain_node(node_id)  # the coordinator routes nothing new to it
         self._sync_decode_only()
         await self._drain(node_id)
 

@@ -316,7 +316,7 @@ def test_cpu_prefill_nodes_openmp_threads_spin_briefly(live):
     from pd.fleet.actors import PREFILL_SPIN_COUNT
 
     chosen = os.environ.get("GOMP_SPINCOUNT")
-    for node_id, node in live.cluster.client.nodes.items():
+    for node_id, node in live.cluster.client.membership.nodes.items():
         environ = Path(f"/proc/{node.pid}/environ").read_bytes().split(b"\0")
         spin = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMP_SPINCOUNT=")]
         expected = chosen or (str(PREFILL_SPIN_COUNT) if node.role == "prefill" else None)
