@@ -161,7 +161,7 @@ class ClusterClient:
 
     def routes_of(self, request_id: str) -> list[RouteRecord]:
         """Where each attempt of ``request_id`` went, oldest first (``GET /admin/routes``)."""
-        return self.coordinator.routes_of(request_id)
+        return self.coordinator.routes.of(request_id)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -309,7 +309,7 @@ class ClusterClient:
         elif isinstance(msg, NodeStatsMsg):
             self.membership.on_stats(msg)
         elif isinstance(msg, PullDoneMsg):
-            self.coordinator.on_pull_done(msg)
+            self.coordinator.pulls.done(msg)
 
 
 def _pools_needed(coordinator: Coordinator) -> tuple[str, ...]:

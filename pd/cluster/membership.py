@@ -76,7 +76,7 @@ class Membership:
         self._handoff.call(lambda: self._register(info, attached))
 
     def drain_node(self, node_id: str) -> None:
-        self._handoff.call(lambda: self._coordinator.drain(node_id))
+        self._handoff.call(lambda: self._coordinator.nodes.drain(node_id))
 
     def unregister_node(self, node_id: str) -> None:
         """The node leaves (after draining): survivors close what they share with it."""
@@ -117,7 +117,7 @@ class Membership:
         self._stats[msg.node_id] = msg
         self.liveness.heard(msg.node_id)
         per_token = max((n.kv_bytes_per_token for n in self._nodes.values()), default=0)
-        self._coordinator.update_costs(self._stats.values(), per_token)
+        self._coordinator.costs.update(self._stats.values(), per_token)
 
     def _register(self, info: NodeInfo, attached: bool) -> None:
         self._nodes[info.node_id] = info
@@ -131,16 +131,16 @@ class Membership:
         for other in [n for n in self._nodes if n != info.node_id]:
             self._sockets.tell(other, up)
         if info.role == "prefill":
-            self._coordinator.add_prefill(info.node_id)
+            self._coordinator.nodes.add_prefill(info.node_id)
         else:
-            self._coordinator.add_decode(info.node_id, info.num_slots)
+            self._coordinator.nodes.add_decode(info.node_id, info.num_slots)
         self._flights.wake()
 
     def _drop(self, node_id: str, why: str, is_dead: bool) -> None:
         info = self._nodes.pop(node_id, None)
         if info is None:  # dropped already
             return
-        self._coordinator.remove(node_id)
+        self._coordinator.nodes.remove(node_id)
         self._stats.pop(node_id, None)
         self.liveness.forget(node_id)
         self._mirror.forget(node_id)

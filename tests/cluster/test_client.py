@@ -308,17 +308,17 @@ async def test_thirty_two_requests_without_max_tokens_go_to_one_decode_node_at_o
         sent = [(await p.recv_until(PrefillReqMsg)).request_id for _ in range(n)]
         assert sorted(sent) == sorted(f"r{i}" for i in range(n))
         assert h.client.stats().num_queued == 0
-        assert coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
+        assert coord.nodes.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
         for i in range(n):
             d.tokens(f"r{i}", [5] * 600)  # past the first 512: booked for as many again
-        await _until(lambda: coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
+        await _until(lambda: coord.nodes.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
         coord.check_integrity()
         for i in range(n):
             d.tokens(f"r{i}", [5], finished=True)
         for i in range(n):
             await h.wait_done(f"r{i}")
             assert len(h.tokens_of(f"r{i}")) == 601
-        assert coord.num_reserved_slots("decode-0") == 0 and not h.errors
+        assert coord.nodes.num_reserved_slots("decode-0") == 0 and not h.errors
         coord.check_integrity()
 
 
@@ -587,7 +587,7 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:
     async with _harness() as h:
         threads: list[threading.Thread] = []
-        real_add = h.client.coordinator.add_prefill
+        real_add = h.client.coordinator.nodes.add_prefill
 
         def add_prefill(node_id: str) -> None:
             threads.append(threading.current_thread())
