@@ -593,7 +593,7 @@ async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch)
             threads.append(threading.current_thread())
             real_add(node_id)
 
-        monkeypatch.setattr(h.client.coordinator, "add_prefill", add_prefill)
+        monkeypatch.setattr(h.client.coordinator.nodes, "add_prefill", add_prefill)
         node = h.nodes["prefill-0"] = FakeNode(h.ctx, "prefill-0", h.client.pull_addr, 1000)
         await asyncio.to_thread(h.client.membership.register_node, node.info)
         assert threads == [threading.current_thread()]  # the loop's, not the caller's
