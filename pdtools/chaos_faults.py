@@ -11,13 +11,13 @@ timeout, when the node must survive, or longer, when it must be found dead and r
 drains nodes (the real admin route, then ``/admin/scale`` back up), waiting between faults for
 the pools to be whole again. The traffic lane floods past the admission limit, stalls readers,
 trickles bodies, sends hostile input and junk frames at the nodes' sockets. A third lane runs
-the hardening faults (strangers on the nodes' ports, slow readers, silent
-request heads, a read-only disk tier; a planted disk chunk runs in the node lane). Each lane
-runs rounds, each a seeded shuffle of its faults, until the fault phase ends.
+the hardening faults (strangers on the nodes' ports, slow readers, silent request heads, a
+read-only disk tier; a planted disk chunk runs in the node lane). Each lane runs rounds, each a
+seeded shuffle of its faults, until the fault phase ends.
 
 Each fault leaves a ``FaultRecord`` (what it did and saw, and the failures it found); the nodes
 it meant to kill (``doomed``) or drain (``drained``) and the windows in which it pressed on
-admission explain, later, the errors requests met (``chaos_report.judge``).
+admission explain, later, the errors requests met (``chaos_judge.judge``).
 """
 
 from __future__ import annotations
