@@ -1,5 +1,5 @@
-"""The soak's faults of hostile peers and a harmed disk tier (``Chaos`` runs them, each with
-its ``FaultRecord``):
+"""The hardening lane's faults: hostile peers and a harmed disk tier (``planted-chunk`` runs
+in the node lane, and only with a disk tier):
 
 - ``strangers``: many TCP connections to the ports the nodes advertise (their inboxes and
   transfer control ports; with ``strangers_every_port``, every port their processes listen
@@ -26,21 +26,18 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
 
 from pdtools.chaos_cluster import ROLES, held_from, listening_ports
-from pdtools.chaos_hostile import hold_strangers, silent_head, slow_reader
+from pdtools.chaos_faults import Chaos, FaultRecord, fault
+from pdtools.chaos_hostile import silent_head, slow_reader
 from pdtools.chaos_load import Outcome, Spec, send
+from pdtools.chaos_nodes import kill
+from pdtools.chaos_peers import hold_strangers
 from pdtools.disk_faults import CannotHarm, make_read_only, plant_over
 
-if TYPE_CHECKING:
-    from pdtools.chaos_faults import Chaos, FaultRecord
-
-HARDENING_FAULTS = ("strangers", "slow-readers", "silent-headers", "readonly-disk")
-DISK_NODE_FAULTS = ("planted-chunk",)  # in the node lane: it kills a node
 CLOSE_MARGIN_S = 5.0  # past the header deadline, for the server to close (2 shared cores)
 WORDS = (
     "river bridge market clock wool salt railway factory museum library school music square "
@@ -48,6 +45,7 @@ WORDS = (
 ).split()
 
 
+@fault("strangers", "hardening")
 async def strangers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     cfg = chaos.cfg
     pools = await chaos.monitor.poll()
@@ -125,6 +123,7 @@ async def _closed_by(
         rec.notes.append(f"every {what} closed its side within {time.monotonic() - start:.1f} s")
 
 
+@fault("slow-readers", "hardening", source="slow_reader", source_label="slow readers")
 async def slow_readers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     """Streams of the long answer (past the socket buffers and uvicorn's 64 KiB), each read
     ``slow_read_bytes`` every ``slow_read_interval_s``: uvicorn's buffer drains slower than the
@@ -154,6 +153,7 @@ async def slow_readers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> No
     )
 
 
+@fault("silent-headers", "hardening")
 async def silent_headers(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     """Half a head on each of ``num_silent`` connections; each must be closed at the server's
     header deadline (+ ``CLOSE_MARGIN_S``)."""
@@ -212,6 +212,9 @@ async def _reference(chaos: Chaos, http: httpx.AsyncClient, spec: Spec) -> bool:
     return False
 
 
+@fault(
+    "readonly-disk", "hardening", source="disk", source_label="fresh prompts, disk tier read-only"
+)
 async def readonly_disk(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     cfg = chaos.cfg
     if cfg.disk_dir is None or not (
@@ -292,6 +295,7 @@ async def _twice(chaos: Chaos, http: httpx.AsyncClient, spec: Spec) -> list[Outc
     ]
 
 
+@fault("planted-chunk", "nodes", needs="disk")
 async def planted_chunk(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     cfg = chaos.cfg
     if cfg.disk_dir is None:
@@ -307,7 +311,7 @@ async def planted_chunk(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> N
         rec.notes.append(f"planted a forgery of {file.name} ({len(forged)} bytes, another key)")
         ids0 = set((await chaos.monitor.poll()).ids)
         rejected0 = (await chaos.api.metrics()).by("pd_node_disk_tier_rejected", "node")
-        await chaos.kill(rec, rng, rng.choice(ROLES))
+        await kill(chaos, rec, rng, rng.choice(ROLES))
         new = sorted((await chaos.monitor.poll()).ids - ids0)
         rejected = (await chaos.api.metrics()).by("pd_node_disk_tier_rejected", "node")
         refused = {
@@ -331,12 +335,3 @@ def _mtime(p: Path) -> float:
         return p.stat().st_mtime
     except FileNotFoundError:
         return 0.0
-
-
-FAULTS = {
-    "strangers": strangers,
-    "slow-readers": slow_readers,
-    "silent-headers": silent_headers,
-    "readonly-disk": readonly_disk,
-    "planted-chunk": planted_chunk,
-}

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdtools.netns_procs import child_of, cmdline, end, is_live, kill_pid, wait_port
+
 ROOT = Path("/tmp/pd-netns")
 BRIDGE = "pdbr0"
 NS_PREFIX = "pdh"
@@ -182,7 +184,10 @@ class NetnsHosts:
                 [*cmd, "--kill-child", "sh", "-c", "\n".join(script)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-        _wait_port(host.ip, 22, timeout_s=15, what=f"sshd of {host.ns}")
+        try:
+            wait_port(host.ip, 22, timeout_s=15, what=f"sshd of {host.ns}")
+        except TimeoutError as e:
+            raise HarnessError(str(e)) from None
         return host
 
     def close(self) -> None:
@@ -191,7 +196,7 @@ class NetnsHosts:
         if self._lock is None:
             return
         for proc in self._launched:
-            _end(proc)
+            end(proc)
         for host in self.hosts:
             self.kill(host)
         self.hosts.clear()
@@ -226,10 +231,10 @@ class NetnsHosts:
     def kill(self, host: Host) -> None:
         """SIGKILL the host's PID 1: the kernel kills every process of the host with it."""
         if host.init is not None:
-            init_pid = _child_of(host.init.pid)
+            init_pid = child_of(host.init.pid)
             if init_pid is not None:
                 os.kill(init_pid, signal.SIGKILL)
-            _end(host.init)
+            end(host.init)
         deadline = time.monotonic() + 20
         while self.pids(host) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -241,14 +246,14 @@ class NetnsHosts:
         if not Path(f"/run/netns/{host.ns}").exists():
             return []
         out = sh("ip", "netns", "pids", host.ns, check=False)
-        return [int(p) for p in out.split() if _is_live(int(p))]
+        return [int(p) for p in out.split() if is_live(int(p))]
 
     def processes(self, host: Host) -> list[str]:
         """``pid command line`` of every live process of the host but its sshd listener (the
         PID namespace's PID 1) and the ``unshare`` that waits for it."""
         init = host.init.pid if host.init is not None else None
-        skip = {init, _child_of(init) if init is not None else None}
-        return [f"{p} {_cmdline(p)[:200]}" for p in self.pids(host) if p not in skip]
+        skip = {init, child_of(init) if init is not None else None}
+        return [f"{p} {cmdline(p)[:200]}" for p in self.pids(host) if p not in skip]
 
     def sockets(self, host: Host) -> str:
         """The host's TCP sockets with their processes (``ss -tanp``)."""
@@ -288,7 +293,7 @@ class NetnsHosts:
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _end(proc)
+            end(proc)
             code = -1
         if code != 0:
             tail = log.read_text(errors="replace")[-3000:]
@@ -297,7 +302,7 @@ class NetnsHosts:
 
     def stop_launched(self, proc: subprocess.Popen[bytes]) -> None:
         """End a launcher command started with ``wait=False`` (and all it runs here)."""
-        _end(proc)
+        end(proc)
         self._launched.remove(proc)
 
 
@@ -315,7 +320,7 @@ def cleanup_leftovers() -> None:
         raise HarnessError(f"a link named {BRIDGE} exists and is not this harness's")
     for ns in mine:
         for pid in sh("ip", "netns", "pids", ns, check=False).split():
-            _kill_pid(int(pid))  # a process in a namespace only this harness makes
+            kill_pid(int(pid))  # a process in a namespace only this harness makes
     for link in links:  # both ends at once: a deleted namespace can outlive its name a minute
         sh("ip", "link", "del", link, check=False)
     for ns in mine:
@@ -339,60 +344,6 @@ def _bridge_alias() -> str | None:
     """None: no link named BRIDGE; else its alias ("" for none)."""
     path = Path(f"/sys/class/net/{BRIDGE}/ifalias")
     return path.read_text().strip() if path.exists() else None
-
-
-def _wait_port(host: str, port: int, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise HarnessError(
-                    f"{what} did not listen on {host}:{port} in {timeout_s} s"
-                ) from None
-            time.sleep(0.05)
-
-
-def _child_of(pid: int) -> int | None:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return None
-    return int(children[0]) if children else None
-
-
-def _is_live(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return "?"
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _end(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a process this harness started (with --kill-child, its namespace goes too)."""
-    if proc.poll() is None:
-        _kill_pid(proc.pid)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def wait_for_interrupt() -> None:

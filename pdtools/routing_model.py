@@ -134,8 +134,8 @@ def make_coordinator(policy: str, num_nodes: int, page_size: int, seed: int) -> 
         CoordinatorConfig(policy=policy, page_size=page_size, seed=seed, local_prefill_tokens=-1)
     )
     for i in range(num_nodes):
-        coord.add_prefill(f"p{i}")
-    coord.add_decode("d0", 1 << 40)
+        coord.nodes.add_prefill(f"p{i}")
+    coord.nodes.add_decode("d0", 1 << 40)
     return coord
 
 
@@ -150,7 +150,7 @@ def simulate(
 ) -> SimResult:
     """Run the trace through ``coord`` and a simulated cache per prefill node, recording every
     call to the coordinator."""
-    nodes = {n: SimPrefill(n, node_tokens, page_size) for n in coord.prefill_nodes}
+    nodes = {n: SimPrefill(n, node_tokens, page_size) for n in coord.nodes.prefill_nodes}
     window: deque[tuple[int, list[CacheEventMsg]]] = deque()
     calls: list[Routed | Prefilled] = []
     routed: Counter[str] = Counter()

@@ -14,7 +14,8 @@ defaults (int4 weights and compiled decode steps on a CPU), or ``--engine fp32-e
 speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
 of a node is also killed or frozen alone: the node must go down as one and be replaced); with
 ``--url`` it tests that server, and signals its
-nodes only with ``--server-pid`` (only processes under that pid). A wrong answer is reported
+nodes only with ``--server-pid`` (only processes under that pid). ``--faults`` runs some of the
+faults alone (``--help`` lists them by lane). A wrong answer is reported
 with the path that served it (``GET /admin/routes``: its nodes, the prefix expected cached there,
 a pull; its cached tokens; the last fault before it). ``--minutes`` counts from the
 first request after the reference answers to the report. Exit status: 0 pass, 1 a failure,
@@ -39,20 +40,12 @@ from typing import Any
 
 import httpx
 
-from pdtools.chaos_cluster import (
-    ROLES,
-    Api,
-    Monitor,
-    Pools,
-    ProcessTree,
-    ServeProcess,
-    rss_mib,
-    serve_flags,
-)
-from pdtools.chaos_faults import NODE_FAULTS, RANK_FAULTS, TRAFFIC_FAULTS, Chaos, Settings
-from pdtools.chaos_hardening import DISK_NODE_FAULTS, HARDENING_FAULTS
-from pdtools.chaos_load import Outcome, References, long_spec, make_specs, references, send
-from pdtools.chaos_report import Check, Run, leak_checks, render, summarize, wrong_outcomes
+from pdtools.chaos_cluster import ROLES, Api, Monitor, ProcessTree, ServeProcess, serve_flags
+from pdtools.chaos_faults import FAULTS, Chaos, Settings
+from pdtools.chaos_lanes import lanes
+from pdtools.chaos_load import Outcome, long_spec, make_specs, references
+from pdtools.chaos_report import Run, render, summarize, wrong_outcomes
+from pdtools.chaos_watch import sample_node_rss, sample_rss, settle, steady, wait_ready
 from pdtools.disk_faults import writable_again
 
 QUIET_S = 20.0  # steady load without faults before the checks
@@ -175,6 +168,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --url: the server's disk tier (its faults are skipped without one); a "
         "server the soak starts gets a fresh one",
     )
+    p.add_argument(
+        "--faults",
+        nargs="+",
+        choices=list(FAULTS),
+        default=None,
+        metavar="FAULT",
+        help="run only these faults (default: every one that applies; the rank faults need "
+        "--tp > 1, planted-chunk a disk tier), by lane: "
+        + "; ".join(f"{lane}: {', '.join(names)}" for lane, names in lanes(2, True).items()),
+    )
     return p.parse_args(argv)
 
 
@@ -225,79 +228,6 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     spec = ["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else []
     tp = ["--tp", str(args.tp)] if args.tp > 1 else []
     return [*ENGINES[args.engine], *spec, *tp]
-
-
-async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
-    """The pools, once the server is ready, no node starts or drains, and every node has
-    reported its stats (its idle threads are the baseline of a leak check)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"pd serve exited ({server.proc.returncode}):\n{server.tail()}")
-        try:
-            ready, _ = await api.readiness()
-            if ready:
-                pools = await api.pools()
-                if pools.is_whole(pools.target) and all(n["threads"] for n in pools.nodes):
-                    return pools
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
-        await asyncio.sleep(1.0)
-
-
-async def steady(
-    http: httpx.AsyncClient,
-    api: Api,
-    refs: References,
-    seed: int,
-    until: float,
-    deadline_s: float,
-    outcomes: list[Outcome],
-) -> None:
-    """One steady client: a request at a time, as the openai client would (a 429 waits its
-    Retry-After, jittered)."""
-    rng = random.Random(seed)
-    while time.monotonic() < until:
-        out = await send(http, rng.choice(refs.specs), api.headers(), deadline_s)
-        outcomes.append(out)
-        if out.status == 429:
-            await asyncio.sleep(0.5 + rng.random())
-
-
-async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> None:
-    while pid is not None and (rss := rss_mib(pid)) is not None:
-        samples.append((time.monotonic(), rss))
-        await asyncio.sleep(5.0)
-
-
-async def sample_node_rss(
-    monitor: Monitor, tree: ProcessTree, samples: dict[str, list[tuple[float, float]]]
-) -> None:
-    """Every node's RSS (MiB) every 5 s, by node id (the soak's own processes only)."""
-    while True:
-        for n in monitor.pools.nodes if monitor.pools else []:
-            if tree.owns(n["pid"]) and (rss := rss_mib(n["pid"])) is not None:
-                samples.setdefault(n["id"], []).append((time.monotonic(), rss))
-        await asyncio.sleep(5.0)
-
-
-async def settle(
-    api: Api, sizes: dict[str, int], idle_threads: dict[str, int], timeout_s: float
-) -> tuple[list[Check], Pools]:
-    """The leak checks, polled until they pass or ``timeout_s`` passes (the last result)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            pools, metrics = await api.pools(), await api.metrics()
-            checks = leak_checks(pools, metrics, sizes, idle_threads)
-            if all(c.ok for c in checks) or time.monotonic() > deadline:
-                return checks, pools
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(1.0)
 
 
 async def soak(
@@ -362,15 +292,12 @@ async def _soak(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
     node_sampler = asyncio.get_running_loop().create_task(sample_node_rss(monitor, tree, node_rss))
-    disk = DISK_NODE_FAULTS if args.disk_cache_dir is not None else ()
+    faults = lanes(args.tp, args.disk_cache_dir is not None, args.faults)
     await asyncio.gather(
-        chaos.lane(
-            NODE_FAULTS + (RANK_FAULTS if args.tp > 1 else ()) + disk,
-            faults_end,
-            random.Random(f"{args.seed}/nodes"),
+        *(
+            chaos.lane(names, faults_end, random.Random(f"{args.seed}/{lane}"))
+            for lane, names in faults.items()
         ),
-        chaos.lane(TRAFFIC_FAULTS, faults_end, random.Random(f"{args.seed}/traffic")),
-        chaos.lane(HARDENING_FAULTS, faults_end, random.Random(f"{args.seed}/hardening")),
         *(
             steady(http, api, refs, 1000 * args.seed + i, load_end, deadline_s, outcomes)
             for i in range(args.concurrency)

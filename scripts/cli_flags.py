@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pd.cli import GROUPS, build_parser
+from pd.cli import build_parser
+from pd.cli.flags import GROUPS
 
 FLAGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 BEGIN, END = "<!-- flags:begin (scripts/cli_flags.py) -->", "<!-- flags:end -->"

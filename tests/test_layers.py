@@ -157,8 +157,6 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
     frozenset({"pd.engine.core", "pd.engine.stats"}),
     frozenset({"pd.engine.rank_kv", "pd.engine.runner", "pd.engine.tensor_parallel"}),
     frozenset({"pd.model.config", "pd.model.families"}),
-    frozenset({"pdtools.chaos_faults", "pdtools.chaos_hardening"}),
-    frozenset({"pd.cli", "pd.cli.serve"}),
 ]
 
 

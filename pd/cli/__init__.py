@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, TypeVar
 
+from pd.cli.flags import AUTOSCALE_PREFIX, add_dataclass_args, dataclass_from_args, groups_of
 from pd.cluster.client_config import ClientConfig
 from pd.core import envs
 from pd.engine.config import EngineConfig
@@ -22,7 +22,6 @@ from pd.router.policy import CoordinatorConfig
 from pd.server.config import ServerConfig
 from transfer.state import TransferConfig
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 # the transfer deadlines every node uses, and the connections each internal socket takes, as
@@ -32,12 +31,6 @@ TRANSFER_FLAGS = ("handshake_timeout_s", "timeout_s", "connect_timeout_s", "max_
 # and ``pd generate``: fp32 weights, eager steps): on a CPU, int4 weights and compiled decode
 # steps for batches of 1, 2 and 4 (docs/bench/history.md, "pd serve's defaults on a CPU")
 SERVE_ENGINE_DEFAULTS = {"quantization": "auto", "compile_buckets": "auto"}
-AUTOSCALE_PREFIX = "autoscale_"  # --autoscale-*; some fields name their own flag
-# The groups of ``pd serve --help`` (and of docs/flags.md's tables), in order
-GROUPS = (
-    "server", "engine", "cache tiers", "speculation", "routing", "cluster and Ray",
-    "autoscaling", "security and limits",
-)  # fmt: skip
 # EngineConfig's fields by group; the others are engine flags
 ENGINE_GROUPS = {
     "enable_prefix_cache": "cache tiers",
@@ -49,80 +42,8 @@ ENGINE_GROUPS = {
 }
 
 
-def _groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
-    """The parser's argument groups by title, made (in ``GROUPS``' order) on first use."""
-    groups = getattr(parser, "_pd_groups", None)
-    if groups is None:
-        groups = {title: parser.add_argument_group(title) for title in GROUPS}
-        parser._pd_groups = groups  # type: ignore[attr-defined]
-    return groups
-
-
-def add_dataclass_args(
-    parser: argparse.ArgumentParser,
-    cls: type,
-    prefix: str = "",
-    only: tuple[str, ...] | None = None,
-    group: str | dict[str, str] = "engine",
-) -> None:
-    """One ``--flag`` per ``option`` field (``--{prefix}{field}``, or the field's ``flag``
-    metadata; only the fields in ``only`` if given); default, type, choices and help read from
-    the dataclass, in the help's ``group`` (a title, or field -> title with "engine" for the
-    others). The value lands in ``args.{prefix}{field}`` either way (``dataclass_from_args``)."""
-    groups = _groups(parser)
-    for f in _option_fields(cls):
-        if only is not None and f.name not in only:
-            continue
-        title = group if isinstance(group, str) else group.get(f.name, "engine")
-        add = groups[title].add_argument
-        name = f.metadata.get("flag", prefix + f.name)
-        flags = ("--" + name.replace("_", "-"), *(() if prefix else f.metadata["aliases"]))
-        dest, help_ = prefix + f.name, f.metadata["help"]
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        if isinstance(default, bool):
-            add(
-                *flags,
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=help_,
-                dest=dest,
-            )
-        elif isinstance(default, tuple):  # repeatable; the dataclass gets a tuple
-            add(*flags, action="append", default=None, help=help_, dest=dest)
-        else:
-            kind = f.metadata.get("parse") or (
-                int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            )
-            # a field naming its own flag shows it (--prefill PREFILL, not NUM_PREFILL)
-            metavar = name.upper() if "flag" in f.metadata and not prefix else None
-            add(
-                *flags,
-                type=kind,
-                default=default,
-                help=help_,
-                dest=dest,
-                choices=f.metadata.get("choices"),
-                metavar=metavar,
-            )
-
-
-def _option_fields(cls: type) -> list[dataclasses.Field[Any]]:
-    """The fields of ``cls`` declared with ``option()``: its flags."""
-    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]  # type: ignore[arg-type]
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return dataclass_from_args(EngineConfig, args)
-
-
-def dataclass_from_args(
-    cls: type[T], args: argparse.Namespace, prefix: str = "", **fields: Any
-) -> T:
-    """``cls`` built from the flags ``add_dataclass_args`` added, ``fields`` in place of
-    theirs (other fields: defaults)."""
-    given = vars(args)
-    names = [f.name for f in _option_fields(cls)]
-    return cls(**{n: given[prefix + n] for n in names if prefix + n in given} | fields)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -257,7 +178,7 @@ def _add_security_args(parser: argparse.ArgumentParser) -> None:
     title = "security and limits"
     keys = ("api_key", "admin_api_key")
     add_dataclass_args(parser, ServerConfig, only=keys, group=title)
-    group = _groups(parser)[title]
+    group = groups_of(parser)[title]
     for role, env in (("api", "PD_API_KEY"), ("admin-api", "PD_ADMIN_API_KEY")):
         group.add_argument(
             f"--{role}-key-file",
@@ -285,7 +206,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags, ``ClusterConfig``'s and ``CoordinatorConfig``'s."""
-    server = _groups(parser)["server"]
+    server = groups_of(parser)["server"]
     server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     server.add_argument("--port", type=int, default=8000, help="HTTP port")
     server.add_argument(

@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pd.cli.flags import AUTOSCALE_PREFIX, dataclass_from_args
 from pd.cluster.client_config import ClientConfig
 from pd.engine.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
@@ -54,7 +55,7 @@ def build_cluster_app(
     ``autoscaler.enabled``, the autoscaler running on the server's event loop)."""
     runner_dir = cluster.engine_cfg.model
     tokenizer = load_tokenizer(runner_dir)
-    info = next(iter(cluster.client.nodes.values()))
+    info = next(iter(cluster.client.membership.nodes.values()))
     client = cluster.client
     metrics = ServerMetrics()
     admin = ClusterAdmin(cluster)
@@ -66,7 +67,7 @@ def build_cluster_app(
         config=server_cfg,
         metrics=metrics,
         stats_fn=client.stats,
-        extra_health=lambda: {"nodes": sorted(client.nodes)},
+        extra_health=lambda: {"nodes": sorted(client.membership.nodes)},
         admin=admin,
     )
 
@@ -154,7 +155,6 @@ def serve(args: argparse.Namespace, engine_cfg: EngineConfig, server_cfg: Server
         )
     if args.colocated:
         return _serve_colocated(args, engine_cfg, server_cfg)
-    from pd.cli import AUTOSCALE_PREFIX, dataclass_from_args
 
     # the cluster waits (for room, for a replacement node) no longer than the server lets a
     # request live

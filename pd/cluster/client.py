@@ -2,11 +2,11 @@
 
 It is composed of parts, each in its own module: ``NodeSockets`` (``pd.cluster.sockets``: the
 PULL socket every node pushes to, its sealed reader, a PUSH socket per node), ``Flights``
-(``pd.cluster.flights``: the requests in flight and their attempts), the ``Coordinator`` (which
-nodes, and what is booked on them), ``Liveness`` (the watchdog), ``MirrorSync`` (cache
-snapshots) and ``LoopHandoff`` (``pd.cluster.event_loop``). The client itself keeps the
-membership (which nodes are registered, their latest stats, which died) and the
-``EngineClient`` surface: ``generate``, whose stream also samples each request's TTFT and TPOT
+(``pd.cluster.flights``: the requests in flight and their attempts), ``Membership``
+(``pd.cluster.membership``: which nodes are registered, their latest stats, which died, how
+many start, and the watchdog, ``Liveness``), the ``Coordinator`` (which nodes, and what is
+booked on them), ``MirrorSync`` (cache snapshots) and ``LoopHandoff``
+(``pd.cluster.event_loop``). The client itself keeps the ``EngineClient`` surface: ``generate``, whose stream also samples each request's TTFT and TPOT
 into ``ttft`` and ``tpot`` (the autoscaler's signals), ``abort``, ``is_ready``, ``stats``.
 
 The life of a request (a *flight*, ``pd.cluster.flight``), by its status, and where each step
@@ -31,8 +31,8 @@ happens:
    (5.) after ``retry_delay_s`` (a node death that caused the failure is usually found first:
    then it moves off that node at once).
 5. ``REROUTING``: a node is dead when its Ray actor is gone or its heartbeat stops for
-   ``heartbeat_timeout_s`` (``Liveness``, which calls ``fail_node``). The client drops it
-   (``_drop_node``) and ``Flights.on_node_lost`` moves its requests: one that has streamed
+   ``heartbeat_timeout_s`` (``Liveness``, which calls ``Membership.fail_node``). The membership
+   drops it (``Membership._drop``) and ``Flights.on_node_lost`` moves its requests: one that has streamed
    nothing is re-routed once, back to 1. (waiting for room or for a replacement node); one that
    streamed tokens from the dead decode node fails; one already decoding elsewhere is not
    touched. Every surviving node hears ``PeerGoneMsg`` and frees what it kept for the dead
@@ -43,12 +43,12 @@ happens:
    releases its booking and wakes the next waiting request; unless it finished, its nodes are
    told to forget the attempt (``Flights._end_attempt``).
 
-Membership calls (``register_node``, ``fail_node``, ...) may come from any thread: they run on
-the client's event loop, handed over explicitly when they come from elsewhere
-(``LoopHandoff.call``).
+Membership calls (``client.membership.register_node``, ``fail_node``, ...) may come from any
+thread: they run on the client's event loop, handed over explicitly when they come from
+elsewhere (``LoopHandoff.call``).
 
 A server that attaches to running nodes (its predecessor exited) registers them with
-``register_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
+``membership.register_node(info, attached=True)``: it is not ready until each has sent its cache snapshot
 (``MirrorSync``, which also repairs a mirror that lost events). ``warm`` prefills a prompt into
 the cache of the prefill node it would be routed to, generating nothing beyond the first token.
 
@@ -61,8 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -70,7 +69,7 @@ from pd.cluster.client_config import ROLES, ClientConfig
 from pd.cluster.event_loop import LoopHandoff, TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightStatus
 from pd.cluster.flights import ClusterError, Flights
-from pd.cluster.liveness import Liveness
+from pd.cluster.membership import Membership
 from pd.cluster.mirror import MirrorSync
 from pd.cluster.slo import LatencyWindow
 from pd.cluster.sockets import NodeSockets
@@ -78,8 +77,6 @@ from pd.core.messages import (
     CacheEventMsg,
     NodeInfo,
     NodeStatsMsg,
-    PeerGoneMsg,
-    PeerUpMsg,
     PullDoneMsg,
     ServerMsg,
     TokenMsg,
@@ -128,24 +125,21 @@ class ClusterClient:
         self.pull_addr = pull_addr  # what the PULL socket binds
         self.addr = pull_addr  # what nodes push to (``listen_at``)
         self._secret = secret
-        self._nodes: dict[str, NodeInfo] = {}  # registered: ready or draining
-        self._node_stats: dict[str, NodeStatsMsg] = {}  # each node's latest
-        self.dead_nodes: dict[str, str] = {}  # node_id -> why
-        self._num_starting: Counter[str] = Counter()  # nodes being started, per role
         self._handoff = LoopHandoff()
         self._tasks = TaskSet()  # the reader, the watchdog, snapshot requests, retries
         self.sockets = NodeSockets(max_msg_age_s, self._on_node_msg, max_conns)
-        self.flights = Flights(coordinator, self.sockets, self._nodes, c, self._tasks)
-        self.liveness = Liveness(
-            c.heartbeat_timeout_s, c.watch_interval_s, c.ping_timeout_s, ping, self.fail_node
-        )
-        self._on_node_failed = on_node_failed  # e.g. the launcher starting a replacement
+        nodes: dict[str, NodeInfo] = {}  # registered: ready or draining (the membership's)
+        self.flights = Flights(coordinator, self.sockets, MappingProxyType(nodes), c, self._tasks)
         self.mirror = MirrorSync(coordinator, resync, c.watch_interval_s)
+        self.membership = Membership(
+            nodes, coordinator, self.sockets, self.flights, self.mirror, self._handoff, c, ping,
+            on_node_failed,
+        )  # fmt: skip
         # generate() to first token, less its waits for room (the autoscaler's prefill signal)
         self.ttft = LatencyWindow()
         self.tpot = LatencyWindow()  # per finished request: (last - first token) / (n - 1)
 
-    # -- membership: from any thread, and before start() (``LoopHandoff.call``) ---------------
+    # -- before start(), and what the parts show -------------------------------------------
 
     def listen_at(self, pull_addr: str, addr: str) -> None:
         """Bind the PULL socket at ``pull_addr`` (e.g. every interface) and tell nodes ``addr``
@@ -161,24 +155,13 @@ class ClusterClient:
         self._secret = secret
 
     @property
-    def nodes(self) -> Mapping[str, NodeInfo]:
-        """The registered nodes (ready or draining), read-only: the membership calls change
-        them."""
-        return MappingProxyType(self._nodes)
-
-    @property
-    def node_stats(self) -> Mapping[str, NodeStatsMsg]:
-        """Each registered node's latest stats, read-only."""
-        return MappingProxyType(self._node_stats)
-
-    @property
     def pull_log(self) -> PullLog:
         """The coordinator's pull decisions and counts (to read)."""
         return self.coordinator.pulls
 
     def routes_of(self, request_id: str) -> list[RouteRecord]:
         """Where each attempt of ``request_id`` went, oldest first (``GET /admin/routes``)."""
-        return self.coordinator.routes_of(request_id)
+        return self.coordinator.routes.of(request_id)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -190,37 +173,6 @@ class ClusterClient:
         """Frames from nodes (or anyone else) that failed authentication."""
         return self.sockets.num_rejected
 
-    def register_node(self, info: NodeInfo, attached: bool = False) -> None:
-        """``attached``: the node ran before this server (its cache snapshot is awaited)."""
-        self._handoff.call(lambda: self._register_node(info, attached))
-
-    def drain_node(self, node_id: str) -> None:
-        self._handoff.call(lambda: self.coordinator.drain(node_id))
-
-    def unregister_node(self, node_id: str) -> None:
-        """The node leaves (after draining): survivors close what they share with it."""
-        self._handoff.call(lambda: self._drop_node(node_id, "removed", is_dead=False))
-
-    def fail_node(self, node_id: str, why: str) -> None:
-        """The node died: re-route or fail its requests (module docstring, step 5)."""
-        self._handoff.call(lambda: self._drop_node(node_id, why, is_dead=True))
-
-    def num_routed_to(self, node_id: str) -> int:
-        """Requests in flight that this node serves (or is about to receive)."""
-        return self._handoff.call(lambda: self.flights.num_routed_to(node_id))
-
-    def set_decode_only(self, on: bool) -> None:
-        """Send every request to a decode node alone (``on``: the prefill pool has no node and
-        waits for none) or, off, through a prefill node (``Coordinator.decode_only``)."""
-        self._handoff.call(lambda: self.coordinator.set_decode_only(on))
-
-    def begin_start(self, role: str) -> None:
-        """A node of ``role`` is being started: requests may wait for it (``is_ready``)."""
-        self._handoff.call(lambda: self._num_starting.update((role,)))
-
-    def end_start(self, role: str) -> None:
-        self._handoff.call(lambda: self._num_starting.subtract((role,)))
-
     # -- EngineClient -----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -228,10 +180,10 @@ class ClusterClient:
             return
         self._handoff.bind(asyncio.get_running_loop())
         # sized for the longest context of the nodes known now (they register before start)
-        max_model_len = max((i.max_model_len for i in self._nodes.values()), default=0)
+        max_model_len = max((i.max_model_len for i in self.membership.nodes.values()), default=0)
         self.sockets.bind(self.pull_addr, self.addr, self._secret, max_model_len)
         self._tasks.spawn(self.sockets.read_forever())
-        self._tasks.spawn(self.liveness.run())
+        self._tasks.spawn(self.membership.liveness.run())
         self._tasks.spawn(self.mirror.run())
 
     def generate(
@@ -303,10 +255,9 @@ class ClusterClient:
         """The reader works (it has read since it last failed: nodes send stats a few times a
         second), and each pool needed has a node, or one starting (requests then wait for it)."""
         await self.start()
-        roles = {info.role for info in self._nodes.values()}
-        roles |= {role for role, n in self._num_starting.items() if n}
-        needed = set(_pools_needed(self.coordinator))
-        return self.sockets.is_reading and roles >= needed and self.mirror.is_settled
+        m = self.membership
+        ready = all(m.has_role(r) or m.num_starting(r) for r in _pools_needed(self.coordinator))
+        return self.sockets.is_reading and ready and self.mirror.is_settled
 
     async def readiness(self) -> str | None:
         """Why a request could not be served now, or None (GET /ready answers 200 only then):
@@ -316,8 +267,8 @@ class ClusterClient:
         if not self.sockets.is_reading:
             return "the server reads no node messages (its reader is starting or restarting)"
         for role in _pools_needed(self.coordinator):
-            if not any(info.role == role for info in self._nodes.values()):
-                starting = self._num_starting[role]
+            if not self.membership.has_role(role):
+                starting = self.membership.num_starting(role)
                 return f"no live {role} node" + (f" ({starting} starting)" if starting else "")
         if not self.mirror.is_settled:
             return "waiting for the cache snapshots of the nodes this server attached to"
@@ -331,75 +282,34 @@ class ClusterClient:
         """What GET /metrics shows: every node's latest stats and the requests waiting."""
         pulls = self.coordinator.pulls
         return ClusterStats(
-            list(self._node_stats.values()),
+            list(self.membership.node_stats.values()),
             self.flights.num_waiting,
             num_rejected_msgs=self.num_rejected_msgs,
             rejected_by_peer=self.sockets.rejects.top(),
             num_dropped_msgs=self.sockets.num_bad_msgs,
             num_reader_restarts=self.sockets.num_reader_restarts,
             num_rerouted=self.flights.num_rerouted,
-            num_failed_nodes=len(self.dead_nodes),
+            num_failed_nodes=len(self.membership.dead_nodes),
             num_local_prefills=self.coordinator.num_local_routes,
             num_pulls_chosen=pulls.num_pulls,
             num_pulls_computed=pulls.num_computed,
             num_pull_fallbacks=pulls.num_fallbacks,
         )
 
-    # -- membership, on the loop ------------------------------------------------------------
-
-    def _register_node(self, info: NodeInfo, attached: bool) -> None:
-        self._nodes[info.node_id] = info
-        self.sockets.add_node(info)
-        self.liveness.watch(info.node_id)
-        if attached:
-            self.mirror.expect_snapshot(info.node_id)
-        # before any request is routed to it (one socket per node keeps the order): a node
-        # refusing a gone node's endpoints takes them back if this one was given them
-        up = PeerUpMsg(node_id=info.node_id, addr=info.addr, transfer_addr=info.transfer_addr)
-        for other in [n for n in self._nodes if n != info.node_id]:
-            self.sockets.tell(other, up)
-        if info.role == "prefill":
-            self.coordinator.add_prefill(info.node_id)
-        else:
-            self.coordinator.add_decode(info.node_id, info.num_slots)
-        self.flights.wake()
-
-    def _drop_node(self, node_id: str, why: str, is_dead: bool) -> None:
-        info = self._nodes.pop(node_id, None)
-        if info is None:  # dropped already
-            return
-        self.coordinator.remove(node_id)
-        self._node_stats.pop(node_id, None)
-        self.liveness.forget(node_id)
-        self.mirror.forget(node_id)
-        self.sockets.remove_node(node_id)
-        if is_dead:
-            logger.error("node %s is gone (%s)", node_id, why)
-            self.dead_nodes[node_id] = why
-        self.flights.on_node_lost(node_id, why)
-        gone = PeerGoneMsg(node_id=node_id, addr=info.addr, transfer_addr=info.transfer_addr)
-        for other in list(self._nodes):
-            self.sockets.tell(other, gone)
-        if is_dead and self._on_node_failed is not None:
-            self._on_node_failed(node_id)
-
     def _on_node_msg(self, msg: ServerMsg) -> None:
         """A message the reader read (a raise drops it, counted: ``NodeSockets``)."""
         if isinstance(msg, TokenMsg):
             self.flights.on_tokens(msg)
-        elif msg.node_id not in self._nodes:
+        elif msg.node_id not in self.membership.nodes:
             return  # a dead or removed node's late event or stats
         elif isinstance(msg, CacheEventMsg):
             self.coordinator.apply_event(msg)
             if msg.kind == "reset":
                 self.mirror.on_reset(msg.node_id)
         elif isinstance(msg, NodeStatsMsg):
-            self._node_stats[msg.node_id] = msg
-            self.liveness.heard(msg.node_id)
-            per_token = max((n.kv_bytes_per_token for n in self._nodes.values()), default=0)
-            self.coordinator.update_costs(self._node_stats.values(), per_token)
+            self.membership.on_stats(msg)
         elif isinstance(msg, PullDoneMsg):
-            self.coordinator.on_pull_done(msg)
+            self.coordinator.pulls.done(msg)
 
 
 def _pools_needed(coordinator: Coordinator) -> tuple[str, ...]:

@@ -93,10 +93,10 @@ class ClusterAdmin:
         return [r._asdict() for r in self.client.routes_of(request_id)]
 
     def nodes(self) -> list[NodeView]:
-        pools, stats = self.cluster.pools, self.client.node_stats
+        pools, stats = self.cluster.pools, self.client.membership.node_stats
         starting = pools.nodes(NodeState.STARTING)
         views = [_view(n.node_id, n.role, n.state.value, None, None) for n in starting]
-        for node_id, info in self.client.nodes.items():  # ready or draining
+        for node_id, info in self.client.membership.nodes.items():  # ready or draining
             state = pools[node_id].state.value
             views.append(_view(node_id, info.role, state, info, stats.get(node_id)))
         return sorted(views, key=lambda v: (ROLES.index(v.role), pools[v.id].index))
@@ -133,7 +133,8 @@ class ClusterAdmin:
 
     def drain(self, node_id: str) -> PoolSizes:
         """KeyError: no such ready node; ValueError: it is the last of its pool."""
-        role = self.client.nodes[node_id].role if node_id in self.client.nodes else None
+        nodes = self.client.membership.nodes
+        role = nodes[node_id].role if node_id in nodes else None
         self.cluster.drain(node_id)
         if role is not None:
             self._tell_autoscaler({role: self.cluster.target[role]})

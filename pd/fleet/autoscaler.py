@@ -258,9 +258,8 @@ class Autoscaler:
     def signals(self, role: str, now: float) -> list[Signal]:
         client, cfg = self.cluster.client, self.cfg
         since = max(now - cfg.window_s, self._settled[role])
-        stats = [
-            client.node_stats[n] for n in self.cluster.nodes_of(role) if n in client.node_stats
-        ]
+        latest = client.membership.node_stats
+        stats = [latest[n] for n in self.cluster.nodes_of(role) if n in latest]
         if role == "prefill":
             return [
                 Signal("ttft", client.ttft.quantile(0.9, since), cfg.ttft_slo),

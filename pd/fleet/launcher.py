@@ -17,13 +17,14 @@ Each pool has a target size (``scale``, the admin API, the autoscaler); ``_recon
 nodes or drains the surplus until the pool matches it, and again whenever a node joins, leaves
 or dies. The prefill pool's may be 0 (``MIN_POOL``; ``pd serve``'s default on one CPU machine):
 while it has no node, and is not waiting for a dead one's replacement, the coordinator sends
-every request to a decode node alone (``ClusterClient.set_decode_only``). Each node's life is one
+every request to a decode node alone (``Membership.set_decode_only``). Each node's life is one
 record in ``Pools`` (``pd.fleet.pools``): ``starting`` (its actor started, not registered),
 ``ready``, ``draining`` (no new requests; in-flight ones finish within ``drain_timeout_s``, then
-it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``. A start
-that fails lowers the target again. The record keeps the node's role and number in its pool:
+it leaves, its peers close their pair groups to it, and its actor is stopped), ``gone``; each
+step is a method of ``Lifecycle`` (``pd.fleet.lifecycle``). A start that fails lowers the
+target again. The record keeps the node's role and number in its pool:
 nothing reads them back out of a node id but attaching, which finds nodes by their names. The
-launcher tells the client about nodes through its membership calls (``register_node``,
+launcher tells the client about nodes through the client's ``membership`` (``register_node``,
 ``drain_node``, ``unregister_node``, ``begin_start``/``end_start``, ``set_decode_only``), reads
 them back through its read-only views (``nodes``, ``node_stats``) and hears of deaths through
 ``on_node_failed``; it never reaches the coordinator.
@@ -38,18 +39,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pd.cluster.client import ClusterClient
 from pd.cluster.client_config import MIN_POOL, ROLES
 from pd.cluster.event_loop import TaskSet
 from pd.core.addresses import choose_addrs
-from pd.core.messages import NodeInfo
 from pd.engine.config import EngineConfig
 from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
 from pd.fleet.config import ClusterConfig, free_port
+from pd.fleet.lifecycle import Lifecycle
 from pd.fleet.placement import (
     Capacity,
     node_demand,
@@ -63,9 +63,6 @@ from pd.model.loader import resolve_model
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig
 from transfer.auth import new_secret
-
-if TYPE_CHECKING:
-    import ray
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +91,9 @@ class Cluster:
         )
         self._stopping = False
         self._tasks = TaskSet()
+        self.life = Lifecycle(
+            cfg, self.pools, self.actors, self.client.membership, self._tasks, self._reconcile
+        )
 
     @property
     def target(self) -> dict[str, int]:
@@ -116,7 +116,7 @@ class Cluster:
         if running:
             self._attach(running)
         # _reconcile keeps it from here on (the nodes below register on the loop, maybe later)
-        self.client.set_decode_only(self.pools.target["prefill"] == 0)
+        self.client.membership.set_decode_only(self.pools.target["prefill"] == 0)
         started = []
         for role in ROLES:
             for _ in range(self.pools.target[role] - len(self.pools.ready(role))):
@@ -131,7 +131,7 @@ class Cluster:
             raise
         for (node, _), info in zip(started, infos):
             self.pools.joined(node.node_id)
-            self.client.register_node(info)
+            self.client.membership.register_node(info)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -164,7 +164,7 @@ class Cluster:
         infos = self.actors.attach(running, self.client.addr)
         for node_id, info in zip(running, infos):
             self.pools.adopt(node_id, info.role, running[node_id])
-            self.client.register_node(info, attached=True)
+            self.client.membership.register_node(info, attached=True)
         logger.warning("attached to %d running nodes: %s", len(running), sorted(running))
 
     # -- pools ------------------------------------------------------------------------------
@@ -194,7 +194,9 @@ class Cluster:
         A CPU node takes in memory the largest resident size a node reports, or before any
         has, its checkpoint's weight files."""
         other = next(r for r in ROLES if r != role)
-        memory = float(max((s.rss_bytes for s in self.client.node_stats.values()), default=0))
+        memory = float(
+            max((s.rss_bytes for s in self.client.membership.node_stats.values()), default=0)
+        )
         if not memory:
             model_dir = resolve_model(self.engine_cfg.model)
             memory = float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")))
@@ -221,7 +223,7 @@ class Cluster:
             keeps = MIN_POOL[role]
             raise ValueError(f"{node_id} is the last {role} node: the pool keeps {keeps}")
         self.pools.set_target(role, self.pools.target[role] - 1)
-        self._begin_drain(node_id)  # before reconciling: it must count as leaving already
+        self.life.begin_drain(node_id)  # before reconciling: it must count as leaving already
         self._reconcile()
 
     def _sync_decode_only(self) -> None:
@@ -230,7 +232,7 @@ class Cluster:
         starts). Not while a dead node's replacement starts: then they wait for it, as the
         operator asked for a prefill pool and a decode node's long prefills would stretch the
         running streams' TPOT."""
-        self.client.set_decode_only(
+        self.client.membership.set_decode_only(
             not self.pools.ready("prefill") and not self.pools.num_replacing("prefill")
         )
 
@@ -245,79 +247,12 @@ class Cluster:
             for _ in range(-surplus):
                 # started here, not in the task: a second reconcile before the task's first
                 # turn (a scale right after a drain) counts it as starting, not as missing
-                started = self._launch(role)
+                started = self.life.launch(role, self.engine_cfg, self.client.addr, self._secret)
                 if started is not None:
-                    self._tasks.spawn(self._join(role, *started))
+                    self._tasks.spawn(self.life.join(role, *started))
             n = min(surplus, len(ready))
-            for node_id in self.pools.victims(ready, n, self.client.node_stats):
-                self._begin_drain(node_id)
-
-    def _launch(self, role: str) -> tuple[str, ray.ObjectRef[NodeInfo]] | None:
-        """Start a ``role`` actor (``starting`` from now on); None if Ray refused it, which
-        lowers the pool's target."""
-        node = self.pools.new_node(role)
-        try:
-            ref = self.actors.start(node, self.engine_cfg, self.client.addr, self._secret)
-        except Exception:
-            logger.exception("could not start a %s node: the pool's target drops back", role)
-            node.set_state(NodeState.GONE)
-            self.pools.set_target(role, max(1, self.pools.target[role] - 1))
-            return None
-        self.client.begin_start(role)  # requests wait for it rather than fail
-        return node.node_id, ref
-
-    async def _join(self, role: str, node_id: str, ref: ray.ObjectRef[NodeInfo]) -> str | None:
-        """Wait for the started ``node_id`` and register it; a failed start is stopped and
-        lowers the pool's target."""
-        info: NodeInfo | None = None
-        try:
-            info = await asyncio.wait_for(ref, self.cfg.ready_timeout_s)
-        except Exception:
-            logger.exception("could not start %s: the %s pool's target drops back", node_id, role)
-            self.pools.set_target(role, max(1, self.pools.target[role] - 1))
-            self.actors.stop(node_id)
-        finally:
-            self.client.end_start(role)
-            if info is None:  # failed, or cancelled: it never joins
-                self.pools[node_id].set_state(NodeState.GONE)
-        if info is None:
-            return None
-        self.client.register_node(info)
-        self.pools.joined(node_id)
-        logger.warning(
-            "%s joined (%s pool: %d) at %s, transfers at %s",
-            node_id, role, len(self.pools.ready(role)), info.addr, info.transfer_addr,
-        )  # fmt: skip
-        self._reconcile()
-        return node_id
-
-    def _begin_drain(self, node_id: str) -> None:
-        """Mark ``node_id`` draining at once (``nodes_of`` no longer counts it, so a reconcile
-        that runs before it has left chooses no second node), and let it leave in the
-        background."""
-        self.pools[node_id].set_state(NodeState.DRAINING)
-        self.client.drain_node(node_id)  # the coordinator routes nothing new to it
-        self._tasks.spawn(self._drain(node_id))
-
-    async def _drain(self, node_id: str) -> None:
-        """Wait until the draining ``node_id`` has finished its requests (or the drain deadline
-        passed), then remove it and stop its actor."""
-        deadline = time.monotonic() + self.cfg.drain_deadline_s
-        try:
-            while time.monotonic() < deadline and self.pools[node_id].actor is not None:
-                if not self.client.num_routed_to(node_id):
-                    try:
-                        if await self.actors.num_unfinished(node_id) == 0:
-                            break
-                    except Exception:  # died meanwhile: the watchdog drops it
-                        break
-                await asyncio.sleep(0.05)
-            self.client.unregister_node(node_id)  # the others close their pair groups to it
-            await self.actors.stop_async(node_id)
-        finally:
-            self.pools[node_id].set_state(NodeState.GONE)
-        logger.warning("%s drained and stopped", node_id)
-        self._reconcile()
+            for node_id in self.pools.victims(ready, n, self.client.membership.node_stats):
+                self.life.begin_drain(node_id)
 
     def _on_node_failed(self, node_id: str) -> None:
         """Called on the client's event loop when the watchdog finds a node dead."""
@@ -350,22 +285,22 @@ class Cluster:
     def check_integrity(self) -> dict[str, dict[str, int]]:
         """Every registered node's slot and resource accounting (asserts inside each node);
         nodes still starting are not waited for."""
-        registered = self.client.nodes  # a read-only view
+        registered = self.client.membership.nodes  # a read-only view
         return self.actors.check_integrity([n for n in self.actors.running() if n in registered])
 
     async def _grow(self, role: str) -> str | None:
         """One more ``role`` node: started and registered (None: its start failed)."""
         self.pools.set_target(role, self.pools.target[role] + 1)
-        started = self._launch(role)
-        return None if started is None else await self._join(role, *started)
+        started = self.life.launch(role, self.engine_cfg, self.client.addr, self._secret)
+        return None if started is None else await self.life.join(role, *started)
 
     async def _drain_now(self, node_id: str) -> None:
         role = self.pools.ready_node(node_id).role
         self.pools.set_target(role, self.pools.target[role] - 1)
         self.pools[node_id].set_state(NodeState.DRAINING)
-        self.client.drain_node(node_id)  # the coordinator routes nothing new to it
+        self.client.membership.drain_node(node_id)  # the coordinator routes nothing new to it
         self._sync_decode_only()
-        await self._drain(node_id)
+        await self.life.drain(node_id)
 
     def _wait(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the client's event loop (from another thread) and wait for it."""

@@ -18,10 +18,10 @@ retracts a request when its pool runs out. Routing a request id that is still bo
 that booking first.
 
 What the policy chooses over: every node's cache, prefill and decode, replayed from its cache
-events into one ``SharedPrefixIndex`` (``apply_event``), and ``Members``, the table of nodes
-accepting requests, rebuilt when a node is added, drained or removed. Pulls are weighed with
-``costs`` (``PullCosts``), the rates in the nodes' stats (``update_costs``); a node's report
-of a pull completes its decision (``on_pull_done``). A node whose cache events were lost (a seq
+events into one ``SharedPrefixIndex`` (``apply_event``), and ``nodes`` (``NodeTable``,
+``pd.router.node_table``: the nodes, added, drained and removed there, and ``Members``, those
+accepting requests). Pulls are weighed with ``costs`` (``PullCosts``), the rates in the nodes'
+stats (``costs.update``); a node's report of a pull completes its decision (``pulls.done``). A node whose cache events were lost (a seq
 gap) is listed in ``nodes_to_resync``, answered from its last consistent view, until its
 ``take_snapshot()`` arrives (``apply_snapshot``, or the reset event in its stream). All of this
 is plain Python: the cluster client feeds it events, stats and request life-cycle calls.
@@ -30,26 +30,25 @@ is plain Python: the cluster client feeds it events, stats and request life-cycl
 from __future__ import annotations
 
 import itertools
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from pd.cache.holder_tree import TOKEN_BYTES, encode_tokens
 from pd.cache.prefix_index import PrefixIndex, PrefixMatch, SharedPrefixIndex
-from pd.core.messages import CacheEventMsg, NodeStatsMsg, PullDoneMsg
+from pd.core.messages import CacheEventMsg
 from pd.engine.slots import expected_new_tokens
+from pd.router.node_table import NodeTable
 from pd.router.policy import (
     Choice,
     CoordinatorConfig,
     DecodeState,
     InFlight,
-    Members,
     PrefillState,
     RoutePolicy,
 )
 from pd.router.pulls import Pull, PullCosts, PullLog
-from pd.router.route_log import RouteLog, RouteRecord
+from pd.router.route_log import RouteLog
 
 
 class Route(NamedTuple):
@@ -84,11 +83,8 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self._mirror = SharedPrefixIndex(cfg.page_size)  # every node's cache, prefill and decode
-        self._prefill: dict[str, PrefillState] = {}
-        self._decode: dict[str, DecodeState] = {}
+        self.nodes = NodeTable(self._mirror)  # added, drained, removed there
         self._requests: dict[str, _Booking] = {}
-        self._ranks = itertools.count()
-        self._members: Members | None = None  # rebuilt after membership changes
         self.num_local_routes = 0  # requests sent to a decode node alone
         self._decode_only = False  # ``set_decode_only``
         self.costs = PullCosts()
@@ -96,29 +92,7 @@ class Coordinator:
         self.routes = RouteLog()  # where each recent attempt went (GET /admin/routes)
         self.policy = RoutePolicy(cfg, self.costs)
 
-    # -- membership -------------------------------------------------------------------------
-
-    def add_prefill(self, node_id: str) -> None:
-        self.remove(node_id)  # a node that registers again starts from nothing
-        index = self._mirror.add(node_id)
-        self._prefill[node_id] = PrefillState(node_id, index, next(self._ranks))
-
-    def add_decode(self, node_id: str, num_slots: int) -> None:
-        self.remove(node_id)
-        self._decode[node_id] = DecodeState(node_id, num_slots, self._mirror.add(node_id))
-
-    def drain(self, node_id: str) -> None:
-        """Send no new requests to this node."""
-        (self._prefill.get(node_id) or self._decode[node_id]).draining = True
-        self._members = None
-
-    def remove(self, node_id: str) -> None:
-        self._members = None
-        node = self._prefill.pop(node_id, None)
-        if node is not None:
-            node.pos = -1  # its requests may still finish: their loads go nowhere
-        self._decode.pop(node_id, None)
-        self._mirror.remove(node_id)
+    # -- the pools --------------------------------------------------------------------------
 
     def set_decode_only(self, on: bool) -> None:
         """``on`` while the prefill pool has no node and waits for no replacement (its target
@@ -132,26 +106,11 @@ class Coordinator:
     def decode_only(self) -> bool:
         return self._decode_only
 
-    @property
-    def prefill_nodes(self) -> list[str]:
-        return list(self._prefill)
-
-    @property
-    def decode_nodes(self) -> list[str]:
-        return list(self._decode)
-
     def index(self, node_id: str) -> PrefixIndex:
         """The mirror of a (prefill or decode) node's cache."""
         return self._mirror.index(node_id)
 
-    def load(self, node_id: str) -> int:
-        return self._prefill[node_id].load
-
-    def num_reserved_slots(self, node_id: str) -> int:
-        """KV slots booked on a decode node (more than it has when answers outgrew them)."""
-        return self._decode[node_id].reserved
-
-    # -- events, snapshots, measures --------------------------------------------------------
+    # -- events, snapshots ------------------------------------------------------------------
 
     def apply_event(self, event: CacheEventMsg) -> None:
         self._mirror.apply(event)
@@ -167,14 +126,6 @@ class Coordinator:
         Events the node published after the snapshot still apply after it, in seq order."""
         if node_id in self._mirror:
             self._mirror.index(node_id).apply_snapshot(events)
-
-    def update_costs(self, stats: Iterable[NodeStatsMsg], kv_bytes_per_token: int) -> None:
-        """The nodes' latest stats, whose rates pulls are weighed with (``PullCosts.update``)."""
-        self.costs.update(stats, kv_bytes_per_token)
-
-    def on_pull_done(self, msg: PullDoneMsg) -> None:
-        """A prefill node's report of a pull: how it went, into its decision."""
-        self.pulls.done(msg)
 
     # -- a request's life -------------------------------------------------------------------
 
@@ -198,7 +149,7 @@ class Coordinator:
         need = _booked_len(page, len(prompt_ids), max_tokens, 0)
         key = encode_tokens(prompt_ids)
         # The last prompt token is always computed (see BasePrefixCache.match_prompt).
-        members = self._membership()
+        members = self.nodes.members()
         match = self._mirror.match(key[:-TOKEN_BYTES], namespace)
         choice = self.policy.choose(
             request_id,
@@ -214,10 +165,6 @@ class Coordinator:
         booking = _Booking(choice.prefill, choice.decode, 0, len(prompt_ids), max_tokens)
         return self._book(request_id, choice, prompt, booking, need, match)
 
-    def routes_of(self, request_id: str) -> list[RouteRecord]:
-        """Where each attempt of ``request_id`` went (``RouteLog.of``), oldest first."""
-        return self.routes.of(request_id)
-
     def on_prefilled(self, request_id: str) -> None:
         """The request's first token came: its prefill load is gone, and its decode node is
         decoding it."""
@@ -231,13 +178,13 @@ class Coordinator:
             local = decode.local.pop(request_id, None)
             if local is not None:
                 decode.local_load -= local.load
-                if self._decode.get(decode.node_id) is decode:
+                if self.nodes.is_current(decode):
                     self._mirror.remove_pending(decode.node_id, local.key, local.namespace)
             return
         inflight = node.inflight.pop(request_id, None)
         if inflight is not None:
-            self._add_load(node, -inflight.load)
-            if self._prefill.get(node.node_id) is node:  # a removed node took its prompts along
+            self.nodes.add_load(node, -inflight.load)
+            if self.nodes.is_current(node):  # a removed node took its prompts along
                 self._mirror.remove_pending(node.node_id, inflight.key, inflight.namespace)
 
     def on_tokens(self, request_id: str, num_tokens: int) -> None:
@@ -268,14 +215,13 @@ class Coordinator:
     def check_integrity(self) -> None:
         """Loads and reservations are the sums of what is booked; the mirror's pending prompts
         are exactly the prompts in flight."""
-        if self._members is not None:
-            assert [p.load for p in self._members.accepting] == list(self._members.loads)
-        for node_id, node in self._prefill.items():
+        self.nodes.check_integrity()
+        for node_id, node in self.nodes.prefill.items():
             assert node.load == sum(f.load for f in node.inflight.values()), (
                 f"{node_id} load {node.load}, in flight {[f.load for f in node.inflight.values()]}"
             )
             assert all(self._requests[r].prefill is node for r in node.inflight)
-        for node_id, decode in self._decode.items():
+        for node_id, decode in self.nodes.decode.items():
             booked = sum(
                 b.num_reserved_slots for b in self._requests.values() if b.decode is decode
             )
@@ -293,8 +239,8 @@ class Coordinator:
         self._mirror.check_integrity(
             (node_id, f.key, f.namespace)
             for node_id, flights in itertools.chain(
-                ((n, p.inflight) for n, p in self._prefill.items()),
-                ((n, d.local) for n, d in self._decode.items()),
+                ((n, p.inflight) for n, p in self.nodes.prefill.items()),
+                ((n, d.local) for n, d in self.nodes.decode.items()),
             )
             for f in flights.values()
         )
@@ -321,7 +267,7 @@ class Coordinator:
             decode.local_load += prompt.load
         else:
             prefill.inflight[request_id] = prompt
-            self._add_load(prefill, prompt.load)
+            self.nodes.add_load(prefill, prompt.load)
         prefills = prefill or decode
         self._mirror.add_pending(prefills.node_id, prompt.key, prompt.namespace, after=match)
         self._requests[request_id] = booking
@@ -345,28 +291,3 @@ class Coordinator:
             booking.num_reserved_slots,
             booking.decode.reserved,
         )
-
-    def _add_load(self, node: PrefillState, delta: int) -> None:
-        node.load += delta
-        if node.pos >= 0 and self._members is not None:
-            self._members.loads[node.pos] += delta
-
-    def _membership(self) -> Members:
-        if self._members is None:
-            accepting = [p for p in self._prefill.values() if not p.draining]
-            for node in self._prefill.values():
-                node.pos = -1
-            for pos, node in enumerate(accepting):
-                node.pos = pos
-            holders = {p.index.bit: n for n, p in self._prefill.items()}
-            holders.update((d.index.bit, n) for n, d in self._decode.items())
-            self._members = Members(
-                accepting,
-                array("q", [p.load for p in accepting]),
-                sum(p.index.bit for p in accepting),
-                {p.index.bit: p for p in accepting},
-                [d for d in self._decode.values() if not d.draining],
-                dict(self._prefill),
-                holders,
-            )
-        return self._members

@@ -88,18 +88,18 @@ class LocalCluster:
             role_cls,
         )
         self.nodes[node_id] = node
-        self.client.register_node(node.start())
+        self.client.membership.register_node(node.start())
         return node_id
 
     def remove(self, node_id: str) -> None:
         """Drain, wait for its requests, then stop it: the others close what they share."""
         node = self.nodes.pop(node_id)
-        self.client.drain_node(node_id)
+        self.client.membership.drain_node(node_id)
         deadline = time.monotonic() + 30
-        while self.client.num_routed_to(node_id) or node.num_unfinished():
+        while self.client.membership.num_routed_to(node_id) or node.num_unfinished():
             assert time.monotonic() < deadline, f"{node_id} did not drain"
             time.sleep(0.01)
-        self.client.unregister_node(node_id)
+        self.client.membership.unregister_node(node_id)
         node.shutdown()
 
     def kill(self, node_id: str) -> None:
@@ -107,7 +107,7 @@ class LocalCluster:
         self.dead.add(node_id)
         self.nodes.pop(node_id).shutdown()
         deadline = time.monotonic() + 10
-        while node_id in self.client.nodes:
+        while node_id in self.client.membership.nodes:
             assert time.monotonic() < deadline, f"{node_id} not found dead"
             time.sleep(0.01)
 
@@ -218,7 +218,7 @@ def test_churn_under_load_leaks_nothing(local, tiny_llama_dir) -> None:
             break
     assert after == {**base, "fds": after["fds"]}, (base, after)
     assert after["fds"] <= base["fds"] + 4, (base["fds"], after["fds"])
-    assert len(local.client.dead_nodes) == len(range(0, NUM_CYCLES, 3)) + 1
+    assert len(local.client.membership.dead_nodes) == len(range(0, NUM_CYCLES, 3)) + 1
     num_ok = 0
     for o in outcomes:
         if o.error is None:

@@ -150,7 +150,7 @@ class Harness:
 
     def add(self, node_id: str, slots: int = 1000) -> FakeNode:
         node = self.nodes[node_id] = FakeNode(self.ctx, node_id, self.client.pull_addr, slots)
-        self.client.register_node(node.info)
+        self.client.membership.register_node(node.info)
         node.beat()
         return node
 
@@ -308,17 +308,17 @@ async def test_thirty_two_requests_without_max_tokens_go_to_one_decode_node_at_o
         sent = [(await p.recv_until(PrefillReqMsg)).request_id for _ in range(n)]
         assert sorted(sent) == sorted(f"r{i}" for i in range(n))
         assert h.client.stats().num_queued == 0
-        assert coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
+        assert coord.nodes.num_reserved_slots("decode-0") == n * (len(PROMPT) + 512)
         for i in range(n):
             d.tokens(f"r{i}", [5] * 600)  # past the first 512: booked for as many again
-        await _until(lambda: coord.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
+        await _until(lambda: coord.nodes.num_reserved_slots("decode-0") == n * (len(PROMPT) + 1200))
         coord.check_integrity()
         for i in range(n):
             d.tokens(f"r{i}", [5], finished=True)
         for i in range(n):
             await h.wait_done(f"r{i}")
             assert len(h.tokens_of(f"r{i}")) == 601
-        assert coord.num_reserved_slots("decode-0") == 0 and not h.errors
+        assert coord.nodes.num_reserved_slots("decode-0") == 0 and not h.errors
         coord.check_integrity()
 
 
@@ -351,7 +351,7 @@ def test_the_nodes_a_cluster_starts_with_register_before_the_client_binds() -> N
     coordinator = Coordinator(CoordinatorConfig(policy="round_robin", local_prefill_tokens=-1))
     client = ClusterClient(coordinator, "tcp://127.0.0.1:1", ClientConfig(), secret=SECRET)
     for i, node_id in enumerate(("prefill-0", "decode-0", "decode-1")):
-        client.register_node(
+        client.membership.register_node(
             NodeInfo(
                 node_id=node_id,
                 role=node_id.split("-")[0],
@@ -361,7 +361,7 @@ def test_the_nodes_a_cluster_starts_with_register_before_the_client_binds() -> N
                 max_model_len=4096,
             )
         )
-    assert list(client.nodes) == ["prefill-0", "decode-0", "decode-1"]
+    assert list(client.membership.nodes) == ["prefill-0", "decode-0", "decode-1"]
 
 
 async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed_ones() -> None:
@@ -373,7 +373,7 @@ async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed
             assert (await p.recv_until(PrefillReqMsg)).decode_node == victim.node_id
         victim.tokens("streamed", [4])
         await _until(lambda: h.tokens_of("streamed") == [4])
-        h.client.fail_node(victim.node_id, "killed by the test")
+        h.client.membership.fail_node(victim.node_id, "killed by the test")
         await h.wait_done("streamed")
         assert isinstance(h.errors["streamed"], ClusterError)
         assert "node decode-1 failed: killed by the test" in str(h.errors["streamed"])
@@ -403,8 +403,10 @@ async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_al
         assert (await p1.recv_until(PrefillReqMsg)).request_id == "b"
         d.tokens("a", [1])  # a decodes on the decode node: its prefill node no longer matters
         await _until(lambda: h.tokens_of("a") == [1])
-        h.client.fail_node("prefill-0", "gone")
-        h.client.fail_node("prefill-1", "gone")  # b streamed nothing: re-routed, it waits
+        h.client.membership.fail_node("prefill-0", "gone")
+        h.client.membership.fail_node(
+            "prefill-1", "gone"
+        )  # b streamed nothing: re-routed, it waits
         h.request("c")  # arrives while the prefill pool is empty: waits behind b
         await _until(lambda: h.client.stats().num_queued == 2)
         p2 = h.add("prefill-2")  # the replacement joins: the waiting requests go there, FIFO
@@ -428,21 +430,21 @@ async def test_a_request_is_rerouted_only_once() -> None:
         p0, d = h.add("prefill-0"), h.add("decode-0")
         h.request("r")
         await p0.recv_until(PrefillReqMsg)
-        h.client.fail_node("prefill-0", "first death")
+        h.client.membership.fail_node("prefill-0", "first death")
         p1 = h.add("prefill-1")
         assert (await p1.recv_until(PrefillReqMsg)).request_id == "r~1"
-        h.client.fail_node("prefill-1", "second death")
+        h.client.membership.fail_node("prefill-1", "second death")
         await h.wait_done("r")
         assert "node prefill-1 failed: second death (re-routed 1 time(s) before: no more)" in str(
             h.errors["r"]
         )
-        assert d.node_id in h.client.nodes
+        assert d.node_id in h.client.membership.nodes
 
 
 async def test_a_silent_node_is_dead_after_the_heartbeat_timeout() -> None:
     failed: list[str] = []
     async with _harness(heartbeat_timeout_s=0.5) as h:
-        h.client._on_node_failed = failed.append
+        h.client.membership._on_node_failed = failed.append
         p, d = h.add("prefill-0"), h.add("decode-0")
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -450,26 +452,26 @@ async def test_a_silent_node_is_dead_after_the_heartbeat_timeout() -> None:
             p.beat()
             await asyncio.sleep(0.05)
         assert failed == ["decode-0"]
-        assert "no heartbeat for" in h.client.dead_nodes["decode-0"]
-        assert list(h.client.nodes) == ["prefill-0"]
+        assert "no heartbeat for" in h.client.membership.dead_nodes["decode-0"]
+        assert list(h.client.membership.nodes) == ["prefill-0"]
         assert (await p.recv_until(PeerGoneMsg)).node_id == "decode-0"
         d.beat()  # a late beat of the dead node changes nothing
         await asyncio.sleep(0.1)
-        assert list(h.client.nodes) == ["prefill-0"]
+        assert list(h.client.membership.nodes) == ["prefill-0"]
 
 
 async def test_while_a_replacement_starts_the_cluster_is_ready_and_requests_wait() -> None:
     async with _harness() as h:
         h.add("prefill-0"), h.add("decode-0")
         await _until(lambda: h.client.sockets.is_reading)
-        h.client.fail_node("decode-0", "gone")
+        h.client.membership.fail_node("decode-0", "gone")
         assert not await h.client.is_ready()
-        h.client.begin_start("decode")
+        h.client.membership.begin_start("decode")
         assert await h.client.is_ready()
         h.request("r")
         await _until(lambda: h.client.stats().num_queued == 1)
         d1 = h.add("decode-1")
-        h.client.end_start("decode")
+        h.client.membership.end_start("decode")
         assert (await d1.recv_until(DecodeReqMsg)).request_id == "r"
         d1.tokens("r", [1], finished=True)
         await h.wait_done("r")
@@ -485,14 +487,14 @@ async def test_readiness_says_which_pool_has_no_live_node_while_its_replacement_
         assert await h.client.readiness() == "no live decode node"
         h.add("decode-0")
         assert await h.client.readiness() is None
-        h.client.fail_node("decode-0", "link down")
-        h.client.begin_start("decode")
+        h.client.membership.fail_node("decode-0", "link down")
+        h.client.membership.begin_start("decode")
         assert await h.client.is_ready()
         assert await h.client.readiness() == "no live decode node (1 starting)"
         h.add("decode-1")
-        h.client.end_start("decode")
+        h.client.membership.end_start("decode")
         assert await h.client.readiness() is None
-        h.client.fail_node("prefill-0", "host killed")
+        h.client.membership.fail_node("prefill-0", "host killed")
         assert await h.client.readiness() == "no live prefill node"
 
 
@@ -500,7 +502,7 @@ async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -
     """``Coordinator.decode_only`` (the launcher's, for a prefill pool of 0): ready with a
     decode node alone, which gets every request and warm-up to prefill itself."""
     async with _harness() as h:
-        h.client.set_decode_only(True)
+        h.client.membership.set_decode_only(True)
         d = h.add("decode-0")
         await _until(lambda: h.client.sockets.is_reading)
         assert await h.client.readiness() is None and await h.client.is_ready()
@@ -513,7 +515,7 @@ async def test_without_a_prefill_pool_the_decode_node_alone_serves_and_warms() -
         assert (await d.recv_until(LocalReqMsg)).request_id == "w"
         d.tokens("w", [1], finished=True)
         assert (await asyncio.wait_for(warm, 5)).node_id == "decode-0"
-        h.client.set_decode_only(False)  # a prefill pool again: it must have a node
+        h.client.membership.set_decode_only(False)  # a prefill pool again: it must have a node
         assert await h.client.readiness() == "no live prefill node"
 
 
@@ -585,24 +587,24 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
 async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:
     async with _harness() as h:
         threads: list[threading.Thread] = []
-        real_add = h.client.coordinator.add_prefill
+        real_add = h.client.coordinator.nodes.add_prefill
 
         def add_prefill(node_id: str) -> None:
             threads.append(threading.current_thread())
             real_add(node_id)
 
-        monkeypatch.setattr(h.client.coordinator, "add_prefill", add_prefill)
+        monkeypatch.setattr(h.client.coordinator.nodes, "add_prefill", add_prefill)
         node = h.nodes["prefill-0"] = FakeNode(h.ctx, "prefill-0", h.client.pull_addr, 1000)
-        await asyncio.to_thread(h.client.register_node, node.info)
+        await asyncio.to_thread(h.client.membership.register_node, node.info)
         assert threads == [threading.current_thread()]  # the loop's, not the caller's
-        assert list(h.client.nodes) == ["prefill-0"]
-        assert await asyncio.to_thread(h.client.num_routed_to, "prefill-0") == 0
+        assert list(h.client.membership.nodes) == ["prefill-0"]
+        assert await asyncio.to_thread(h.client.membership.num_routed_to, "prefill-0") == 0
 
 
 def test_membership_calls_before_start_run_here_and_after_the_loop_stopped_raise() -> None:
     client = ClusterClient(Coordinator(CoordinatorConfig()), "tcp://127.0.0.1:*", secret=SECRET)
-    client.begin_start("decode")  # no loop yet: done at once, on this thread
-    assert client._num_starting["decode"] == 1
+    client.membership.begin_start("decode")  # no loop yet: done at once, on this thread
+    assert client.membership.num_starting("decode") == 1
 
     async def start_and_close() -> None:
         await client.start()
@@ -610,4 +612,4 @@ def test_membership_calls_before_start_run_here_and_after_the_loop_stopped_raise
 
     asyncio.run(start_and_close())
     with pytest.raises(RuntimeError, match="event loop has stopped"):
-        client.end_start("decode")
+        client.membership.end_start("decode")

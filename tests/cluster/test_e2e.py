@@ -215,7 +215,10 @@ def test_bad_input_is_a_4xx_in_openai_shape_and_queues_nothing(live, body, statu
     err = r.json()["error"]
     assert err["message"] and "type" in err
     client = live.cluster.client
-    assert not client.flights and client.coordinator.load(client.coordinator.prefill_nodes[0]) == 0
+    assert (
+        not client.flights
+        and client.coordinator.nodes.load(client.coordinator.nodes.prefill_nodes[0]) == 0
+    )
 
 
 def test_client_disconnect_aborts_and_frees(live):
@@ -239,7 +242,7 @@ def test_client_disconnect_aborts_and_frees(live):
 
 def test_shared_prefix_groups_stick_to_one_prefill_node(live, tokenizer, monkeypatch):
     coordinator = live.cluster.client.coordinator
-    if len(coordinator.prefill_nodes) < 2:
+    if len(coordinator.nodes.prefill_nodes) < 2:
         pytest.skip("routing needs two prefill nodes")
     routed: dict[str, str] = {}
     route = coordinator.route
@@ -316,7 +319,7 @@ def test_cpu_prefill_nodes_openmp_threads_spin_briefly(live):
     from pd.fleet.actors import PREFILL_SPIN_COUNT
 
     chosen = os.environ.get("GOMP_SPINCOUNT")
-    for node_id, node in live.cluster.client.nodes.items():
+    for node_id, node in live.cluster.client.membership.nodes.items():
         environ = Path(f"/proc/{node.pid}/environ").read_bytes().split(b"\0")
         spin = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMP_SPINCOUNT=")]
         expected = chosen or (str(PREFILL_SPIN_COUNT) if node.role == "prefill" else None)
@@ -368,7 +371,7 @@ def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
     node pulls the prefix's KV from the holder instead of computing it, the choice and both
     estimates are in the decision log with the pull's measured time, and the answer is HF's."""
     coordinator = live.cluster.client.coordinator
-    if len(coordinator.prefill_nodes) < 2:
+    if len(coordinator.nodes.prefill_nodes) < 2:
         pytest.skip("a pull between prefill nodes needs two")
     context = "Reference notes: " + " ".join(f"note{i} is {i * 7 % 13}" for i in range(80))
     first = encode_prompt(tokenizer, f"{context}\nQuestion one:")
@@ -392,7 +395,7 @@ def test_a_prefix_routed_away_from_its_holder_is_pulled_and_answers_like_hf(
 
     def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
         node_id, _ = pick(members, prompt_len, match)
-        other = next(n for n in coordinator.prefill_nodes if n != holder)
+        other = next(n for n in coordinator.nodes.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
     monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)

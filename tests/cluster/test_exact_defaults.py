@@ -149,7 +149,7 @@ def test_a_prefix_pulled_from_another_node_answers_as_computed(
 
     def elsewhere(members, prompt_len, match):  # as if the holder were the busier node
         pick(members, prompt_len, match)
-        other = next(n for n in coordinator.prefill_nodes if n != holder)
+        other = next(n for n in coordinator.nodes.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
     monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)
@@ -176,14 +176,14 @@ def test_prefixes_loaded_back_from_the_host_tier_answer_as_computed(live, prompt
 
 def test_after_a_prefill_node_drains_the_answers_are_the_same(live, prompts, reference):
     coordinator = live.cluster.client.coordinator
-    prefill = coordinator.prefill_nodes
+    prefill = coordinator.nodes.prefill_nodes
     assert len(prefill) == 2
     r = httpx.post(f"{live.url}/admin/nodes/{prefill[0]}/drain", timeout=30)
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + 120
-    while len(coordinator.prefill_nodes) > 1 and time.monotonic() < deadline:
+    while len(coordinator.nodes.prefill_nodes) > 1 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert coordinator.prefill_nodes == prefill[1:]
+    assert coordinator.nodes.prefill_nodes == prefill[1:]
     names = list(prompts)
     assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]
     got = _answers(live, [prompts[n] for n in names], concurrent=True, cold="drained")

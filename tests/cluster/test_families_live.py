@@ -123,7 +123,7 @@ def test_gemmas_warm_answer_past_its_window_is_the_cold_one_pulled_or_from_the_h
 
     def elsewhere(members, prompt_len, match):  # the node that did not compute it
         pick(members, prompt_len, match)
-        other = next(n for n in coordinator.prefill_nodes if n != holder)
+        other = next(n for n in coordinator.nodes.prefill_nodes if n != holder)
         return other, match.expected_len(coordinator.index(other).bit)
 
     monkeypatch.setattr(coordinator.policy, "_pick_prefill", elsewhere)

@@ -135,11 +135,11 @@ def _wait(cond: Callable[[], Any], what: str, timeout: float = 60.0) -> None:
 
 
 def _pid(live: LiveCluster, node_id: str) -> int:
-    return live.cluster.client.nodes[node_id].pid  # type: ignore[attr-defined]
+    return live.cluster.client.membership.nodes[node_id].pid  # type: ignore[attr-defined]
 
 
 def _on(live: LiveCluster, role: str) -> list[str]:
-    return sorted(n for n, i in live.cluster.client.nodes.items() if i.role == role)  # type: ignore[attr-defined]
+    return sorted(n for n, i in live.cluster.client.membership.nodes.items() if i.role == role)  # type: ignore[attr-defined]
 
 
 def _clean(live: LiveCluster, restored: bool = False) -> None:
@@ -159,7 +159,7 @@ def _clean(live: LiveCluster, restored: bool = False) -> None:
         # every other thread of the node's process is there from its start on
         other = _OTHER_THREADS.setdefault(node_id, r["threads"] - r["pair_threads"])
         assert r["threads"] - r["pair_threads"] == other, (node_id, r, other)
-    assert set(report) == set(client.nodes)
+    assert set(report) == set(client.membership.nodes)
 
 
 _OTHER_THREADS: dict[str, int] = {}  # node -> its threads outside pair groups, when first seen
@@ -171,11 +171,13 @@ def test_prefill_node_killed_mid_prefill(live, reference) -> None:
     load = Load(live.url)
     os.kill(_pid(live, victim), signal.SIGSTOP)  # its requests queue there, un-started
     out, join = _concurrently([lambda i=i: _generate(live.url, i) for i in range(4)])
-    _wait(lambda: client.num_routed_to(victim) >= 2, "requests routed to the frozen node")
+    _wait(
+        lambda: client.membership.num_routed_to(victim) >= 2, "requests routed to the frozen node"
+    )
     os.kill(_pid(live, victim), signal.SIGKILL)
     join()
     _check(out, reference, streams_may_fail=False)
-    assert victim in client.dead_nodes and client.flights.num_rerouted >= 2
+    assert victim in client.membership.dead_nodes and client.flights.num_rerouted >= 2
     _check(load.stop(), reference, streams_may_fail=False)
     _clean(live)
 
@@ -191,7 +193,7 @@ def test_prefill_node_killed_mid_transfer(live, reference) -> None:
 
         def transferring() -> str | None:
             for n in _on(live, "prefill"):
-                stats = client.node_stats.get(n)
+                stats = client.membership.node_stats.get(n)
                 if stats is not None and stats.num_transferring > 0:
                     return n
             return None
@@ -205,7 +207,9 @@ def test_prefill_node_killed_mid_transfer(live, reference) -> None:
             os.kill(_pid(live, d), signal.SIGCONT)
     join()
     _check(out, reference, streams_may_fail=False)
-    assert victim in client.dead_nodes and not set(decode) & set(client.dead_nodes)
+    assert victim in client.membership.dead_nodes and not set(decode) & set(
+        client.membership.dead_nodes
+    )
     _check(load.stop(), reference, streams_may_fail=False)
     _clean(live)
 
@@ -250,10 +254,12 @@ def test_a_frozen_node_is_dead_within_the_heartbeat_timeout(live, reference) -> 
     os.kill(pid, signal.SIGSTOP)  # the process lives; its Ray actor may even answer pings
     frozen_at = time.monotonic()
     try:
-        _wait(lambda: victim in client.dead_nodes, "the frozen node found dead", timeout=15)
+        _wait(
+            lambda: victim in client.membership.dead_nodes, "the frozen node found dead", timeout=15
+        )
         took = time.monotonic() - frozen_at
         assert took <= HEARTBEAT_S + 2.0, took
-        assert "no heartbeat" in client.dead_nodes[victim]
+        assert "no heartbeat" in client.membership.dead_nodes[victim]
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGCONT)  # it wakes up to find itself replaced, then killed

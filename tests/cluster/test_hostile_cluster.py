@@ -86,7 +86,7 @@ def test_routable_addresses_and_strangers_refused_while_a_request_streams(
 ) -> None:
     client = live.cluster.client  # type: ignore[attr-defined]
     assert client.pull_addr.startswith("tcp://0.0.0.0:")
-    infos = {info.role: info for info in client.nodes.values()}
+    infos = {info.role: info for info in client.membership.nodes.values()}
     advertised = [client.addr] + [a for i in infos.values() for a in (i.addr, i.transfer_addr)]
     assert {parse_endpoint(a)[0] for a in advertised} == {"127.0.0.1"}  # a local instance
 
@@ -130,7 +130,7 @@ def test_routable_addresses_and_strangers_refused_while_a_request_streams(
     want_nodes = {p.node_id: len(plan[p.addr]), d.node_id: len(plan[d.addr]) + len(to_d_ctrl)}
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        got = {n: client.node_stats[n].num_rejected_msgs for n in want_nodes}
+        got = {n: client.membership.node_stats[n].num_rejected_msgs for n in want_nodes}
         if got == want_nodes:
             break
         time.sleep(0.1)
@@ -187,7 +187,7 @@ class _Watch:
             for name, pid in self.pids.items():
                 self.rss[name].append(_rss(pid))
             now = time.monotonic()
-            for node_id, heard in dict(self.client.liveness._last_heard).items():
+            for node_id, heard in dict(self.client.membership.liveness._last_heard).items():
                 silence = now - heard
                 self.max_silence[node_id] = max(self.max_silence.get(node_id, 0.0), silence)
 
@@ -202,7 +202,7 @@ def test_a_flood_on_every_internal_socket_costs_no_node_latency_nor_memory(
     live: LiveCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = live.cluster.client  # type: ignore[attr-defined]
-    nodes = list(client.nodes.values())
+    nodes = list(client.membership.nodes.values())
     sealed, opened = capture(monkeypatch), capture_opened(monkeypatch)
     _, want = _complete(live.url)  # warm; frames to replay captured both ways
     replays = [f.hex() for fs in opened.frames.values() for f in fs[:4]]  # nodes' -> server
@@ -218,7 +218,9 @@ def test_a_flood_on_every_internal_socket_costs_no_node_latency_nor_memory(
         flood.append({"to": to, "kind": kind, "frames": junk, "connections": 2})
         flood.append({"to": to, "kind": kind, "frames": [], "zeros": [oversized], "every": 200})
     server_before = client.num_rejected_msgs
-    nodes_before = {i.node_id: client.node_stats[i.node_id].num_rejected_msgs for i in nodes}
+    nodes_before = {
+        i.node_id: client.membership.node_stats[i.node_id].num_rejected_msgs for i in nodes
+    }
 
     unloaded = _complete_for(live.url, FLOOD_S / 2)
     pids = {"server": os.getpid(), **{i.node_id: i.pid for i in nodes}}
@@ -237,7 +239,9 @@ def test_a_flood_on_every_internal_socket_costs_no_node_latency_nor_memory(
     unloaded += _complete_for(live.url, FLOOD_S / 2)
 
     # no node was declared dead, none went quiet for long
-    assert client.dead_nodes == {} and set(client.nodes) == set(pids) - {"server"}
+    assert client.membership.dead_nodes == {} and set(client.membership.nodes) == set(pids) - {
+        "server"
+    }
     silence = max(watch.max_silence.values())
     assert silence < client.cfg.heartbeat_timeout_s / 2, watch.max_silence
     # normal requests: the same answers, within 2x of the unloaded latency
@@ -252,14 +256,17 @@ def test_a_flood_on_every_internal_socket_costs_no_node_latency_nor_memory(
     deadline = time.monotonic() + 20
     while (
         refused := {
-            n: client.node_stats[n].num_rejected_msgs - nodes_before[n] for n in nodes_before
+            n: client.membership.node_stats[n].num_rejected_msgs - nodes_before[n]
+            for n in nodes_before
         }
     ) and min(refused.values()) < 1000:
         assert time.monotonic() < deadline, refused
         time.sleep(0.2)
     assert client.num_rejected_msgs - server_before > 1000
     assert "127.0.0.1" in client.stats().rejected_by_peer
-    assert all("127.0.0.1" in client.node_stats[n].rejected_by_peer for n in nodes_before)
+    assert all(
+        "127.0.0.1" in client.membership.node_stats[n].rejected_by_peer for n in nodes_before
+    )
     # the rendezvous: no port of a node's process answers as a store (nothing to list, read or
     # write there); what listens: its zmq sockets, gloo's pair listeners, Ray's own servers
     probes = [["127.0.0.1", port] for i in nodes for port in listening_ports(i.pid)]

@@ -40,7 +40,7 @@ class Nodes:
 
     def add(self, node_id: str, attached: bool = False) -> FakeNode:
         node = self.nodes[node_id] = FakeNode(self.ctx, node_id, self.client.pull_addr, 1000)
-        self.client.register_node(node.info, attached=attached)
+        self.client.membership.register_node(node.info, attached=attached)
         node.beat()
         return node
 

@@ -54,7 +54,7 @@ async def test_a_stalled_stream_holds_no_decode_booking_once_its_node_finished(
     p = FakeNode(ctx, "prefill-0", addr, slots=1000)
     d = FakeNode(ctx, "decode-0", addr, slots=10_000)
     for node in (p, d):
-        client.register_node(node.info)  # before start(): on this thread
+        client.membership.register_node(node.info)  # before start(): on this thread
     app = build_app(
         client,
         tokenizer=tokenizer,

@@ -118,16 +118,23 @@ def test_a_rank_killed_or_frozen_takes_its_node_down_as_one(faulty, tiny_kv3_dir
 
     client = faulty.cluster.client
     role = "decode" if fault.startswith("kill") else "prefill"
-    (victim,) = [n for n, i in client.nodes.items() if i.role == role]
-    pid = client.nodes[victim].pid
+    (victim,) = [n for n, i in client.membership.nodes.items() if i.role == role]
+    pid = client.membership.nodes[victim].pid
     ranks = _ranks(pid)
     assert len(ranks) == 1, ranks
     reference = _reference(tiny_kv3_dir)
     load = Load(faulty.url)
     time.sleep(1.0)
     os.kill(ranks[0], signal.SIGKILL if fault.startswith("kill") else signal.SIGSTOP)
-    _wait(lambda: victim in client.dead_nodes, f"{victim} found dead", timeout=3 * HEARTBEAT_S)
-    _wait(lambda: len([n for n, i in client.nodes.items() if i.role == role]) == 1, "replaced")
+    _wait(
+        lambda: victim in client.membership.dead_nodes,
+        f"{victim} found dead",
+        timeout=3 * HEARTBEAT_S,
+    )
+    _wait(
+        lambda: len([n for n, i in client.membership.nodes.items() if i.role == role]) == 1,
+        "replaced",
+    )
     time.sleep(1.0)
     outcomes = load.stop()
     _check(outcomes, reference, streams_may_fail=role == "decode")

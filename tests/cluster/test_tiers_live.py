@@ -62,20 +62,20 @@ def test_a_replaced_prefill_node_finds_the_prefix_its_predecessor_reused(
     while len(list(disk.glob("*/*.kv"))) < 4:
         assert time.monotonic() < deadline, "the prefix's chunks were not written in 30 s"
         time.sleep(0.2)
-    os.kill(cluster.client.nodes["prefill-0"].pid, signal.SIGKILL)
+    os.kill(cluster.client.membership.nodes["prefill-0"].pid, signal.SIGKILL)
     deadline = time.monotonic() + 180
-    while "prefill-1" not in cluster.client.nodes:
+    while "prefill-1" not in cluster.client.membership.nodes:
         assert time.monotonic() < deadline, "no replacement prefill node within 180 s"
         time.sleep(0.2)
     deadline = time.monotonic() + 30  # its first stats: what it read up from disk
-    while not cluster.client.node_stats.get("prefill-1"):
+    while not cluster.client.membership.node_stats.get("prefill-1"):
         assert time.monotonic() < deadline, "no stats from the replacement within 30 s"
         time.sleep(0.2)
-    stats = cluster.client.node_stats["prefill-1"]
+    stats = cluster.client.membership.node_stats["prefill-1"]
     assert stats.num_host_cached_tokens >= 256, stats
     after = _generate(live, PREFIX + [13])
     assert after["output_ids"] == expected
     assert after["cached_tokens"] >= 256, after
-    stats = cluster.client.node_stats["prefill-1"]
+    stats = cluster.client.membership.node_stats["prefill-1"]
     assert stats.num_disk_rejected == 0
     wait_idle_and_check(live)

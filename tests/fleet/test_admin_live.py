@@ -89,7 +89,7 @@ def test_draining_one_of_three_prefill_nodes_drains_exactly_one(live: LiveCluste
     assert states == {
         "prefill-0": "ready", "prefill-1": "draining", "prefill-2": "ready", "decode-0": "ready",
     }  # fmt: skip
-    _until(lambda: "prefill-1" not in cluster.client.nodes, "prefill-1 gone", 60)
+    _until(lambda: "prefill-1" not in cluster.client.membership.nodes, "prefill-1 gone", 60)
     time.sleep(1.0)  # a replacement would be starting by now (the bug started one at once)
     pools = _pools(live)
     assert pools["target"] == {"prefill": 2, "decode": 1}
@@ -115,7 +115,7 @@ def test_scaling_past_what_the_cluster_can_place_is_409_with_the_numbers(
     err = r.json()["error"]
     # a CPU node without custom resources takes its memory (the largest a node measures):
     # CPU nodes share cores, so this machine's 2 cores are no bound
-    rss = max(s.rss_bytes for s in cluster.client.node_stats.values())
+    rss = max(s.rss_bytes for s in cluster.client.membership.node_stats.values())
     found = re.match(
         r"asked for 1024 prefill nodes, the cluster can place at most (\d+): a prefill node "
         r"takes memory (\d+\.\d\d) GiB; the cluster has memory (\d+\.\d\d) GiB, of which "
@@ -159,7 +159,7 @@ def test_readiness_is_503_while_a_pool_has_no_live_node_and_health_stays_200(
     prober = threading.Thread(target=probe_health, daemon=True)
     prober.start()
     try:
-        os.kill(cluster.client.nodes["decode-0"].pid, signal.SIGKILL)
+        os.kill(cluster.client.membership.nodes["decode-0"].pid, signal.SIGKILL)
         killed = time.monotonic()
         _until(lambda: ready().status_code == 503, "/ready 503", HEARTBEAT_S + 10)
         to_503 = time.monotonic() - killed
@@ -173,7 +173,7 @@ def test_readiness_is_503_while_a_pool_has_no_live_node_and_health_stays_200(
         prober.join(timeout=15)
     assert to_503 <= HEARTBEAT_S + 1.0, f"/ready said 503 {to_503:.1f} s after the kill"
     replacements = [n.node_id for n in cluster.pools.nodes() if n.is_replacement]
-    assert replacements == ["decode-1"] and "decode-1" in cluster.client.nodes
+    assert replacements == ["decode-1"] and "decode-1" in cluster.client.membership.nodes
     assert health and all(h == (200, {"status": "ok"}) for h in health), health[:5]
     print(f"/ready: 503 {to_503:.2f} s after the kill, 200 again after {back:.1f} s")
     assert len(_generate(live)) == 4

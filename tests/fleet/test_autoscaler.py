@@ -134,10 +134,15 @@ def test_bad_settings_are_refused_with_their_numbers(bad: dict[str, float]) -> N
 # -- the loop over a fake cluster -------------------------------------------------------------
 
 
+class _Membership:
+    def __init__(self) -> None:
+        self.node_stats: dict[str, NodeStatsMsg] = {}
+
+
 class _Client:
     def __init__(self) -> None:
         self.ttft, self.tpot = LatencyWindow(), LatencyWindow()
-        self.node_stats: dict[str, NodeStatsMsg] = {}
+        self.membership = _Membership()
 
 
 class _Cluster:
@@ -148,7 +153,7 @@ class _Cluster:
         self.scaled: list[dict[str, int]] = []
 
     def nodes_of(self, role: str) -> list[str]:
-        return [n for n, s in self.client.node_stats.items() if s.role == role]
+        return [n for n, s in self.client.membership.node_stats.items() if s.role == role]
 
     def is_pending(self, role: str) -> bool:
         return role in self.pending
@@ -177,7 +182,10 @@ def test_the_loop_scales_on_latency_and_queue_and_exports_its_decisions() -> Non
     cfg = dataclasses.replace(CFG, tpot_slo=0.1, kv_usage_target=0.5)
     auto = Autoscaler(cfg, cluster, registry, clock=lambda: clock[0])  # type: ignore[arg-type]
     client = cluster.client
-    client.node_stats = {"prefill-0": _stats("prefill-0"), "decode-0": _stats("decode-0")}
+    client.membership.node_stats = {
+        "prefill-0": _stats("prefill-0"),
+        "decode-0": _stats("decode-0"),
+    }
 
     def tick(seconds: float = 1.0) -> dict[str, str]:
         clock[0] += seconds
@@ -196,14 +204,14 @@ def test_the_loop_scales_on_latency_and_queue_and_exports_its_decisions() -> Non
     cluster.pending.clear()
     assert tick()["prefill"].startswith("hold: below target")  # not a breach
     # 3. a queue the prefill nodes need 4 s to work through (they do 100 tokens/s) is a breach
-    client.node_stats["prefill-1"] = _stats("prefill-1")
+    client.membership.node_stats["prefill-1"] = _stats("prefill-1")
     for admitted in (0, 100, 200):
         for n in ("prefill-0", "prefill-1"):
-            client.node_stats[n] = _stats(n, queued=400, admitted=admitted)
+            client.membership.node_stats[n] = _stats(n, queued=400, admitted=admitted)
         reasons = tick()
     assert cluster.scaled[-1] == {"prefill": 3} and reasons["prefill"] == "queue_above_target"
     # 4. decode KV usage over its target: +1 decode
-    client.node_stats["decode-0"] = _stats("decode-0", in_use=800)
+    client.membership.node_stats["decode-0"] = _stats("decode-0", in_use=800)
     tick()
     tick()
     assert cluster.scaled[-1] == {"decode": 2}
@@ -214,8 +222,8 @@ def test_the_loop_scales_on_latency_and_queue_and_exports_its_decisions() -> Non
     assert 'pd_autoscaler_decisions_total{pool="prefill",reason="queue_above_target"} 1.0' in text
     assert 'pd_autoscaler_decisions_total{pool="decode",reason="kv_usage_above_target"} 1.0' in text
     # 5. then nothing at all: each pool goes back to 1, one node per cooldown
-    for n in list(client.node_stats):
-        client.node_stats[n] = _stats(n)
+    for n in list(client.membership.node_stats):
+        client.membership.node_stats[n] = _stats(n)
     for _ in range(40):
         tick()
     assert cluster.target == {"prefill": 1, "decode": 1}

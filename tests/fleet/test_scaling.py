@@ -25,7 +25,7 @@ def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
         cluster = live.cluster
         coordinator = cluster.client.coordinator
         new = cluster.add_node("prefill")
-        assert sorted(coordinator.prefill_nodes) == ["prefill-0", new]
+        assert sorted(coordinator.nodes.prefill_nodes) == ["prefill-0", new]
         routed: list[str] = []
         route = coordinator.route
 
@@ -57,7 +57,7 @@ def test_add_prefill_node_then_drain_and_remove_it(ray_session, smollm2_dir):
         for t in threads:
             t.join(timeout=120)
         assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-        assert coordinator.prefill_nodes == ["prefill-0"] and cluster.pools[new].actor is None
+        assert coordinator.nodes.prefill_nodes == ["prefill-0"] and cluster.pools[new].actor is None
         assert _complete(live.url, "After removal:").status_code == 200
         wait_idle_and_check(live)
     finally:
@@ -80,12 +80,12 @@ def test_a_cluster_without_prefill_pool_prefills_on_its_decode_node_and_grows_on
         assert first.status_code == 200, first.text
         assert coordinator.num_local_routes == 1 and coordinator.decode_only
         new = cluster.add_node("prefill")
-        assert coordinator.prefill_nodes == [new] and not coordinator.decode_only
+        assert coordinator.nodes.prefill_nodes == [new] and not coordinator.decode_only
         via_prefill = _complete(live.url, prompt, 8)
         assert via_prefill.json()["choices"] == first.json()["choices"]
         assert coordinator.num_local_routes == 1  # through the prefill node, its KV moved
         cluster.remove_node(new)
-        assert coordinator.prefill_nodes == [] and coordinator.decode_only
+        assert coordinator.nodes.prefill_nodes == [] and coordinator.decode_only
         assert httpx.get(f"{live.url}/ready", timeout=5).status_code == 200
         again = _complete(live.url, prompt, 8)
         assert again.json()["choices"] == first.json()["choices"]

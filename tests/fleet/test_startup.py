@@ -63,7 +63,7 @@ def test_pd_serve_starts_beside_a_live_ray_cluster_and_after_a_killed_one(
         # 1. it runs, and ray.init() would join it (and refuse pd's resources): pd's own
         # start-up gets a private instance, even with RAY_ADDRESS naming the other one
         code = (
-            "import ray; from pd.fleet.launcher import ClusterConfig, init_ray; "
+            "import ray; from pd.fleet.config import ClusterConfig, init_ray; "
             "init_ray(ClusterConfig()); print('GCS', ray.get_runtime_context().gcs_address)"
         )
         out = subprocess.run(

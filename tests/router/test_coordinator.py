@@ -61,9 +61,9 @@ def _make_coordinator(
 ) -> Coordinator:
     coord = Coordinator(_make_config(**kw))
     for i in range(num_prefill):
-        coord.add_prefill(f"p{i}")
+        coord.nodes.add_prefill(f"p{i}")
     for i, num_slots in enumerate(decode_slots):
-        coord.add_decode(f"d{i}", num_slots)
+        coord.nodes.add_decode(f"d{i}", num_slots)
     return coord
 
 
@@ -109,7 +109,7 @@ def _simulate(
     ``delay`` requests later, as if the prefill were still running; the decode finishes
     ``delay`` requests after that."""
     coord = _make_coordinator(num_prefill, decode_slots=[64 * 1024] * num_decode, policy=policy)
-    nodes = {n: SimPrefill(n, node_slots, page_size=1) for n in coord.prefill_nodes}
+    nodes = {n: SimPrefill(n, node_slots, page_size=1) for n in coord.nodes.prefill_nodes}
     in_prefill: deque[tuple[str, list[CacheEventMsg]]] = deque()
     in_decode: deque[str] = deque()
     group_nodes: dict[int, Counter[str]] = {g: Counter() for g in range(NUM_GROUPS)}
@@ -142,7 +142,7 @@ def _simulate(
         assert not index.needs_resync and index.next_seq == sim.cache.next_seq
         assert index.num_cached_tokens == sim.cache.num_cached_tokens
         assert sim.num_hit_tokens == sim.cache.stats.num_hit_tokens
-        assert coord.load(node_id) == 0
+        assert coord.nodes.load(node_id) == 0
     hits = sum(s.num_hit_tokens for s in nodes.values())
     total = sum(s.num_prompt_tokens for s in nodes.values())
     evicted = sum(s.cache.stats.num_evicted_tokens for s in nodes.values())
@@ -201,7 +201,7 @@ def test_unbalanced_loads_go_where_the_prompt_is_soonest_through_not_the_least_l
     coord.route("heavy", A + _suffix(1, 400), 8)  # p0, the holder
     coord.route("x1", _suffix(2, 50), 8)  # unbalanced: p1 (a tie with p2, registered first)
     coord.route("x2", _suffix(3, 50), 8)  # p2, now the soonest
-    assert (coord.load("p0"), coord.load("p1"), coord.load("p2")) == (400, 50, 50)
+    assert (coord.nodes.load("p0"), coord.nodes.load("p1"), coord.nodes.load("p2")) == (400, 50, 50)
     _insert(coord, "p2", A)
     assert coord.route("r", A + _suffix(4, 10), 8) == Route("p2", "d0", 200)
     # with nothing of the prompt held anywhere: the least loaded (p1, 50 vs p2's 60)
@@ -216,7 +216,7 @@ def test_unbalanced_loads_leave_the_holder_only_past_both_thresholds_and_when_so
     # Only the relative threshold exceeded: p0 60 vs p1 0 tokens (60 <= 100 apart).
     coord = _make_cached_pair()
     assert coord.route("a", A + _suffix(1, 60), 8) == Route("p0", "d0", 200)
-    assert (coord.load("p0"), coord.load("p1")) == (60, 0)
+    assert (coord.nodes.load("p0"), coord.nodes.load("p1")) == (60, 0)
     assert coord.route("b", A + _suffix(2, 10), 8).prefill == "p0"
 
     # Only the absolute one: p0 300 vs p1 180 (120 > 100 apart, but 300 <= 2 x 180).
@@ -224,7 +224,7 @@ def test_unbalanced_loads_leave_the_holder_only_past_both_thresholds_and_when_so
     coord.route("b0", B + _suffix(1, 180), 8)
     coord.route("a0", A + _suffix(2, 150), 8)
     coord.route("a1", A + _suffix(3, 150), 8)
-    assert (coord.load("p0"), coord.load("p1")) == (300, 180)
+    assert (coord.nodes.load("p0"), coord.nodes.load("p1")) == (300, 180)
     assert coord.route("a2", A + _suffix(4, 10), 8).prefill == "p0"
 
     # Both, and p0's queue is longer than what p1 would compute: p0 400 vs p1 0. A's follower
@@ -232,7 +232,7 @@ def test_unbalanced_loads_leave_the_holder_only_past_both_thresholds_and_when_so
     coord = _make_cached_pair()
     coord.route("a0", A + _suffix(1, 400), 8)
     assert coord.route("a1", A + _suffix(2, 10), 8) == Route("p1", "d0", 0)
-    assert coord.load("p1") == 210
+    assert coord.nodes.load("p1") == 210
     # Once p0's prefill is done, A sticks to p0 again (its cache events arrived long ago).
     coord.on_prefilled("a0")
     assert coord.route("a2", A + _suffix(3, 10), 8) == Route("p0", "d0", 200)
@@ -248,7 +248,7 @@ def test_unbalanced_loads_leave_the_holder_only_past_both_thresholds_and_when_so
 def test_below_cache_threshold_goes_to_least_loaded() -> None:
     coord = _make_cached_pair(cache_threshold=0.5)
     coord.route("a0", A + _suffix(1, 80), 8)  # 200 of 280 matched: p0, load 80
-    assert coord.load("p0") == 80
+    assert coord.nodes.load("p0") == 80
     # 50 of 200 tokens held by p0 (0.25 < 0.5): least loaded, p1.
     assert coord.route("x", A[:50] + _suffix(2, 150), 8) == Route("p1", "d0", 0)
     # 50 of 90 (0.56 >= 0.5): p0 although it is the more loaded node.
@@ -262,9 +262,9 @@ def test_longest_match_wins_and_ties_go_to_less_loaded() -> None:
     _insert(coord, "p1", A)
     _insert(coord, "p2", A)
     coord.route("b", B, 8)  # cold: least loaded and fewest cached tokens, p0 (100 tokens)
-    assert coord.load("p0") == 200
+    assert coord.nodes.load("p0") == 200
     coord.route("x", A + _suffix(1, 50), 8)  # p1 and p2 tie on 200 tokens: lower load, p1
-    assert (coord.load("p1"), coord.load("p2")) == (50, 0)
+    assert (coord.nodes.load("p1"), coord.nodes.load("p2")) == (50, 0)
     assert coord.route("y", A + _suffix(2, 50), 8) == Route("p2", "d0", 200)
 
 
@@ -286,7 +286,7 @@ def test_in_flight_prompt_makes_follower_stick_before_cache_events() -> None:
     # to the idle node. The expected match is the shared part, as no event has arrived yet.
     follower = coord.route("r1", shared + _suffix(2, 40), 8)
     assert follower == Route(first.prefill, "d0", 300)
-    assert coord.load(first.prefill) == 340 + 40
+    assert coord.nodes.load(first.prefill) == 340 + 40
     assert coord.index(first.prefill).match_len(shared) == 0
     # The real cache's events arrive, then the first token: still sticky, now via the index.
     sim = SimPrefill(first.prefill, 4096, page_size=1)
@@ -294,7 +294,7 @@ def test_in_flight_prompt_makes_follower_stick_before_cache_events() -> None:
         coord.apply_event(event)
     coord.on_prefilled("r0")
     coord.on_prefilled("r1")
-    assert coord.load(first.prefill) == 0
+    assert coord.nodes.load(first.prefill) == 0
     assert coord.route("r2", shared + _suffix(3, 40), 8) == Route(first.prefill, "d0", 300)
 
 
@@ -350,7 +350,7 @@ def test_decode_choice_capacity_errors_and_release() -> None:
     with pytest.raises(ValueError, match="2001 KV slots; the largest decode node has 2000"):
         coord.route("huge", _tokens(0, 1993), 8)
     # Nothing was booked by the refused routes: the prompts shared with r0 add 1 token each.
-    assert coord.load("p0") == 592 + 3 + 1
+    assert coord.nodes.load("p0") == 592 + 3 + 1
     coord.on_finished("r2")  # d0 back to 1000 unreserved
     coord.on_finished("r2")  # a second finish releases nothing more
     coord.on_finished("never-routed")
@@ -359,32 +359,32 @@ def test_decode_choice_capacity_errors_and_release() -> None:
         coord.route("r6", prompt, 8)
     for rid in ("r0", "r1", "r3", "r5", "small"):
         coord.on_finished(rid)
-    assert coord.load("p0") == 0
+    assert coord.nodes.load("p0") == 0
     assert coord.route("s", _tokens(0, 1992), 8).decode == "d1"  # all 2000 of d1 free again
 
 
 @pytest.mark.timeout(10)
 def test_drain_and_remove_stop_routing_to_a_node() -> None:
     coord = _make_cached_pair()
-    coord.add_decode("d1", 1 << 20)
-    coord.drain("p0")
-    coord.drain("d0")
+    coord.nodes.add_decode("d1", 1 << 20)
+    coord.nodes.drain("p0")
+    coord.nodes.drain("d0")
     assert coord.route("a", A + [1], 8) == Route("p1", "d1", 0)
-    coord.remove("p1")
-    assert coord.prefill_nodes == ["p0"]
+    coord.nodes.remove("p1")
+    assert coord.nodes.prefill_nodes == ["p0"]
     with pytest.raises(NoCapacityError, match="no prefill node"):
         coord.route("b", A + [2], 8)
     coord.on_prefilled("a")  # its prefill node is gone: nothing to update, no error
     coord.on_finished("a")
-    coord.remove("d1")
-    assert coord.decode_nodes == ["d0"]
-    coord.add_prefill("p2")
+    coord.nodes.remove("d1")
+    assert coord.nodes.decode_nodes == ["d0"]
+    coord.nodes.add_prefill("p2")
     with pytest.raises(NoCapacityError, match="no decode node is accepting"):
         coord.route("c", A + [3], 8)  # d0 is draining: a retry may find a new node
-    coord.add_decode("d2", 1 << 20)
+    coord.nodes.add_decode("d2", 1 << 20)
     assert coord.route("d", A + [4], 8) == Route("p2", "d2", 0)
     with pytest.raises(KeyError):
-        coord.drain("nope")
+        coord.nodes.drain("nope")
 
 
 @pytest.mark.timeout(10)
@@ -407,9 +407,9 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     from pd.core.messages import CacheEventMsg
 
     coord = Coordinator(CoordinatorConfig(policy="cache_aware"))
-    coord.add_prefill("p0")
-    coord.add_decode("d0", num_slots=1000)
-    coord.add_decode("d1", num_slots=2000)  # more room: the default choice
+    coord.nodes.add_prefill("p0")
+    coord.nodes.add_decode("d0", num_slots=1000)
+    coord.nodes.add_decode("d1", num_slots=2000)  # more room: the default choice
     history = list(range(100, 400))
     assert coord.route("r0", history[:50], max_tokens=10).decode == "d1"
     coord.on_finished("r0")
@@ -422,9 +422,9 @@ def test_cache_aware_sends_a_follow_up_to_the_decode_node_holding_its_history():
     # below the threshold, or under another policy, room decides
     assert coord.route("r2", history[:10] + list(range(5000, 5300)), max_tokens=10).decode == "d1"
     rr = Coordinator(CoordinatorConfig(policy="round_robin"))
-    rr.add_prefill("p0")
-    rr.add_decode("d0", num_slots=1000)
-    rr.add_decode("d1", num_slots=2000)
+    rr.nodes.add_prefill("p0")
+    rr.nodes.add_decode("d0", num_slots=1000)
+    rr.nodes.add_decode("d1", num_slots=2000)
     rr.apply_event(
         CacheEventMsg(node_id="d0", seq=0, kind="inserted", namespace="", tokens=history)
     )
@@ -440,12 +440,12 @@ def test_routing_a_booked_request_again_releases_it_first() -> None:
     prompt = _tokens(0, 492)  # + 8 max_tokens = 500 slots
     first = coord.route("r", prompt, 8)
     again = coord.route("r", prompt, 8)  # a retry: one booking, not two
-    assert first.prefill == again.prefill and coord.load(first.prefill) == 492
+    assert first.prefill == again.prefill and coord.nodes.load(first.prefill) == 492
     coord.route("s", _tokens(5000, 492), 8)  # d0's other 500 slots: r holds only 500
     coord.check_integrity()
     coord.on_finished("r")
     coord.on_finished("s")
-    assert coord.load(first.prefill) == 0
+    assert coord.nodes.load(first.prefill) == 0
     coord.check_integrity()
 
 
@@ -454,12 +454,12 @@ def test_a_removed_node_takes_its_bookings_along() -> None:
     coord = _make_coordinator(2, decode_slots=(1000,))
     shared = _tokens(5000, 300)
     route = coord.route("r0", shared + [1], 8)
-    coord.remove(route.prefill)
-    coord.remove("d0")
+    coord.nodes.remove(route.prefill)
+    coord.nodes.remove("d0")
     coord.check_integrity()
-    coord.add_prefill(route.prefill)  # both register again, empty
-    coord.add_decode("d0", 1000)
-    assert coord.load(route.prefill) == 0
+    coord.nodes.add_prefill(route.prefill)  # both register again, empty
+    coord.nodes.add_decode("d0", 1000)
+    assert coord.nodes.load(route.prefill) == 0
     follower = coord.route("r1", shared + [2], 8)
     assert follower.num_matched == 0  # r0's prompt went with the old node
     coord.on_finished("r0")  # the old booking touches nothing of the new nodes
@@ -512,7 +512,10 @@ def test_short_prompt_goes_to_the_decode_node_alone() -> None:
     assert coord.route("long", _tokens(5000, LOCAL_TOKENS + 1), 10).prefill is not None
     assert coord.num_local_routes == 1
     # the local request books the decode node's slots and no prefill load
-    assert [coord.load(p) for p in coord.prefill_nodes] in ([LOCAL_TOKENS + 1, 0], [0, 65])
+    assert [coord.nodes.load(p) for p in coord.nodes.prefill_nodes] in (
+        [LOCAL_TOKENS + 1, 0],
+        [0, 65],
+    )
     coord.check_integrity()
     coord.on_prefilled("short")  # its first token: nothing of a prefill node to release
     coord.on_finished("short")
@@ -611,9 +614,9 @@ def test_without_a_prefill_pool_every_request_is_prefilled_on_its_decode_node() 
     assert coord.route("warm", _tokens(7000, 50), 1, allow_local=False).prefill is None
     assert coord.num_local_routes == 3
     coord.check_integrity()
-    coord.add_prefill("p0")  # grown again: local_prefill_tokens=-1 sends everything there
+    coord.nodes.add_prefill("p0")  # grown again: local_prefill_tokens=-1 sends everything there
     assert coord.route("c", _tokens(9000, 900), 8).prefill == "p0"
-    coord.drain("p0")  # and shrunk to 0 again: no node accepts, the decode nodes prefill
+    coord.nodes.drain("p0")  # and shrunk to 0 again: no node accepts, the decode nodes prefill
     assert coord.route("d", _tokens(9500, 900), 8).prefill is None
     for rid in ("a", "b", "warm", "c", "d"):
         coord.on_finished(rid)
@@ -645,7 +648,7 @@ def test_a_prompt_shorter_than_a_page_books_and_releases(namespace: str) -> None
     coord.on_prefilled("r")
     coord.on_finished("r")
     coord.check_integrity()
-    assert coord.load(route.prefill) == 0
+    assert coord.nodes.load(route.prefill) == 0
 
 
 def test_a_burst_of_cold_prompts_is_prefilled_on_both_sides() -> None:
@@ -742,16 +745,16 @@ def test_requests_without_max_tokens_book_what_their_answers_use() -> None:
         route = coord.route(f"r{i}", _tokens(10_000 * (i + 1), prompt_len), ctx - prompt_len)
         assert route.decode == "d0"
     coord.check_integrity()
-    assert coord.num_reserved_slots("d0") == n * (prompt_len + 512)
+    assert coord.nodes.num_reserved_slots("d0") == n * (prompt_len + 512)
     for i in range(n):  # the first token, then 99 more in bursts: within the first 512
         coord.on_prefilled(f"r{i}")
         for num in (1, 50, 49):
             coord.on_tokens(f"r{i}", num)
-    assert coord.num_reserved_slots("d0") == n * (prompt_len + 100 + 512)
+    assert coord.nodes.num_reserved_slots("d0") == n * (prompt_len + 100 + 512)
     coord.check_integrity()
     for i in range(n):  # 700 tokens each: booked for 1,400
         coord.on_tokens(f"r{i}", 600)
-    assert coord.num_reserved_slots("d0") == n * (prompt_len + 1400) > slots
+    assert coord.nodes.num_reserved_slots("d0") == n * (prompt_len + 1400) > slots
     coord.check_integrity()
     with pytest.raises(NoCapacityError, match="912 free KV slots"):
         coord.route("late", _tokens(0, prompt_len), ctx - prompt_len)
@@ -760,14 +763,14 @@ def test_requests_without_max_tokens_book_what_their_answers_use() -> None:
     for i in range(n):
         coord.on_finished(f"r{i}")
         coord.on_tokens(f"r{i}", 5)  # after its end: nothing grows
-    assert coord.num_reserved_slots("d0") == 0
+    assert coord.nodes.num_reserved_slots("d0") == 0
     coord.check_integrity()
     # a request that may never fit is still refused on prompt + max_tokens, with pages
     with pytest.raises(ValueError, match="32769 KV slots; the largest decode node has 32768"):
         coord.route("huge", _tokens(0, 400), slots - 400 + 1)
     page = _make_coordinator(1, decode_slots=(1024,), page_size=16)
     page.route("p", _tokens(0, 10), 8)  # 18 tokens: two pages
-    assert page.num_reserved_slots("d0") == 32
+    assert page.nodes.num_reserved_slots("d0") == 32
     page.on_tokens("p", 3)
     page.check_integrity()
 
@@ -786,7 +789,7 @@ def test_a_decode_node_never_expects_more_than_the_coordinator_booked(page_size:
             coord = _make_coordinator(1, decode_slots=(1 << 20,), page_size=page_size)
             coord.route("r", _tokens(0, prompt_len), max_tokens)
             coord.on_tokens("r", num_output)
-            booked = coord.num_reserved_slots("d0")
+            booked = coord.nodes.num_reserved_slots("d0")
             coord.check_integrity()
             for ratio in (1.0, 0.7, 0.14):
                 alloc = SlotAllocator(16384, page_size)

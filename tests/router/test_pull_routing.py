@@ -18,8 +18,8 @@ PER_TOKEN = 30_720  # SmolLM2-135M's KV bytes per token at fp32 (30 layers x 2 x
 def _coordinator(**kw) -> Coordinator:
     coord = Coordinator(CoordinatorConfig(local_prefill_tokens=-1, **kw))
     for node in ("p0", "p1"):
-        coord.add_prefill(node)
-    coord.add_decode("d0", 1 << 20)
+        coord.nodes.add_prefill(node)
+    coord.nodes.add_decode("d0", 1 << 20)
     return coord
 
 
@@ -68,7 +68,7 @@ def test_a_prefix_held_on_the_decode_node_is_pulled_when_that_is_faster() -> Non
     assert route.prefill in ("p0", "p1") and route.pull is not None
     assert route.pull.holder == "d0" and route.pull.num_tokens == len(PREFIX)
     assert route.num_matched == len(PREFIX)
-    assert coord.load(route.prefill) == len(prompt) - len(PREFIX)  # only the rest is computed
+    assert coord.nodes.load(route.prefill) == len(prompt) - len(PREFIX)  # only the rest is computed
     assert route.pull.timeout_s == pytest.approx(2.0)  # 2x the compute estimate
     (d,) = coord.pulls.decisions
     assert (d.choice, d.holder, d.num_tokens) == ("pull", "d0", len(PREFIX))

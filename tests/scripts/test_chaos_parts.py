@@ -20,10 +20,13 @@ import pytest
 from pd.cache.disk_tier import DiskTier
 from pdtools import chaos_faults
 from pdtools.chaos_cluster import Interval, Metrics, Pools, ProcessTree, held_from
-from pdtools.chaos_faults import NODE_FAULTS, Chaos
-from pdtools.chaos_hostile import hold_strangers, parse_raw
+from pdtools.chaos_faults import Chaos
+from pdtools.chaos_hostile import parse_raw
+from pdtools.chaos_judge import Context, Tally, judge
+from pdtools.chaos_lanes import lanes
 from pdtools.chaos_load import Answer, Outcome, StreamReader, make_specs, stop_for
-from pdtools.chaos_report import Context, Tally, judge, leak_checks, node_memory_check
+from pdtools.chaos_peers import hold_strangers
+from pdtools.chaos_report import leak_checks, node_memory_check
 from pdtools.disk_faults import plant_over, read_header
 
 REF = Answer("Paris is the capital.", "stop", 6)
@@ -196,6 +199,7 @@ def test_each_lane_runs_rounds_of_its_faults_in_a_seeded_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(chaos_faults, "GAP_S", (0.0, 0.0))
+    node_faults = lanes()["nodes"]
 
     def schedule(seed: int, num_faults: int) -> list[str]:
         chaos, ran = Chaos.__new__(Chaos), []
@@ -207,13 +211,41 @@ def test_each_lane_runs_rounds_of_its_faults_in_a_seeded_order(
 
         chaos.run = run  # type: ignore[method-assign]
         with pytest.raises(asyncio.CancelledError):
-            asyncio.run(chaos.lane(NODE_FAULTS, float("inf"), random.Random(seed)))
+            asyncio.run(chaos.lane(node_faults, float("inf"), random.Random(seed)))
         return ran
 
-    first = schedule(0, 2 * len(NODE_FAULTS))
-    assert first == schedule(0, 2 * len(NODE_FAULTS)) != schedule(1, 2 * len(NODE_FAULTS))
-    n = len(NODE_FAULTS)
-    assert sorted(first[:n]) == sorted(first[n:]) == sorted(NODE_FAULTS)  # each once a round
+    first = schedule(0, 2 * len(node_faults))
+    assert first == schedule(0, 2 * len(node_faults)) != schedule(1, 2 * len(node_faults))
+    n = len(node_faults)
+    assert sorted(first[:n]) == sorted(first[n:]) == sorted(node_faults)  # each once a round
+
+
+def test_every_fault_is_registered_once_and_every_list_is_read_off_the_registry() -> None:
+    from pdtools.chaos_faults import FAULTS, fault
+    from pdtools.chaos_report import SOURCES
+    from scripts.chaos_soak import parse_args
+
+    every = lanes(tp=2, disk=True)
+    assert sorted(n for names in every.values() for n in names) == sorted(FAULTS)
+    assert lanes()["nodes"] == (
+        "kill-prefill",
+        "kill-decode",
+        "freeze-short",
+        "freeze-long",
+        "drain",
+    )
+    assert set(every["nodes"]) - set(lanes()["nodes"]) == {
+        "kill-rank",
+        "freeze-rank",
+        "planted-chunk",
+    }
+    assert lanes(only=["flood", "drain"]) == {"nodes": ("drain",), "traffic": ("flood",)}
+    assert {f.source for f in FAULTS.values() if f.source} | {"steady"} == set(SOURCES)
+    assert parse_args(["--faults", "junk-frames"]).faults == ["junk-frames"]
+    with pytest.raises(SystemExit):
+        parse_args(["--faults", "no-such-fault"])
+    with pytest.raises(AssertionError, match="registered twice"):
+        fault("drain", "nodes")(FAULTS["drain"].run)
 
 
 def test_only_the_server_and_its_descendants_may_be_signalled() -> None:

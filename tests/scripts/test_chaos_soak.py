@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdtools.chaos_faults import NODE_FAULTS, TRAFFIC_FAULTS
-from pdtools.chaos_hardening import DISK_NODE_FAULTS, HARDENING_FAULTS
+from pdtools.chaos_lanes import lanes
 
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("PD_SOAK_MINUTES", "3"))
@@ -68,6 +67,6 @@ def test_chaos_soak_passes_and_runs_every_fault(long_tiny_dir: Path, tmp_path: P
     assert steady["ok"] >= 200 and steady["ok"] + steady["expected"] == steady["sent"], steady
     assert "| check (after the quiet period) |" in report.read_text()
     if MINUTES >= 3:
-        every = {*NODE_FAULTS, *TRAFFIC_FAULTS, *HARDENING_FAULTS, *DISK_NODE_FAULTS}
+        every = {name for names in lanes(tp=1, disk=True).values() for name in names}
         assert set(summary["fault_kinds_run"]) == every, summary["faults"]
         assert summary["no_max_tokens"]["ok"] > 0, summary["no_max_tokens"]

@@ -31,7 +31,7 @@ async def _scenario() -> None:
         Coordinator(CoordinatorConfig(local_prefill_tokens=-1)), addr, secret=secret
     )
     await client.start()
-    client.register_node(
+    client.membership.register_node(
         NodeInfo(
             node_id="prefill-0",
             role="prefill",
@@ -55,10 +55,10 @@ async def _scenario() -> None:
         push.send(sealer.seal(enc(unknown)))  # unknown
         push.send(sealer.seal(enc(make_node_stats("prefill-0", "prefill"))))
         for _ in range(500):
-            if "prefill-0" in client.node_stats:
+            if "prefill-0" in client.membership.node_stats:
                 break
             await asyncio.sleep(0.01)
-        assert "prefill-0" in client.node_stats  # the reader is alive after all of them
+        assert "prefill-0" in client.membership.node_stats  # the reader is alive after all of them
         assert (client.num_rejected_msgs, client.sockets.num_bad_msgs) == (1, 2)
         stats = client.stats()
         assert (stats.num_rejected_msgs, stats.num_dropped_msgs) == (1, 2)

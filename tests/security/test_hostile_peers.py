@@ -109,8 +109,8 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
     d = Node(engine_cfg, NodeConfig("decode-0", client.addr, transfer=fake), DecodeRole)
     gate = DecodeGate(d)
     try:
-        client.register_node(p.start())
-        client.register_node(d.start())
+        client.membership.register_node(p.start())
+        client.membership.register_node(d.start())
         outputs: dict[str, list[int]] = {}
 
         async def run(rid: str, prompt: list[int]) -> None:
@@ -203,9 +203,9 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         assert client.sockets.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0
         assert p.transfer.num_dropped_msgs == d.transfer.num_dropped_msgs == 0
         assert client.coordinator.index("prefill-0").num_cached_tokens > 0  # no forged reset
-        await _wait(lambda: client.node_stats["decode-0"].num_rejected_msgs == want_d, 10,
+        await _wait(lambda: client.membership.node_stats["decode-0"].num_rejected_msgs == want_d, 10,
                     "the decode node's stats")  # fmt: skip
-        await _wait(lambda: client.node_stats["prefill-0"].num_rejected_msgs == want_p, 10,
+        await _wait(lambda: client.membership.node_stats["prefill-0"].num_rejected_msgs == want_p, 10,
                     "the prefill node's stats")  # fmt: skip
         metrics = ServerMetrics()
         metrics.update_stats(client.stats())
@@ -245,8 +245,8 @@ async def _flood_scenario(engine_cfg: EngineConfig, reference: list[int]) -> Non
     for node in (p, d):  # each frame costs ~30 us, so the flood outruns the loop's reading
         node.inbox._opener.open = _slow(node.inbox._opener.open)  # type: ignore[method-assign]
     try:
-        client.register_node(p.start())
-        client.register_node(d.start())
+        client.membership.register_node(p.start())
+        client.membership.register_node(d.start())
         junk = random_frames(32, seed=23)
         flood = [{"to": n.addr, "kind": "push", "frames": junk, "connections": 4} for n in (p, d)]
         stranger = asyncio.create_task(
@@ -257,7 +257,7 @@ async def _flood_scenario(engine_cfg: EngineConfig, reference: list[int]) -> Non
         async def watch() -> None:  # how long the server goes without a node's heartbeat
             while True:
                 now = time.monotonic()
-                for n, heard in client.liveness._last_heard.items():
+                for n, heard in client.membership.liveness._last_heard.items():
                     silence[n] = max(silence[n], now - heard)
                 await asyncio.sleep(0.05)
 
@@ -273,7 +273,7 @@ async def _flood_scenario(engine_cfg: EngineConfig, reference: list[int]) -> Non
         (result,) = await stranger
         watcher.cancel()
         assert out == reference
-        assert client.dead_nodes == {}
+        assert client.membership.dead_nodes == {}
         assert max(silence.values()) < 1.0, silence  # stats every 0.2 s, flood or not
         sent = result["num_sent"]
         assert p.inbox.num_rejected_msgs > 10_000 and d.inbox.num_rejected_msgs > 10_000, sent

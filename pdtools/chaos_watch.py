@@ -1,0 +1,89 @@
+"""What ``scripts/chaos_soak.py`` runs beside its faults: a wait for the server to be ready, the
+steady clients, the server's and each node's memory sampled, and the leak checks polled until
+they settle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+
+from pdtools.chaos_cluster import Api, Monitor, Pools, ProcessTree, ServeProcess, rss_mib
+from pdtools.chaos_load import Outcome, References, send
+from pdtools.chaos_report import Check, leak_checks
+
+
+async def wait_ready(api: Api, server: ServeProcess | None, timeout_s: float = 300.0) -> Pools:
+    """The pools, once the server is ready, no node starts or drains, and every node has
+    reported its stats (its idle threads are the baseline of a leak check)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"pd serve exited ({server.proc.returncode}):\n{server.tail()}")
+        try:
+            ready, _ = await api.readiness()
+            if ready:
+                pools = await api.pools()
+                if pools.is_whole(pools.target) and all(n["threads"] for n in pools.nodes):
+                    return pools
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
+        await asyncio.sleep(1.0)
+
+
+async def steady(
+    http: httpx.AsyncClient,
+    api: Api,
+    refs: References,
+    seed: int,
+    until: float,
+    deadline_s: float,
+    outcomes: list[Outcome],
+) -> None:
+    """One steady client: a request at a time, as the openai client would (a 429 waits its
+    Retry-After, jittered)."""
+    rng = random.Random(seed)
+    while time.monotonic() < until:
+        out = await send(http, rng.choice(refs.specs), api.headers(), deadline_s)
+        outcomes.append(out)
+        if out.status == 429:
+            await asyncio.sleep(0.5 + rng.random())
+
+
+async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> None:
+    while pid is not None and (rss := rss_mib(pid)) is not None:
+        samples.append((time.monotonic(), rss))
+        await asyncio.sleep(5.0)
+
+
+async def sample_node_rss(
+    monitor: Monitor, tree: ProcessTree, samples: dict[str, list[tuple[float, float]]]
+) -> None:
+    """Every node's RSS (MiB) every 5 s, by node id (the soak's own processes only)."""
+    while True:
+        for n in monitor.pools.nodes if monitor.pools else []:
+            if tree.owns(n["pid"]) and (rss := rss_mib(n["pid"])) is not None:
+                samples.setdefault(n["id"], []).append((time.monotonic(), rss))
+        await asyncio.sleep(5.0)
+
+
+async def settle(
+    api: Api, sizes: dict[str, int], idle_threads: dict[str, int], timeout_s: float
+) -> tuple[list[Check], Pools]:
+    """The leak checks, polled until they pass or ``timeout_s`` passes (the last result)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pools, metrics = await api.pools(), await api.metrics()
+            checks = leak_checks(pools, metrics, sizes, idle_threads)
+            if all(c.ok for c in checks) or time.monotonic() > deadline:
+                return checks, pools
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(1.0)
