@@ -137,8 +137,17 @@ class SealedReader:
 
     @property
     def num_rejected(self) -> int:
-        """Frames refused so far: by the opener (forged, replayed, ...) or not one frame."""
-        return self._opener.drops.total + self.num_bad_parts
+        """Frames refused so far: by the opener (forged, replayed, ...) or not one frame; not
+        those sealed before the opener's epoch (``num_before_epoch``)."""
+        drops = self._opener.drops
+        return drops.total - drops.num_before_epoch + self.num_bad_parts
+
+    @property
+    def num_before_epoch(self) -> int:
+        """Authentic frames sealed before this reader's opener was made, dropped: a member's
+        queued while this socket was not bound (a node's heartbeats to a server that starts
+        again, say), never a stranger's, so neither counted as rejected nor by sender."""
+        return self._opener.drops.num_before_epoch
 
     def read(self) -> list[Received]:
         """The authentic payloads among the next frames queued, reading at most the budget;
@@ -160,8 +169,10 @@ class SealedReader:
                 self._rejects.add(_peer(parts[-1]))
                 continue
             frame = parts[-1]
+            before = self._opener.drops.num_before_epoch
             if (payload := self._opener.open(frame.buffer)) is None:
-                self._rejects.add(_peer(frame))
+                if self._opener.drops.num_before_epoch == before:
+                    self._rejects.add(_peer(frame))
                 continue
             out.append(Received(payload, parts[0].bytes if self._is_router else None))
         self._num_refused_last, self._num_opened_last = num_frames - len(out), len(out)

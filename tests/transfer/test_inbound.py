@@ -200,3 +200,26 @@ def test_the_control_plane_reads_a_bounded_batch_per_call(ctx) -> None:  # noqa:
         assert len(counts) >= 3, counts
     finally:
         plane.close()
+
+
+def test_a_members_frames_from_before_the_epoch_are_dropped_but_not_counted_as_rejected(
+    ctx,  # noqa: ANN001
+) -> None:
+    """A node's heartbeats queued while the server was not bound (sealed before its reader's
+    epoch) are authentic: dropped, counted apart, and their sender is not among the rejected
+    ones (the cluster's own nodes showed up there at every start); a stranger's junk is."""
+    sock, addr = _pull(ctx, limit=MIB)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addr)
+    queued = Sealer(SECRET, addr, clock=lambda: time.time() - 30.0)  # before the epoch
+    for i in range(5):
+        push.send(queued.seal(b"old %d" % i))
+    push.send(b"junk")
+    push.send(Sealer(SECRET, addr).seal(b"new"))
+    reader = SealedReader(
+        sock, Opener(SECRET, addr, max_age_s=60.0, clock=time.time), RejectsByPeer(addr),
+        ReadBudget(),
+    )  # fmt: skip
+    assert _read_until(reader, 1, 10) == [b"new"]
+    assert reader.num_before_epoch == 5
+    assert reader.num_rejected == 1 and reader._rejects.top() == {"127.0.0.1": 1}
