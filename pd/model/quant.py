@@ -277,7 +277,8 @@ def onednn_has_bf16() -> bool:
 
 def dense_dtype() -> torch.dtype:
     """The dtype of int4's dequantized prefill copy, and of long quantized prefill chunks'
-    attention: bf16 where oneDNN has its bf16 path, else fp32 (bf16 GEMMs 7x slower)."""
+    attention (``--no-deterministic``): bf16 where oneDNN has its bf16 path, else fp32 (there
+    bf16 GEMMs are far slower: BENCHMARKS.md, "CPU weight formats")."""
     return torch.bfloat16 if onednn_has_bf16() else torch.float32
 
 
