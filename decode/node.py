@@ -45,9 +45,9 @@ from pd.core.messages import (
 )
 from pd.core.request import ReqStatus
 from pd.engine.core import EngineCore
-from pd.engine.sampler import skip_draws
 from pd.engine.scheduler import StepResult
 from pd.engine.stats import TransferCounters
+from pd.executor.sampler import skip_draws
 from pd.node import BaseRole, NodeParts
 from pd.node.links import PeerLinks, ServerLink
 

@@ -24,9 +24,9 @@ from bench_sampling import decode_step_seconds
 
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.grammar import Guide, apply_masks_
+from pd.executor.config import EngineConfig
+from pd.executor.grammar import Guide, apply_masks_
 
 PERSON = {
     "type": "object",

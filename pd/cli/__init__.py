@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pd.cluster.client_config import ClientConfig
 from pd.core import envs
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.autoscaler import AutoscalerConfig
 from pd.fleet.config import ClusterConfig
 from pd.model.loader import ModelLoadError

@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pd.cluster.client_config import ClientConfig
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
 from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from pd.fleet.config import ClusterConfig

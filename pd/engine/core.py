@@ -21,14 +21,14 @@ from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
-from pd.engine.host_pool import make_disk_tier
-from pd.engine.runner import ModelRunner
-from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.engine.stats import PrefillCounters, TransferCounters, stats_msg
-from pd.engine.tensor_parallel import TensorParallelError
+from pd.executor.config import EngineConfig
+from pd.executor.host_pool import make_disk_tier
+from pd.executor.runner import ModelRunner
+from pd.executor.sampler import make_generator
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
+from pd.parallel.group import TensorParallelError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

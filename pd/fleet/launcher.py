@@ -47,7 +47,7 @@ from pd.cluster.client_config import MIN_POOL, ROLES
 from pd.cluster.event_loop import TaskSet
 from pd.core.addresses import choose_addrs
 from pd.core.messages import NodeInfo
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
 from pd.fleet.config import ClusterConfig, free_port
 from pd.fleet.placement import (

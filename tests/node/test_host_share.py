@@ -9,7 +9,7 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.engine import host_pool
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.actors import NodeActors
 from pd.fleet.config import ClusterConfig
 from pd.fleet.pools import Pools

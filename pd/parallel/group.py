@@ -2,7 +2,7 @@
 
     rank 0 (the node's process)              rank r >= 1 (a process rank 0 started)
     ------------------------------------     ---------------------------------------
-    RankProcesses.start: spawn ranks    ->   pd.engine.tensor_parallel.main
+    RankProcesses.start: spawn ranks    ->   pd.parallel.group.main
     load its shard                           load its shard
     TPGroup: join the group (FileStore) <->  TPGroup: join the group
     each step: PlanWriter.forward(seqs) ->   PlanReader.next() -> the same forward
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from pd.core.batch import SeqInput
 
 if TYPE_CHECKING:
-    from pd.engine.config import EngineConfig
+    from pd.executor.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ _LEN = struct.Struct("<I")
 
 
 class KVOp(IntEnum):
-    """A copy of KV that every rank makes on its own shard (``pd.engine.host_pool``'s tier):
+    """A copy of KV that every rank makes on its own shard (``pd.executor.host_pool``'s tier):
     ``src``/``dst`` slot lists; the byte ops move a disk chunk's payload through rank 0."""
 
     SAVE = 1  # device src -> host dst
@@ -410,7 +410,7 @@ class RankProcesses:
 
 # a rank's process runs ``main`` of this module as imported (``-m`` would run a second copy of
 # it as __main__, with classes of its own)
-_RANK_MAIN = "import sys; from pd.engine.tensor_parallel import main; sys.exit(main(sys.argv[1:]))"
+_RANK_MAIN = "import sys; from pd.parallel.group import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _die_with_parent() -> None:
@@ -435,8 +435,8 @@ def _beat(fd: int) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """A rank >= 1: build the shard, then run what rank 0 plans until it stops."""
-    from pd.engine.config import EngineConfig
-    from pd.engine.runner import ModelRunner
+    from pd.executor.config import EngineConfig
+    from pd.executor.runner import ModelRunner
 
     spec = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING)

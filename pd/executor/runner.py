@@ -2,7 +2,7 @@
 tensors. Schedulers hand it plain-Python ``SeqInput`` lists and get token ids back.
 
 A decode-only batch that a compiled bucket covers runs in that bucket's graph
-(``pd.engine.graphs``); everything else runs eagerly. The pool has one slot more than the
+(``pd.executor.graphs``); everything else runs eagerly. The pool has one slot more than the
 allocator hands out: the compiled steps' scratch slot for padding rows."""
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ from pd.core import envs
 from pd.core.batch import ForwardBatch, SeqInput
 from pd.core.kv_pool import KVPool
 from pd.core.request import Req
-from pd.engine import cpu_attention
-from pd.engine.attention import make_attention_backend
-from pd.engine.config import EngineConfig
-from pd.engine.grammar import Guide, allocate_masks, make_tokenizer
-from pd.engine.graphs import DecodeGraphs
-from pd.engine.host_pool import HostKVPool, host_tier_slots
-from pd.engine.penalties import TokenCounts
-from pd.engine.rank_kv import RankKV, ShardedHostKVPool, StagingPool
-from pd.engine.sampler import SampledRow, sample
-from pd.engine.spec import verify_row
-from pd.engine.tensor_parallel import RankProcesses, TPGroup, threads_per_rank
+from pd.executor import cpu_attention
+from pd.executor.attention import make_attention_backend
+from pd.executor.config import EngineConfig
+from pd.executor.grammar import Guide, allocate_masks, make_tokenizer
+from pd.executor.graphs import DecodeGraphs
+from pd.executor.host_pool import HostKVPool, host_tier_slots
+from pd.executor.penalties import TokenCounts
+from pd.executor.sampler import SampledRow, sample
+from pd.executor.spec import verify_row
 from pd.model import fixed_ops
 from pd.model.config import ModelConfig
 from pd.model.decoder import DecoderLM
@@ -40,15 +38,17 @@ from pd.model.quant import (
     quantize_linears,
     resolve_linear_backend,
 )
-from pd.model.tensor_parallel import TensorParallel, kv_heads_of, shard_config
+from pd.model.sharding import TensorParallel, kv_heads_of, shard_config
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
+from pd.parallel.group import RankProcesses, TPGroup, threads_per_rank
+from pd.parallel.rank_kv import RankKV, ShardedHostKVPool, StagingPool
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """The node's model, or with ``tensor_parallel_size`` N > 1 rank ``rank``'s shard of it
-    (``pd.engine.tensor_parallel``): rank 0 starts ranks 1..N-1 and sends each of them every
+    (``pd.parallel.group``): rank 0 starts ranks 1..N-1 and sends each of them every
     batch it runs; a rank >= 1 (``store_dir``: where rank 0's group rendezvouses) runs what it
     is sent and computes no logits."""
 
@@ -185,7 +185,7 @@ class ModelRunner:
 
     @functools.cached_property
     def grammar_tokenizer(self) -> Any:
-        """llguidance's tokenizer (``pd.engine.grammar``), built when a guided request first
+        """llguidance's tokenizer (``pd.executor.grammar``), built when a guided request first
         needs it: seconds, which an engine that never sees a grammar never spends."""
         tokenizer = load_tokenizer(self.model_dir)
         return make_tokenizer(
