@@ -101,17 +101,20 @@ def bench_engine(model: str | None, tp: int, threads: int) -> tuple[float, float
 def bench_staging(model: str | None, tp: int, threads: int, tokens: int) -> tuple[float, float]:
     """Seconds to mirror and to deliver ``tokens`` slots on a TP-``tp`` node."""
     from pd.executor.runner import ModelRunner
+    from pd.parallel.ranks import RankLink
 
     cfg = EngineConfig(
         model=model, dtype="float32", max_total_tokens=tokens + 64, num_threads=threads,
         tensor_parallel_size=tp, host_cache_tokens=0,
     )  # fmt: skip
-    runner = ModelRunner(cfg, staged=True)
+    link = RankLink(cfg, staged=True)
+    runner = ModelRunner(cfg, ranks=link)
     try:
-        assert runner.staging is not None
+        staging = link.staging
+        assert staging is not None
         slots = list(range(tokens))
-        mirror = _best(lambda: runner.staging.mirror(slots), 3)
-        deliver = _best(lambda: runner.staging.deliver(slots), 3)
+        mirror = _best(lambda: staging.mirror(slots), 3)
+        deliver = _best(lambda: staging.deliver(slots), 3)
         return mirror, deliver
     finally:
         runner.close()

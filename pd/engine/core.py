@@ -29,6 +29,7 @@ from pd.executor.runner import ModelRunner
 from pd.executor.sampler import make_generator
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 from pd.parallel.group import TensorParallelError
+from pd.parallel.ranks import RankLink
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,7 +72,14 @@ class EngineCore:
         self.cfg = cfg
         self.node_id = node_id
         self.staged = staged
-        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, staged=staged)
+        # a tensor-parallel node's link to its other ranks (``pd.parallel``), which the runner
+        # starts and closes
+        self.ranks = (
+            RankLink(cfg, machine_nodes=machine_nodes, staged=staged)
+            if cfg.tensor_parallel_size > 1
+            else None
+        )
+        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, ranks=self.ranks)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)

@@ -137,7 +137,8 @@ class Node:
         )
         self.peers = PeerLinks(self._ctx, secret)
         slot_owner = role_cls.make_slot_owner(self.core, self.server, self.peers, self.inbox.addr)
-        staging = self.core.runner.staging  # a tensor-parallel node's pool of every head
+        # a tensor-parallel node's pool of every head
+        staging = self.core.ranks.staging if self.core.ranks is not None else None
         pool = self.core.runner.transfer_pool
         self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
             dataclasses.replace(node_cfg.transfer, host=addrs.host, max_frame_bytes=frame_limit),

@@ -23,7 +23,8 @@ from pd.executor.config import EngineConfig
 from pd.model.config import ModelConfig
 from pd.model.loader import load_config
 from pd.model.sharding import check_divides, kv_heads_of, shard_config
-from pd.parallel.group import TensorParallelError, decode_plan, encode_forward
+from pd.parallel.group import TensorParallelError
+from pd.parallel.plan import decode_plan, encode_forward
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -178,7 +179,7 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
 def test_a_rank_frozen_while_the_node_is_idle_is_found_by_its_silence(tiny_llama_dir: Path) -> None:
     """No sum waits on an idle node: a frozen rank is found by its missing heartbeat (a byte
     down a pipe every ``RANK_BEAT_S``), so a cluster's node goes down before work reaches it."""
-    from pd.parallel.group import RANK_SILENCE_S
+    from pd.parallel.ranks import RANK_SILENCE_S
 
     engine = _engine(tiny_llama_dir, 2)
     (pid,) = engine.runner.ranks.pids
