@@ -16,7 +16,7 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
 from pd.executor.config import EngineConfig
 from pd.model.families import SUPPORTED_ARCHITECTURES
-from tests.engine.test_deterministic import SCHEDULES, _Probe
+from tests.executor.test_deterministic import SCHEDULES, _Probe
 from tests.families import FAMILIES, VOCAB, WINDOW
 
 
