@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.engine import host_pool
+from pd.executor import host_pool
 from pd.executor.config import EngineConfig
 from pd.executor.host_pool import cgroup_memory_limit, host_tier_slots, machine_memory_bytes
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from decode.node import DecodeRole
-from pd.engine import host_pool
+from pd.executor import host_pool
 from pd.executor.config import EngineConfig
 from pd.fleet.actors import NodeActors
 from pd.fleet.config import ClusterConfig
