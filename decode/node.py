@@ -44,9 +44,10 @@ from pd.core.messages import (
     TokenMsg,
 )
 from pd.core.request import ReqStatus
-from pd.engine.core import EngineCore, TransferCounters
-from pd.engine.sampler import skip_draws
+from pd.engine.core import EngineCore
 from pd.engine.scheduler import StepResult
+from pd.engine.stats import TransferCounters
+from pd.executor.sampler import skip_draws
 from pd.node import BaseRole, NodeParts
 from pd.node.links import PeerLinks, ServerLink
 

@@ -46,8 +46,9 @@ from pd.core.messages import (
     PullRefusedMsg,
 )
 from pd.core.request import Req
-from pd.engine.core import EngineCore, TransferCounters
+from pd.engine.core import EngineCore
 from pd.engine.scheduler import ScheduledBatch, StepResult
+from pd.engine.stats import TransferCounters
 from pd.node import BaseRole, NodeParts
 from pd.node.links import PeerLinks, ServerLink
 from pd.node.pulls import PullSink

@@ -1,4 +1,4 @@
-"""Decode attention alone: pd's C++ kernel (``pd.engine.cpu_attention``) beside torch's two ways
+"""Decode attention alone: pd's C++ kernel (``pd.executor.cpu_attention``) beside torch's two ways
 of doing it, on the same tensors in the same run.
 
     python scripts/bench_attention.py [--threads 2] [--dtype bfloat16 | float32] [--layers 30]
@@ -32,8 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pd.engine import cpu_attention
-from pd.engine.attention import paged_decode_attention
+from pd.executor import cpu_attention
+from pd.executor.attention import paged_decode_attention
 
 
 def _time(fn, repeat: int, calls: int = 60) -> float:

@@ -43,8 +43,8 @@ import torch
 from pd.cache.radix_cache import RadixCache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pdtools.block_hash_cache import BlockHashCache
 
 VOCAB = 49152  # SmolLM2's vocabulary

@@ -29,8 +29,8 @@ import torch
 from pd.core import envs
 from pd.core.batch import SeqInput
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 
 PREFILL_LENS = (128, 512, 2048)
 DECODE_BATCHES = (1, 4, 16)

@@ -20,8 +20,8 @@ import torch
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 
 
 def _best(fn, repeat: int) -> float:

@@ -26,7 +26,7 @@ import zmq
 from decode.node import DecodeRole
 from pd.core.messages import DecodeReqMsg, PrefillReqMsg, ServerMsg, TokenMsg
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from transfer.auth import Opener, Sealer, new_secret

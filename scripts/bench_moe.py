@@ -21,8 +21,8 @@ from bench_attention import _cpu_name
 from bench_engine import hf_decode, pd_decode
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model import decoder
 from pd.model.loader import resolve_model
 

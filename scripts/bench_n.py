@@ -26,8 +26,8 @@ import uvicorn
 from bench_attention import _cpu_name
 
 from pd.engine.async_engine import AsyncEngine
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.server import build_app
 
 

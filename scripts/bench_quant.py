@@ -34,8 +34,8 @@ from bench_engine import pd_decode, pd_prefill
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.loader import default_gguf_path
 from pd.model.tokenizer import encode_chat, encode_prompt
 from pdtools.bench_launch import LLAMACPP_PYTHON

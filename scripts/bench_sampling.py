@@ -20,10 +20,10 @@ from bench_attention import _cpu_name
 
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.penalties import TokenCounts
-from pd.engine.sampler import make_generator, sample
+from pd.executor.config import EngineConfig
+from pd.executor.penalties import TokenCounts
+from pd.executor.sampler import make_generator, sample
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
 VARIANTS: dict[str, dict[str, object]] = {

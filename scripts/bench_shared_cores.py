@@ -35,8 +35,8 @@ def child(args: argparse.Namespace) -> None:
     from pd.core.batch import SeqInput
     from pd.core.kv_pool import SlotAllocator
     from pd.core.sampling_params import SamplingParams
-    from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
+    from pd.executor.config import EngineConfig
 
     torch.set_num_threads(args.threads)
     engine = Engine(

@@ -23,7 +23,7 @@ _IMPORT_TORCH = "import time; t = time.perf_counter(); import torch; print(time.
 _ENGINE = """
 import sys, time
 import torch
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.engine.engine import Engine
 t = time.perf_counter()
 Engine(EngineConfig(model=sys.argv[1] or None, max_total_tokens=8192, num_threads=1))
@@ -38,7 +38,7 @@ ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memo
 from pd.router.policy import CoordinatorConfig
 from pd.fleet.config import ClusterConfig
 from pd.fleet.launcher import Cluster
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 cfg = EngineConfig(model=sys.argv[1] or None, max_total_tokens=8192, max_running_requests=48)
 cluster = Cluster(cfg, ClusterConfig(num_prefill=int(sys.argv[2]), num_decode=int(sys.argv[3]),
                   threads_per_node=1), CoordinatorConfig())

@@ -24,9 +24,10 @@ from bench_sampling import decode_step_seconds
 
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.grammar import Guide, apply_masks_
+from pd.executor.batch_sampler import grammar_masks
+from pd.executor.config import EngineConfig
+from pd.executor.grammar import Guide, apply_masks_
 
 PERSON = {
     "type": "object",
@@ -80,7 +81,7 @@ def mask_seconds(engine: Engine, batch: int, grammar: str, repeats: int) -> floa
             r.output_ids = answer
         t0 = time.perf_counter()
         guides = [Guide.of(r, lambda: runner.grammar_tokenizer) for r in reqs]
-        masks = runner._masks(guides, vocab)
+        masks = grammar_masks(guides, vocab)
         apply_masks_(logits, torch.stack(masks))  # type: ignore[arg-type]
         best = min(best, time.perf_counter() - t0)
     return best

@@ -18,8 +18,8 @@ import time
 import torch
 from bench_attention import _cpu_name  # scripts/ is on the path when run as a script
 
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pdtools.tenant_flood import FloodShape, run_flood
 
 

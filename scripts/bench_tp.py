@@ -30,12 +30,12 @@ import torch
 from bench_attention import _cpu_name
 from bench_engine import _best, pd_decode, pd_prefill
 
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.tensor_parallel import TPGroup
+from pd.executor.config import EngineConfig
 from pd.model.config import ModelConfig
 from pd.model.loader import load_config, resolve_model
-from pd.model.tensor_parallel import shard_config
+from pd.model.sharding import shard_config
+from pd.parallel.group import TPGroup
 
 HIDDEN = 576  # SmolLM2-135M's
 ROWS = (1, 32, 512)
@@ -100,18 +100,21 @@ def bench_engine(model: str | None, tp: int, threads: int) -> tuple[float, float
 
 def bench_staging(model: str | None, tp: int, threads: int, tokens: int) -> tuple[float, float]:
     """Seconds to mirror and to deliver ``tokens`` slots on a TP-``tp`` node."""
-    from pd.engine.runner import ModelRunner
+    from pd.executor.runner import ModelRunner
+    from pd.parallel.ranks import RankLink
 
     cfg = EngineConfig(
         model=model, dtype="float32", max_total_tokens=tokens + 64, num_threads=threads,
         tensor_parallel_size=tp, host_cache_tokens=0,
     )  # fmt: skip
-    runner = ModelRunner(cfg, staged=True)
+    link = RankLink(cfg, staged=True)
+    runner = ModelRunner(cfg, ranks=link)
     try:
-        assert runner.staging is not None
+        staging = link.staging
+        assert staging is not None
         slots = list(range(tokens))
-        mirror = _best(lambda: runner.staging.mirror(slots), 3)
-        deliver = _best(lambda: runner.staging.deliver(slots), 3)
+        mirror = _best(lambda: staging.mirror(slots), 3)
+        deliver = _best(lambda: staging.deliver(slots), 3)
         return mirror, deliver
     finally:
         runner.close()

@@ -233,7 +233,7 @@ def tiny_llama_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_kv3_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
     """Llama with SmolLM2's heads, 9 over 3 KV heads (head_dim 16): sizes that do not divide
-    the KV heads split them unevenly (``pd.model.tensor_parallel``)."""
+    the KV heads split them unevenly (``pd.model.sharding``)."""
     return tiny_model_factory("llama_kv3")
 
 

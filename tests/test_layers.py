@@ -5,7 +5,12 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
     pd.core    the request and its status, batch, attention interface, KV pool, wire messages
     pd.model   the decoder and its model families, loaders, weight formats, tokenizer
     pd.cache   the radix tree and cache, the coordinator's mirror of it
-    pd.engine  runner, attention backends, scheduler, engine core, colocated engine
+    pd.executor  the engine config, the runner, compiled graphs, attention backends and their
+               kernel, the sampler (penalties, grammar masks, speculative verification), the
+               host tier's pool
+    pd.parallel  tensor parallel: the group and its collectives, the plan, the rank
+               processes, the KV copies between ranks, a rank's entry point
+    pd.engine  the step loop: scheduler, slots, drafter, engine core, stats, colocated engine
     pd.node    the node: its loop and parts (server link, peers, transfer, heartbeats)
     prefill, decode   the two roles; they never import each other
     pd.router  the coordinator, its route policy, pull costing, the route log: plain Python, no
@@ -40,16 +45,18 @@ LAYERS: list[tuple[str, int]] = [
     ("pd.core", 1),
     ("pd.model", 2),
     ("pd.cache", 3),
-    ("pd.engine", 4),
-    ("pd.node", 5),
-    ("prefill", 6),
-    ("decode", 6),
-    ("pd.router", 7),
-    ("pd.cluster", 8),
-    ("pd.fleet", 9),
-    ("pd.server", 10),
-    ("pd.cli", 11),
-    ("pdtools", 12),
+    ("pd.executor", 4),
+    ("pd.parallel", 5),
+    ("pd.engine", 6),
+    ("pd.node", 7),
+    ("prefill", 8),
+    ("decode", 8),
+    ("pd.router", 9),
+    ("pd.cluster", 10),
+    ("pd.fleet", 11),
+    ("pd.server", 12),
+    ("pd.cli", 13),
+    ("pdtools", 14),
 ]
 
 
@@ -132,6 +139,11 @@ def test_imports_only_point_down() -> None:
         ("transfer.x", "from pd.core import envs\n", True),
         ("pd.engine.x", "from pd import node\n", True),
         ("pd.engine.x", "from pd.cache.base import BasePrefixCache\n", False),
+        ("pd.executor.x", "from pd.parallel.group import TPGroup\n", True),
+        ("pd.executor.x", "from pd.engine.scheduler import Scheduler\n", True),
+        ("pd.parallel.x", "from pd.executor.runner import ModelRunner\n", False),
+        ("pd.parallel.x", "from pd.engine.core import EngineCore\n", True),
+        ("pd.engine.x", "from pd.parallel.ranks import RankLink\n", False),
         ("pd.fleet.x", "from prefill.node import PrefillRole\n", False),
         ("pd.router.x", "from pd.cluster.client import ClusterClient\n", True),
         ("pd.cluster.x", "from pd.fleet.launcher import Cluster\n", True),
@@ -154,8 +166,6 @@ def test_the_check_sees_an_upward_import(
 KNOWN_CIRCLES: list[frozenset[str]] = [
     frozenset({"decode.incoming", "decode.scheduler"}),
     frozenset({"prefill.outgoing", "prefill.scheduler"}),
-    frozenset({"pd.engine.core", "pd.engine.stats"}),
-    frozenset({"pd.engine.rank_kv", "pd.engine.runner", "pd.engine.tensor_parallel"}),
     frozenset({"pd.model.config", "pd.model.families"}),
 ]
 

@@ -14,7 +14,7 @@ import sys
 from pd.cli.flags import AUTOSCALE_PREFIX, add_dataclass_args, dataclass_from_args, groups_of
 from pd.cluster.client_config import ClientConfig
 from pd.core import envs
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.autoscaler import AutoscalerConfig
 from pd.fleet.config import ClusterConfig
 from pd.model.loader import ModelLoadError

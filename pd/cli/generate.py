@@ -9,8 +9,8 @@ import uuid
 from typing import Any
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.tokenizer import encode_chat, encode_prompt
 from pd.server.detokenizer import TextStream
 

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 
 from pd.cli.flags import AUTOSCALE_PREFIX, dataclass_from_args
 from pd.cluster.client_config import ClientConfig
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.admin import ClusterAdmin
 from pd.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from pd.fleet.config import ClusterConfig

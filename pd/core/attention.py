@@ -1,4 +1,4 @@
-"""The attention interface every backend implements (``pd.engine.attention`` holds the
+"""The attention interface every backend implements (``pd.executor.attention`` holds the
 ``torch`` one); the model calls it once per layer."""
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class ForwardBatch:
 
 class DecodeBatch(NamedTuple):
     """One new token per row, padded to ``num_rows`` rows: the fixed-shape input of a compiled
-    decode step (``pd.engine.graphs``). Row r < len(seqs) is request r; a padding row writes
+    decode step (``pd.executor.graphs``). Row r < len(seqs) is request r; a padding row writes
     and reads only ``scratch_slot``, a pool slot no request is ever given. The key length L
     (the longest request's) is the one dimension that changes from step to step."""
 

@@ -18,7 +18,7 @@ from transfer.endpoint import parse_endpoint
 class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
     """One sampled token's logprob and its request's ``logprobs`` most likely alternatives
     (``top_ids[i]`` has ``top_logprobs[i]``, most likely first), all from the distribution it
-    was drawn from (``pd.engine.sampler.token_logprobs`` says which)."""
+    was drawn from (``pd.executor.sampler.token_logprobs`` says which)."""
 
     token_id: int
     logprob: float

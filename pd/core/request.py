@@ -90,9 +90,9 @@ class Req:
     status: ReqStatus = ReqStatus.NEW  # changed only by set_status
     # with ``params.logprobs`` set: one per output id, in step (else empty)
     output_logprobs: list[TokenLogprobsMsg] = field(default_factory=list)
-    token_counts: Any = None  # what its penalties count (pd.engine.penalties); opaque here
+    token_counts: Any = None  # what its penalties count (pd.executor.penalties); opaque here
     num_overtaken: int = 0  # later arrivals admitted ahead of it (pd.core.priority)
-    guide: Any = None  # its grammar's matcher (pd.engine.grammar); opaque here
+    guide: Any = None  # its grammar's matcher (pd.executor.grammar); opaque here
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)

@@ -36,7 +36,7 @@ class SamplingParams:
     before sampling (greedy included). ``min_tokens``: until that many tokens are out, EOS (unless
     ``ignore_eos``) and ``stop_token_ids`` cannot be sampled (as vLLM).
 
-    Penalties (vLLM's definitions, greedy included; ``pd.engine.penalties``):
+    Penalties (vLLM's definitions, greedy included; ``pd.executor.penalties``):
     ``repetition_penalty`` r > 0 divides the positive logits and multiplies the negative ones of
     every token seen in the prompt or the output; ``frequency_penalty`` f subtracts f x (times
     the token is in the output); ``presence_penalty`` p subtracts p once from each token in the
@@ -44,7 +44,7 @@ class SamplingParams:
     top token's are dropped (sampled requests only: it never changes the argmax).
     ``logprobs``: None, or how many alternatives (0..20) to return with each token's logprob.
     ``grammar``: an llguidance grammar (its JSON text, e.g. a JSON schema's) every sampled
-    token must follow, EOS only where it accepts (``pd.engine.grammar``); "": none.
+    token must follow, EOS only where it accepts (``pd.executor.grammar``); "": none.
 
     ``priority`` is no sampling field but travels with them to every queue: vLLM's meaning
     (lower runs first, default 0; ``pd.core.priority``)."""
@@ -107,7 +107,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether sampling needs the request's token counts (``pd.engine.penalties``)."""
+        """Whether sampling needs the request's token counts (``pd.executor.penalties``)."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0

@@ -21,8 +21,8 @@ from pd.core.messages import NodeStatsMsg
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
-from pd.engine.tensor_parallel import TensorParallelError
 from pd.engine.torch_thread import TorchThread
+from pd.parallel.group import TensorParallelError
 
 logger = logging.getLogger(__name__)
 

@@ -14,37 +14,27 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from pd.cache import make_prefix_cache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
-from pd.engine.host_pool import make_disk_tier
-from pd.engine.runner import ModelRunner
-from pd.engine.sampler import make_generator
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
-from pd.engine.stats import stats_msg
-from pd.engine.tensor_parallel import TensorParallelError
+from pd.engine.stats import PrefillCounters, TransferCounters, stats_msg
+from pd.executor.config import EngineConfig
+from pd.executor.host_pool import make_disk_tier
+from pd.executor.runner import ModelRunner
+from pd.executor.sampler import make_generator
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
+from pd.parallel.group import TensorParallelError
+from pd.parallel.ranks import RankLink
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-
-class TransferCounters(NamedTuple):
-    """A node's KV transfer counters, cumulative since it started."""
-
-    num_transferring: int = 0  # transfers (or expected requests) open now
-    num_bytes: int = 0
-    num_seconds: float = 0.0  # from each transfer's start (before its last forward) to done
-    num_wire_seconds: float = 0.0  # ... from its KV all computed to done: what is not hidden
-    num_done: int = 0
-    num_dropped_msgs: int = 0  # malformed messages the node dropped
 
 
 _NO_TRANSFERS = TransferCounters()
@@ -82,7 +72,14 @@ class EngineCore:
         self.cfg = cfg
         self.node_id = node_id
         self.staged = staged
-        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, staged=staged)
+        # a tensor-parallel node's link to its other ranks (``pd.parallel``), which the runner
+        # starts and closes
+        self.ranks = (
+            RankLink(cfg, machine_nodes=machine_nodes, staged=staged)
+            if cfg.tensor_parallel_size > 1
+            else None
+        )
+        self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, ranks=self.ranks)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
         self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
@@ -204,7 +201,15 @@ class EngineCore:
     def stats(self, role: str, transfer: TransferCounters = _NO_TRANSFERS) -> NodeStatsMsg:
         """This engine's gauges and counters as the server reads them (``pd.engine.stats``); a
         node adds its transfer counters."""
-        return stats_msg(self, role, transfer)
+        return stats_msg(
+            self.node_id,
+            role,
+            self.scheduler,
+            self.allocator,
+            self.cache,
+            PrefillCounters(self.num_prefill_tokens, self.prefill_seconds),
+            transfer,
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -1,5 +1,5 @@
 """``Drafter``: which decoding requests speculate, how many tokens each guesses, and how that
-adapts to what was accepted (the guesses themselves: ``pd.engine.spec.propose`` and the prefix
+adapts to what was accepted (the guesses themselves: ``pd.executor.spec.propose`` and the prefix
 cache's ``continuation``; their check: ``spec.verify`` in the runner).
 
 The scheduler asks for a step's drafts (``drafts``) and reports each verdict (``verified``).
@@ -14,7 +14,7 @@ from typing import NamedTuple
 from pd.cache.base import BasePrefixCache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.request import Req
-from pd.engine.spec import propose
+from pd.executor.spec import propose
 
 
 class DraftStats(NamedTuple):

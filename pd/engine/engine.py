@@ -16,10 +16,10 @@ from pd.core.messages import NodeStatsMsg
 from pd.core.outputs import RequestOutput
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
-from pd.engine.runner import ModelRunner
 from pd.engine.scheduler import Scheduler
+from pd.executor.config import EngineConfig
+from pd.executor.runner import ModelRunner
 
 
 class GenerateResult(NamedTuple):

@@ -54,8 +54,8 @@ from pd.core.kv_pool import SlotAllocator
 from pd.core.priority import insert_ranked
 from pd.core.request import Req, ReqStatus
 from pd.engine.drafter import Drafter
-from pd.engine.sampler import SampledRow
 from pd.engine.slots import SlotBudget
+from pd.executor.sampler import SampledRow
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]

@@ -4,26 +4,52 @@ its heartbeat and the colocated engine gives ``/metrics``). One place names each
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from pd.cache import DiskStats, TierStats
+from pd.cache.base import BasePrefixCache
+from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import NodeStatsMsg
-
-if TYPE_CHECKING:
-    from pd.engine.core import EngineCore, TransferCounters
+from pd.engine.scheduler import Scheduler
 
 
-def stats_msg(core: EngineCore, role: str, transfer: TransferCounters) -> NodeStatsMsg:
-    s = core.scheduler.stats()
+class TransferCounters(NamedTuple):
+    """A node's KV transfer counters, cumulative since it started."""
+
+    num_transferring: int = 0  # transfers (or expected requests) open now
+    num_bytes: int = 0
+    num_seconds: float = 0.0  # from each transfer's start (before its last forward) to done
+    num_wire_seconds: float = 0.0  # ... from its KV all computed to done: what is not hidden
+    num_done: int = 0
+    num_dropped_msgs: int = 0  # malformed messages the node dropped
+
+
+class PrefillCounters(NamedTuple):
+    """Tokens computed in pure prefill batches, and the seconds they took."""
+
+    num_tokens: int
+    seconds: float
+
+
+def stats_msg(
+    node_id: str,
+    role: str,
+    scheduler: Scheduler,
+    allocator: SlotAllocator,
+    cache: BasePrefixCache,
+    prefill: PrefillCounters,
+    transfer: TransferCounters,
+) -> NodeStatsMsg:
+    s = scheduler.stats()
     return NodeStatsMsg(
-        node_id=core.node_id,
+        node_id=node_id,
         role=role,
         num_waiting=s.num_waiting,
         num_running=s.num_running,
         num_transferring=transfer.num_transferring,
-        num_slots=core.allocator.num_slots,
-        num_free_slots=core.allocator.num_free_slots,
-        num_cached_tokens=core.cache.num_cached_tokens,
+        num_slots=allocator.num_slots,
+        num_free_slots=allocator.num_free_slots,
+        num_cached_tokens=cache.num_cached_tokens,
         num_hit_tokens=s.num_cached_tokens,
         num_miss_tokens=s.num_prompt_tokens - s.num_cached_tokens,
         num_queued_tokens=s.num_queued_tokens,
@@ -36,9 +62,9 @@ def stats_msg(core: EngineCore, role: str, transfer: TransferCounters) -> NodeSt
         num_spec_steps=s.num_spec_steps,
         num_draft_tokens=s.num_draft_tokens,
         num_accepted_draft_tokens=s.num_accepted_tokens,
-        num_prefill_tokens=core.num_prefill_tokens,
-        prefill_seconds=core.prefill_seconds,
-        **_tier_fields(core.cache.tier_stats),
+        num_prefill_tokens=prefill.num_tokens,
+        prefill_seconds=prefill.seconds,
+        **_tier_fields(cache.tier_stats),
     )
 
 

@@ -22,7 +22,7 @@ import ray
 from pd.core import envs
 from pd.core.addresses import cluster_node_ip, node_bind_host
 from pd.core.messages import NodeInfo
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.config import ClusterConfig, init_ray
 from pd.fleet.node_actor import ACTOR_CLASSES
 from pd.fleet.pools import PoolNode, Pools, parse_node_id

@@ -14,7 +14,7 @@ from typing import ClassVar
 import ray
 
 from decode.node import DecodeRole
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.node import BaseRole, Node, NodeConfig
 from prefill.node import PrefillRole
 

@@ -24,7 +24,7 @@ from pd.core.batch import ForwardBatch
 from pd.core.kv_pool import KVPool
 from pd.model.config import ModelConfig
 from pd.model.families import to_decoder_weights
-from pd.model.tensor_parallel import TensorParallel, shard_config, shard_weights
+from pd.model.sharding import TensorParallel, shard_config, shard_weights
 
 
 class RMSNorm(nn.Module):
@@ -224,7 +224,7 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """The whole model, or with ``tp`` one rank's shard of it (``pd.model.tensor_parallel``):
+    """The whole model, or with ``tp`` one rank's shard of it (``pd.model.sharding``):
     ``config`` is then the shard's (its heads and MLP columns), ``full_config`` the model's."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:

@@ -1,6 +1,6 @@
 """The model's elementwise and norm steps as opaque torch operators, for deterministic runs.
 
-A compiled decode step (``pd.engine.graphs``) hands the RMSNorm, the rotary embedding and the
+A compiled decode step (``pd.executor.graphs``) hands the RMSNorm, the rotary embedding and the
 gated SiLU to inductor, which fuses them into loops of its own: other code, other rounding
 (a multiply and an add contracted into one fma, another order of the norm's sum) than the
 eager ops that prefill the same tokens. The KV of a token then depends on whether a compiled

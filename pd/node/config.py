@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from transfer.state import TransferConfig
 
 
@@ -20,7 +20,7 @@ class NodeConfig:
     node_ip: str = ""
     ray_node_id: str = ""
     # pd nodes that may share this node's machine (the launcher counts them): the host tier's
-    # default takes its share of the machine's memory (pd.engine.host_pool)
+    # default takes its share of the machine's memory (pd.executor.host_pool)
     machine_nodes: int = 1
     stats_interval_s: float = 0.2
     idle_poll_ms: int = 5

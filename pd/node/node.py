@@ -47,16 +47,16 @@ import zmq
 
 from pd.core.addresses import node_addrs
 from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg
-from pd.engine.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
-from pd.engine.tensor_parallel import TensorParallelError
 from pd.engine.torch_thread import TorchThread
+from pd.executor.config import EngineConfig
 from pd.node.config import NodeConfig, NodeSettings
 from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
 from pd.node.staged_owner import StagedSlotOwner
+from pd.parallel.group import TensorParallelError
 from transfer.agent import TransferAgent
 from transfer.inbound import max_frame_bytes, merge_top
 
@@ -137,7 +137,8 @@ class Node:
         )
         self.peers = PeerLinks(self._ctx, secret)
         slot_owner = role_cls.make_slot_owner(self.core, self.server, self.peers, self.inbox.addr)
-        staging = self.core.runner.staging  # a tensor-parallel node's pool of every head
+        # a tensor-parallel node's pool of every head
+        staging = self.core.ranks.staging if self.core.ranks is not None else None
         pool = self.core.runner.transfer_pool
         self.transfer = TransferAgent(  # the transfer plane binds the address it advertises
             dataclasses.replace(node_cfg.transfer, host=addrs.host, max_frame_bytes=frame_limit),

@@ -13,8 +13,9 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar, NamedTuple
 
 from pd.core.messages import NodeMsg, PeerGoneMsg
-from pd.engine.core import EngineCore, TransferCounters
+from pd.engine.core import EngineCore
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
+from pd.engine.stats import TransferCounters
 from pd.node.links import PeerLinks, ServerLink
 from transfer.agent import TransferAgent
 from transfer.state import BaseSlotOwner

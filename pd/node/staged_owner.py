@@ -1,6 +1,6 @@
 """``StagedSlotOwner``: the transfer plane's view of a tensor-parallel node's slots.
 
-KV that lands on such a node lands in rank 0's staging pool (``pd.engine.rank_kv``: every head
+KV that lands on such a node lands in rank 0's staging pool (``pd.parallel.rank_kv``: every head
 of every slot); before the node's own slot owner hears that it landed, each rank's heads of
 those slots are copied into its pool. Everything else is the wrapped owner's."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd.engine.rank_kv import StagingPool
+from pd.parallel.rank_kv import StagingPool
 from transfer.state import BaseSlotOwner, SlotReservation
 
 

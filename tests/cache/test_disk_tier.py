@@ -339,8 +339,8 @@ def test_checkpoints_alike_in_names_and_sizes_but_not_weights_get_other_model_ke
     import torch
 
     from pd.core.kv_pool import KVPool
-    from pd.engine.config import EngineConfig
-    from pd.engine.host_pool import make_disk_tier
+    from pd.executor.config import EngineConfig
+    from pd.executor.host_pool import make_disk_tier
     from pd.model import loader
 
     hashed: list[str] = []

@@ -66,7 +66,7 @@ def start_live_cluster(
     import uvicorn
 
     from pd.cli.serve import build_cluster_app
-    from pd.engine.config import EngineConfig
+    from pd.executor.config import EngineConfig
     from pd.fleet.config import ClusterConfig
     from pd.fleet.launcher import Cluster
     from pd.router.policy import CoordinatorConfig

@@ -24,8 +24,8 @@ from decode.node import DecodeRole
 from pd.cluster.client import ClusterClient
 from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig

@@ -20,8 +20,8 @@ import pytest
 
 from pd.cluster.client_config import ClientConfig
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from transfer.state import TransferConfig
 

@@ -46,7 +46,7 @@ def test_pd_serve_has_no_prefill_pool_on_this_cpu_unless_asked_or_on_a_cluster()
 @pytest.mark.timeout(300)
 def test_pd_serve_prints_url_when_healthy_and_answers(smollm2_dir, tmp_path):
     # pd serve's defaults but the compiled steps (each would add ~40 s here; graphs are
-    # tested in tests/engine/test_graphs.py): int4 weights, 1 decode node that prefills
+    # tested in tests/executor/test_graphs.py): int4 weights, 1 decode node that prefills
     server = ServeProcess(
         ["--max-total-tokens", "4096", "--compile-buckets", "off"],
         tmp_path / "serve.log",

@@ -3,7 +3,7 @@ tiny model: SmolLM2's 9 heads over 3 KV heads, which a TP-2 node splits 1 and 2 
 ranks; real rank processes over gloo): for each pair (p, d) of sizes in
 {1, 2}² but (1, 1) (every other cluster test), greedy answers at fp32 equal HF's, cold and on
 a cache hit (the decode node's own prefix: only the rest moves), 16 at once as one at a time;
-KV leaves and enters a node through its rank 0's staging pool (``pd.engine.rank_kv``)."""
+KV leaves and enters a node through its rank 0's staging pool (``pd.parallel.rank_kv``)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import pytest
 
 from pd.core.sampling_params import SamplingParams
 from pd.engine.async_engine import AsyncEngine
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.server.app import build_app
 from tests.hf_reference import hf_greedy
 

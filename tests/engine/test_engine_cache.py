@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.tokenizer import encode_chat
 from tests.hf_reference import hf_greedy
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pdtools.tenant_flood import FloodShape, run_flood
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ import torch
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from tests.engine.test_spec_engine import _oracle
 from tests.hf_reference import load_hf_model
 

@@ -14,8 +14,8 @@ from pd.cache import NoPrefixCache, RadixCache
 from pd.core.kv_pool import SlotAllocator
 from pd.core.request import Req, ReqStatus
 from pd.core.sampling_params import SamplingParams
-from pd.engine.sampler import SampledRow
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
+from pd.executor.sampler import SampledRow
 from prefill.outgoing import Route
 from prefill.scheduler import PrefillScheduler
 from transfer.state import SlotReservation

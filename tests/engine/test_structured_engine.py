@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.tokenizer import load_tokenizer
 from tests.engine.test_spec_engine import _oracle
 

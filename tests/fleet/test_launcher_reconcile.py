@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.config import ClusterConfig
 from pd.fleet.launcher import Cluster
 from pd.fleet.pools import NodeState, PoolNode

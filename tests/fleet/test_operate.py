@@ -36,8 +36,8 @@ import pytest
 
 from pd.cli import main as pd_main
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from tests.cluster.conftest import ServeProcess
 
 pytestmark = pytest.mark.timeout(300)

@@ -79,7 +79,7 @@ def test_what_rays_autoscaler_may_add_counts() -> None:
 def test_threads_per_node_come_from_the_cluster_then_num_threads_then_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pd.engine.config import EngineConfig
+    from pd.executor.config import EngineConfig
     from pd.fleet.config import ClusterConfig
     from pd.fleet.launcher import Cluster
     from pd.router.policy import CoordinatorConfig
@@ -114,7 +114,7 @@ def test_a_pool_is_bounded_by_the_connections_each_socket_takes() -> None:
 
 
 def test_a_node_of_n_ranks_takes_n_gpus_of_one_machine_and_the_pools_count_them() -> None:
-    from pd.engine.config import EngineConfig
+    from pd.executor.config import EngineConfig
     from pd.fleet.config import ClusterConfig
     from pd.fleet.launcher import Cluster
     from pd.router.policy import CoordinatorConfig

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.families import SUPPORTED_ARCHITECTURES
-from tests.engine.test_deterministic import SCHEDULES, _Probe
+from tests.executor.test_deterministic import SCHEDULES, _Probe
 from tests.families import FAMILIES, VOCAB, WINDOW
 
 
@@ -88,7 +88,7 @@ def test_a_family_computes_a_prompt_to_the_same_bits_every_way(family, quantizat
     cfg = EngineConfig(
         model=str(family_dir(family)), quantization=quantization, max_total_tokens=16384
     )
-    from pd.engine.runner import ModelRunner
+    from pd.executor.runner import ModelRunner
 
     probe = _Probe(ModelRunner(cfg), 3 * WINDOW + 40)
     ref_kv, ref_logits = probe.one_chunk()

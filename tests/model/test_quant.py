@@ -12,8 +12,8 @@ from torch import nn
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model import quant
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from decode.node import DecodeRole
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import SECRET, Server

@@ -15,8 +15,8 @@ import zmq
 from decode.node import DecodeRole
 from pd.cache.prefix_index import PrefixIndex
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.conftest import make_node_stats

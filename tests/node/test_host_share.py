@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from decode.node import DecodeRole
-from pd.engine import host_pool
-from pd.engine.config import EngineConfig
+from pd.executor import host_pool
+from pd.executor.config import EngineConfig
 from pd.fleet.actors import NodeActors
 from pd.fleet.config import ClusterConfig
 from pd.fleet.pools import Pools

@@ -12,8 +12,8 @@ import pytest
 from decode.node import DecodeRole
 from pd.core.messages import AbortMsg, LocalReqMsg
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import (

@@ -17,7 +17,7 @@ import pytest
 
 from decode.node import DecodeRole
 from pd.core.messages import DecodeReqMsg, NodeInfo, PrefillReqMsg
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import GREEDY, SECRET, Server, run_until

@@ -13,7 +13,7 @@ import pytest
 from decode.node import DecodeRole
 from pd.core.messages import DecodeReqMsg, PeerGoneMsg, PrefillReqMsg, PullFrom
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from prefill.node import PrefillRole
 from tests.node.harness import GREEDY, SECRET, Server, assert_idle, run_until

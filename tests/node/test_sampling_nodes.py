@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from tests.node.harness import PROMPTS, assert_idle, run_until, send_request
 
 pytestmark = pytest.mark.timeout(90)

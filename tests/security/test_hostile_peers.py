@@ -25,8 +25,8 @@ from pd.core.messages import (
     TokenMsg,
 )
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.node import Node, NodeConfig
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig

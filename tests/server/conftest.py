@@ -89,8 +89,8 @@ def colocated_app(
     """``(client, app)``: an AsyncEngine over ``model_dir`` and the server over it (the caller
     shuts the client down)."""
     from pd.engine.async_engine import AsyncEngine
-    from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
+    from pd.executor.config import EngineConfig
 
     client = AsyncEngine(lambda: Engine(EngineConfig(model=str(model_dir), **engine_kwargs)))
     engine = client.engine

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pd.engine.async_engine import AsyncEngine
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.model.tokenizer import encode_prompt
 from pd.server import ServerConfig, build_app
 from tests.hf_reference import hf_greedy

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pd.engine.async_engine import AsyncEngine
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
+from pd.executor.config import EngineConfig
 from pd.server import ServerConfig, build_app
 from tests.server.conftest import check_idle, serve, wait_for
 from tests.server.raw_client import (

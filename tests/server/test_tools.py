@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pd.engine.grammar import grammar_error
+from pd.executor.grammar import grammar_error
 from pd.server.http.errors import APIError
 from pd.server.openai.tools import Tools
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import llguidance
 
-from pd.engine.grammar import grammar_error
+from pd.executor.grammar import grammar_error
 from pd.server.http.errors import APIError
 
 # json.dumps' layout, fixed (no free whitespace: a small model cannot pad the answer with it

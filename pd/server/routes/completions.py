@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
-from pd.engine.grammar import grammar_error
+from pd.executor.grammar import grammar_error
 from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Generation, Step
 from pd.server.http.errors import APIError

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.sampler import make_generator, probs_from_logits, sample
-from pd.engine.spec import propose, verify
+from pd.executor.sampler import make_generator, probs_from_logits, sample
+from pd.executor.spec import propose, verify
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,9 +3,9 @@
 Each row goes through the same fixed steps, in vLLM's order:
 
 1. ``process_logits``, the per-request logits processing (greedy too): ``logit_bias`` added,
-   the penalties applied (``pd.engine.penalties``), then ``banned`` ids (min_tokens) set to
+   the penalties applied (``pd.executor.penalties``), then ``banned`` ids (min_tokens) set to
    -inf (vLLM bans before the penalties: the same, a penalty keeps -inf at -inf), and the
-   tokens its grammar does not allow (``masks``, ``pd.engine.grammar``) set to -inf.
+   tokens its grammar does not allow (``masks``, ``pd.executor.grammar``) set to -inf.
 2. Greedy: the argmax. Sampled: ``probs_from_logits``: divided by the temperature, cut by
    min_p, top_k, then top_p; one draw (``draw``).
 3. With ``params.logprobs`` set, ``token_logprobs``: the log-softmax of step 1's logits
@@ -26,8 +26,8 @@ import torch
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.sampling_params import MIN_TEMPERATURE, SamplingParams
-from pd.engine.grammar import apply_masks_
-from pd.engine.penalties import TokenCounts, apply_penalties_
+from pd.executor.grammar import apply_masks_
+from pd.executor.penalties import TokenCounts, apply_penalties_
 
 # What a logprob of -inf (a banned token) is sent as: JSON has no infinity (vLLM sends the same)
 MIN_LOGPROB = -9999.0

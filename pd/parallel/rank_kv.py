@@ -1,5 +1,5 @@
 """KV copies on a tensor-parallel node: every rank holds its heads of each slot; rank 0 orders
-each copy (``pd.engine.tensor_parallel``'s ``KVOp``s down the plan pipes) and every rank makes
+each copy (``pd.parallel.plan``'s ``KVOp``s down the plan pipes) and every rank makes
 its part of it, so slot numbers mean the same on every rank.
 
     RankKV            every rank: its device pool (and host pool); gathers a slot range's
@@ -23,9 +23,10 @@ import torch
 
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
-from pd.engine.host_pool import HostKVPool, to_bytes
-from pd.engine.tensor_parallel import KVOp, PlanWriter, TPGroup
-from pd.model.tensor_parallel import kv_heads_of
+from pd.executor.host_pool import HostKVPool, to_bytes
+from pd.model.sharding import kv_heads_of
+from pd.parallel.group import TPGroup
+from pd.parallel.plan import KVOp, PlanWriter
 
 
 class RankKV:

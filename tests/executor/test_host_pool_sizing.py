@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pd.engine import host_pool
-from pd.engine.config import EngineConfig
-from pd.engine.host_pool import cgroup_memory_limit, host_tier_slots, machine_memory_bytes
+from pd.executor import host_pool
+from pd.executor.config import EngineConfig
+from pd.executor.host_pool import cgroup_memory_limit, host_tier_slots, machine_memory_bytes
 
 GIB = 1 << 30
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (``pd.engine.cpu_attention``) against torch's math: head shapes in
+"""The CPU attention kernel (``pd.executor.cpu_attention``) against torch's math: head shapes in
 bf16 and fp32, padded rows, a row without keys, a slot outside the pool, inside a compiled graph,
 and behind the eager backend's decode rows; and its determinism: a row's bits are the same
 padded or ragged, alone or in a batch, as a decode row or a prefill row, on any thread count,
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pd.engine import cpu_attention
-from pd.engine.attention import TorchAttentionBackend, _DecodeMeta, make_attention_backend
-from pd.engine.config import EngineConfig
+from pd.executor import cpu_attention
+from pd.executor.attention import TorchAttentionBackend, _DecodeMeta, make_attention_backend
+from pd.executor.config import EngineConfig
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -196,7 +196,7 @@ _OTHER_BUILD = """
 import sys, torch
 import pd.core.cpp as cpp
 cpp.FLAGS = (*cpp.FLAGS, *sys.argv[2:])
-from pd.engine import cpu_attention
+from pd.executor import cpu_attention
 assert cpu_attention.available(torch.float32, torch.device("cpu"), 9, 3, 64)
 g = torch.Generator().manual_seed(0)
 out = []

@@ -12,9 +12,9 @@ import torch
 
 from pd.core.batch import ForwardBatch, SeqInput
 from pd.core.kv_pool import KVPool
-from pd.engine.attention import KernelAttentionBackend, TorchAttentionBackend
-from pd.engine.config import EngineConfig
-from pd.engine.runner import ModelRunner
+from pd.executor.attention import KernelAttentionBackend, TorchAttentionBackend
+from pd.executor.config import EngineConfig
+from pd.executor.runner import ModelRunner
 from pd.model import quant
 from pd.model.quant import DEQUANT_MIN_TOKENS
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pd.core.batch import SeqInput
-from pd.engine.config import EngineConfig
-from pd.engine.runner import ModelRunner
+from pd.executor.config import EngineConfig
+from pd.executor.runner import ModelRunner
 
 Schedule = Callable[["_Probe"], tuple[torch.Tensor, torch.Tensor]]
 

@@ -9,7 +9,7 @@ import torch
 
 from pd.cache.tenants import TenantShares
 from pd.core.options import option
-from pd.engine.graphs import parse_buckets
+from pd.executor.graphs import parse_buckets
 from pd.model.quant import INT4_GROUP_SIZE, check_quantization, resolve_linear_backend
 
 AUTO_CPU_BUCKETS = (1, 2, 4)  # ``compile_buckets="auto"`` on a CPU
@@ -38,7 +38,7 @@ class EngineConfig:
     )
     attention_backend: str = option(
         "auto",
-        "auto: pd's C++ kernel on a cpu (pd/engine/cpu_attention.py), SDPA elsewhere | torch: "
+        "auto: pd's C++ kernel on a cpu (pd/executor/cpu_attention.py), SDPA elsewhere | torch: "
         "torch's ops alone (not with --deterministic)",
     )
     compile_buckets: str = option(

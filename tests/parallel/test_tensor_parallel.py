@@ -1,4 +1,4 @@
-"""Nodes of several ranks (``pd.engine.tensor_parallel``): real rank processes over gloo.
+"""Nodes of several ranks (``pd.parallel.group``): real rank processes over gloo.
 
 The tiny model has 4 heads and 2 KV heads, so TP 2 splits the KV heads and TP 4 replicates
 them; the kv3 model has SmolLM2's 9 heads over 3 KV heads, which TP 2 splits 1 and 2. Greedy answers at fp32 equal HF's and TP 1's, 16 at once equal one at a time, the host
@@ -18,12 +18,13 @@ import torch
 
 from pd.core.batch import SeqInput
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.tensor_parallel import TensorParallelError, decode_plan, encode_forward
+from pd.executor.config import EngineConfig
 from pd.model.config import ModelConfig
 from pd.model.loader import load_config
-from pd.model.tensor_parallel import check_divides, kv_heads_of, shard_config
+from pd.model.sharding import check_divides, kv_heads_of, shard_config
+from pd.parallel.group import TensorParallelError
+from pd.parallel.plan import decode_plan, encode_forward
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -178,7 +179,7 @@ def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(
 def test_a_rank_frozen_while_the_node_is_idle_is_found_by_its_silence(tiny_llama_dir: Path) -> None:
     """No sum waits on an idle node: a frozen rank is found by its missing heartbeat (a byte
     down a pipe every ``RANK_BEAT_S``), so a cluster's node goes down before work reaches it."""
-    from pd.engine.tensor_parallel import RANK_SILENCE_S
+    from pd.parallel.ranks import RANK_SILENCE_S
 
     engine = _engine(tiny_llama_dir, 2)
     (pid,) = engine.runner.ranks.pids

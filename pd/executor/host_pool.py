@@ -27,7 +27,7 @@ import torch
 from pd.cache.disk_tier import DiskTier, model_key
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.model.loader import weights_digest
 
 DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools

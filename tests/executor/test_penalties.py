@@ -13,15 +13,15 @@ import torch
 from pd.core.messages import DecodeReqMsg, PrefilledMsg, TokenLogprobsMsg, TokenMsg
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.engine.penalties import TokenCounts
-from pd.engine.sampler import (
+from pd.executor.penalties import TokenCounts
+from pd.executor.sampler import (
     make_generator,
     probs_from_logits,
     process_logits,
     sample,
     token_logprobs,
 )
-from pd.engine.spec import verify, verify_row
+from pd.executor.spec import verify, verify_row
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Compiled decode steps (``pd.engine.graphs``): the same greedy tokens as eager steps, in
+"""Compiled decode steps (``pd.executor.graphs``): the same greedy tokens as eager steps, in
 every bucket and padded into a larger one; eager where no bucket covers a batch."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 
 from pd.core.batch import DecodeBatch, SeqInput
 from pd.core.sampling_params import SamplingParams
-from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.graphs import parse_buckets
+from pd.executor.config import EngineConfig
+from pd.executor.graphs import parse_buckets
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

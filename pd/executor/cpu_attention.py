@@ -14,7 +14,7 @@ exp (a polynomial, every step spelled out), the softmax's sum over 16 lanes in a
 then the values weighted in key order by fma. Rows of one request share each block of keys
 (prefill runs like a small GEMM); tasks run on torch's OpenMP threads. With AVX-512 the loops
 are intrinsics; elsewhere plain loops the compiler vectorizes, with the same arithmetic: an
-AVX2 build gives the AVX-512 build's bits (tests/engine/test_cpu_attention.py). Speed beside
+AVX2 build gives the AVX-512 build's bits (tests/executor/test_cpu_attention.py). Speed beside
 SDPA and the kernel it replaced: BENCHMARKS.md, "Deterministic inference".
 
 bf16 and fp32 pools alike (scores and sums in fp32); any head dim, any number of query heads

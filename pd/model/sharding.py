@@ -22,7 +22,7 @@ on its rank.
 
 The embedding and LM head stay whole: a vocabulary-parallel head saves each rank
 ``vocab*hidden*(N-1)/N`` weights but adds a gather of the logits every step, and only rank 0
-samples (``pd.engine.tensor_parallel``); BENCHMARKS.md, "Tensor parallel", has the cost of
+samples (``pd.parallel.group``); BENCHMARKS.md, "Tensor parallel", has the cost of
 each collective.
 """
 

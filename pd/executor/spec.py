@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from pd.core.sampling_params import SamplingParams
-from pd.engine.grammar import apply_masks_
-from pd.engine.penalties import TokenCounts
-from pd.engine.sampler import SampledRow, draw, probs_from_logits, process_logits, token_logprobs
+from pd.executor.grammar import apply_masks_
+from pd.executor.penalties import TokenCounts
+from pd.executor.sampler import SampledRow, draw, probs_from_logits, process_logits, token_logprobs
 
 
 def propose(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:

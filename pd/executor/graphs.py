@@ -9,7 +9,7 @@ the weights frozen into the graph, so matmuls use packed weights). A batch of B 
 runs in the smallest bucket >= B, padded with rows that write and read only the pool's scratch
 slot. The key length is the one dynamic dimension: the attention takes the keys by an index
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
-On the CPU, in bf16 and fp32, that attention is one call of ``pd.engine.cpu_attention``'s C++
+On the CPU, in bf16 and fp32, that attention is one call of ``pd.executor.cpu_attention``'s C++
 kernel inside the graph (faster than inductor's own fused loops: docs/bench/history.md,
 "Compiled decode steps"); otherwise inductor compiles ``attention.paged_decode_attention``.
 
@@ -39,8 +39,8 @@ import torch
 
 from pd.core.batch import DecodeBatch, SeqInput
 from pd.core.kv_pool import KVPool
-from pd.engine import cpu_attention
-from pd.engine.attention import PagedDecodeAttention
+from pd.executor import cpu_attention
+from pd.executor.attention import PagedDecodeAttention
 from pd.model.decoder import DecoderLM
 from pd.model.quant import Fp16Linear
 

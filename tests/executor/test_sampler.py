@@ -8,7 +8,7 @@ import torch
 
 from pd.core.messages import DecodeReqMsg
 from pd.core.sampling_params import MAX_SEED, SamplingParams
-from pd.engine.sampler import make_generator, sample
+from pd.executor.sampler import make_generator, sample
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,8 +107,8 @@ def test_banned_tokens_are_never_sampled() -> None:
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_until_reached(tiny_llama_dir) -> None:
-    from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
+    from pd.executor.config import EngineConfig
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_total_tokens=512))
     prompt = [5, 17, 300, 42, 9]

@@ -1,5 +1,5 @@
 """Attention backends behind ``pd.core.attention.BaseAttentionBackend``: ``KernelAttentionBackend``
-(every row on ``pd.engine.cpu_attention``'s C++ kernel: the CPU's deterministic path),
+(every row on ``pd.executor.cpu_attention``'s C++ kernel: the CPU's deterministic path),
 ``TorchAttentionBackend`` (SDPA, the reference on CPU and GPU, with a batch's one-token decode
 rows on the C++ kernel where it builds) and ``PagedDecodeAttention`` (what a compiled decode step
 traces)."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pd.core.attention import AttentionSpec, BaseAttentionBackend
 from pd.core.batch import DecodeBatch, ForwardBatch
 from pd.core.kv_pool import KVPool
-from pd.engine import cpu_attention
+from pd.executor import cpu_attention
 
 
 class _DecodeMeta(NamedTuple):
@@ -74,7 +74,7 @@ _FULL = AttentionSpec(0.0)  # the op's defaults: 1 / sqrt(head dim), no cap, eve
 
 
 class KernelAttentionBackend(BaseAttentionBackend):
-    """Every row of a batch, prefill and decode alike, by ``pd.engine.cpu_attention``'s ragged
+    """Every row of a batch, prefill and decode alike, by ``pd.executor.cpu_attention``'s ragged
     op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32).
     ``specs``: each layer's scale, score cap and window (none: every layer the defaults)."""
 
@@ -303,7 +303,7 @@ def paged_decode_attention(
 class PagedDecodeAttention(BaseAttentionBackend):
     """Attention of a ``DecodeBatch`` (one query per row, keys by slot index): the backend a
     compiled decode step traces. Its batch carries its own index tensors, so there is no
-    metadata to build. ``kernel``: call ``pd.engine.cpu_attention``'s op (an opaque call in
+    metadata to build. ``kernel``: call ``pd.executor.cpu_attention``'s op (an opaque call in
     the graph) instead of tracing ``paged_decode_attention``."""
 
     def __init__(self, kernel: bool = False, specs: Sequence[AttentionSpec] = ()) -> None:
