@@ -1,7 +1,7 @@
 """pd's C++ kernels: torch operators built on first use with the machine's compiler.
 
 Each kernel is one C++ file beside the Python module that loads it (``cpu_attention.cpp`` beside
-``pd.engine.cpu_attention``; ``int4_kernel.cpp``, ``fixed_ops.cpp`` in ``pd.model``), which
+``pd.executor.cpu_attention``; ``int4_kernel.cpp``, ``gemm.cpp``, ``fixed_ops.cpp`` in ``pd.model``), which
 registers torch operators from C++ (``TORCH_LIBRARY_FRAGMENT``).
 ``load_torch_ops`` compiles it once against the running torch's headers (seconds) into
 ``PD_CACHE_DIR/kernels``, under a name keyed by the source, the compiler, the flags, torch's

@@ -15,13 +15,13 @@ kernel inside the graph (faster than inductor's own fused loops: docs/bench/hist
 
 A deterministic runner (``EngineConfig.deterministic``) gives the graph nothing to rewrite:
 the norms, the rotary embedding and the gated SiLU are ``pd.model.fixed_ops``' opaque
-operators and the linears and attention are pd's or oneDNN's kernels, so a compiled step gives
-each row the bits an eager forward gives it (inductor's fused loops round otherwise).
+operators and the linears (the LM head too) and attention are pd's kernels, so a compiled step
+gives each row the bits an eager forward gives it (inductor's fused loops round otherwise).
 
 Prefill, mixed batches, and decode batches above the largest bucket run eagerly. A bucket that
-fails to compile (say, no C++ compiler) is logged and left eager. The fp16 LM head of the
-quantized formats is packed in an object the tracer cannot enter: it runs eagerly after the
-graph. A speculative step's draft rows are one-token rows too (``pd.engine.drafter``), so a
+fails to compile (say, no C++ compiler) is logged and left eager. With ``--no-deterministic``
+the fp16 LM head of the quantized formats is fbgemm's packed object, which the tracer cannot
+enter: it runs eagerly after the graph. A speculative step's draft rows are one-token rows too (``pd.engine.drafter``), so a
 verify runs in the graph of its row count.
 
 Each bucket compiles at start-up (``DecodeGraphs.compile``; tens of seconds a bucket for

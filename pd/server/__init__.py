@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (layer 8, above the cluster): ``build_app(client, ...)`` over any ``EngineClient``.
+"""The OpenAI-compatible HTTP server (layer 12, above the fleet): ``build_app(client, ...)`` over any ``EngineClient``.
 
 Exports load on first use, so ``pd.server.config`` (read by the CLI of every command) does not
 pull FastAPI in.
