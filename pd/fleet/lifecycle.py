@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pd.cluster.event_loop import TaskSet
 from pd.cluster.membership import Membership
 from pd.core.messages import NodeInfo
-from pd.engine.config import EngineConfig
+from pd.executor.config import EngineConfig
 from pd.fleet.actors import NodeActors
 from pd.fleet.config import ClusterConfig
 from pd.fleet.pools import NodeState, Pools
