@@ -46,7 +46,6 @@ from pd.cluster.client import ClusterClient
 from pd.cluster.client_config import MIN_POOL, ROLES
 from pd.cluster.event_loop import TaskSet
 from pd.core.addresses import choose_addrs
-from pd.core.messages import NodeInfo
 from pd.executor.config import EngineConfig
 from pd.fleet.actors import STOP_TIMEOUT_S, NodeActors
 from pd.fleet.config import ClusterConfig, free_port
