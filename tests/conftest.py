@@ -49,6 +49,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.section(section)
             for line in lines:
                 terminalreporter.write_line(line)
+    _slowest_files(terminalreporter, reports)
+
+
+def _slowest_files(terminalreporter: Any, reports: list[Any], num: int = 20) -> None:
+    """The files whose tests took longest (setup, call and teardown summed), so the suite's
+    time is seen where it goes (``make test`` must stay under 20 minutes)."""
+    by_file: dict[str, float] = {}
+    for r in reports:
+        path = r.nodeid.split("::", 1)[0]
+        by_file[path] = by_file.get(path, 0.0) + getattr(r, "duration", 0.0)
+    if len(by_file) < 2:
+        return
+    terminalreporter.section(f"the {num} slowest files (seconds, one worker's)")
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:num]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
