@@ -24,6 +24,7 @@ from transfer.messages import (
     TransferRequestMsg,
     TransferStartMsg,
 )
+from transfer.pairs import sender_root
 from transfer.recv_record import RecvRecord, RecvStatus
 from transfer.state import (
     BaseSlotOwner,
@@ -34,12 +35,6 @@ from transfer.state import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def sender_root(endpoint: str) -> str:
-    """Every pair group a sender whose control endpoint is ``endpoint`` builds is named under
-    this prefix, so a receiver can close them all when that sender is gone."""
-    return f"kvx/{endpoint}/"
 
 
 class KVReceiver(TransferHandle["ReceiverSide", RecvRecord]):
