@@ -5,6 +5,7 @@ transferring, success, or failed once no worker job can still write into its slo
 answers the sender's messages, asks the slot owner for slots, and keeps one pair group worker
 per sender group.
 """
+
 from __future__ import annotations
 
 import logging
@@ -329,9 +330,7 @@ class ReceiverSide:
                 self.fail(rec, reason)
 
 
-def _refused(
-    msg: TransferRequestMsg, closed: Iterable[str], kind: str, lo: KVLayout
-) -> str | None:
+def _refused(msg: TransferRequestMsg, closed: Iterable[str], kind: str, lo: KVLayout) -> str | None:
     """Why a request cannot be served here: a closed sender (``closed``: the roots of senders
     refused), or a layout that differs from ``kind`` and ``lo``."""
     if any(msg.group_prefix.startswith(root) for root in closed):
@@ -340,9 +339,7 @@ def _refused(
     theirs = (msg.backend, msg.num_layers, msg.elems_per_token, msg.dtype)
     if mine != theirs:
         return f"layout (backend, layers, elems/token, dtype) {theirs} != receiver's {mine}"
-    if msg.num_tokens < 1 or (
-        msg.token_ids is not None and len(msg.token_ids) != msg.num_tokens
-    ):
+    if msg.num_tokens < 1 or (msg.token_ids is not None and len(msg.token_ids) != msg.num_tokens):
         return f"bad num_tokens {msg.num_tokens}"
     return None
 

@@ -394,4 +394,3 @@ class DiskTier:
 
     def _file(self, namespace: str, tokens: Sequence[int]) -> Path:
         return self.dir / (chain_key(self.key, namespace, tokens) + CHUNK_SUFFIX)
-
