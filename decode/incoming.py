@@ -27,15 +27,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from pd.core.request import Req, ReqStatus
 from pd.engine.scheduler import HeldSlots
 from transfer.agent import TransferAgent
 from transfer.state import BaseSlotOwner, SlotReservation
 
-if TYPE_CHECKING:
-    from decode.scheduler import DecodeScheduler
+
+class IncomingSlots(Protocol):
+    """What the queue asks of the scheduler it is part of (``decode.scheduler.DecodeScheduler``):
+    the checks and the slots of its requests."""
+
+    def check_request(self, req: Req) -> None: ...
+
+    def reserve_incoming(self, req: Req, num_tokens: int) -> tuple[SlotReservation, int] | None: ...
+
+    def admit_prefilled(self, req: Req, first_token: int) -> None: ...
+
+    def release_incoming(self, req: Req) -> None: ...
 
 
 @dataclass(eq=False)
@@ -59,7 +69,7 @@ class IncomingQueue(BaseSlotOwner):
     ``DecodeScheduler`` (its slots count there) and the slot owner of the node's transfer
     agent; everything is called on the node's loop thread."""
 
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    def __init__(self, scheduler: IncomingSlots) -> None:
         self._scheduler = scheduler
         self._records: dict[str, Incoming] = {}
         self._failed: list[Failed] = []

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import msgspec
 
+from pd.cache.chunk_file import MAGIC, ChunkHeaderMsg, chain_key
 from pd.cache.disk_dir import CHUNK_SUFFIX
-from pd.cache.disk_tier import MAGIC, ChunkHeaderMsg, DiskTier, chain_key
+from pd.cache.disk_tier import DiskTier
 
 
 class CannotHarm(RuntimeError):

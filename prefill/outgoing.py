@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from pd.core.request import Req, ReqStatus
 from transfer.sender import KVSender
 from transfer.state import KVPoll
 
-if TYPE_CHECKING:
-    from prefill.scheduler import PrefillScheduler
+
+class SentSlots(Protocol):
+    """What the queue asks of the scheduler it is part of (``prefill.scheduler.PrefillScheduler``):
+    the slots of a request that leaves it."""
+
+    def release_sent(self, req: Req) -> None: ...
+
+    def abort(self, request_id: str) -> Req | None: ...
 
 
 class Route(NamedTuple):
@@ -52,7 +58,7 @@ class OutgoingQueue:
     ``PrefillScheduler`` (the slots of ``SENDING`` requests count there); everything is called
     on the node's loop thread."""
 
-    def __init__(self, scheduler: PrefillScheduler) -> None:
+    def __init__(self, scheduler: SentSlots) -> None:
         self._scheduler = scheduler
         self._records: dict[str, Outgoing] = {}
 

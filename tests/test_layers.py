@@ -164,9 +164,6 @@ def test_the_check_sees_an_upward_import(
 # Import circles that exist today inside a room, each a set of modules: to be broken (issue 53).
 # The test fails on any circle not listed here, and on a listed one that is gone (drop it).
 KNOWN_CIRCLES: list[frozenset[str]] = [
-    frozenset({"decode.incoming", "decode.scheduler"}),
-    frozenset({"prefill.outgoing", "prefill.scheduler"}),
-    frozenset({"pd.model.config", "pd.model.families"}),
 ]
 
 

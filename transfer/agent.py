@@ -3,23 +3,20 @@ transfer's state, and advances them in ``progress()``, which never blocks."""
 
 from __future__ import annotations
 
-import itertools
 import queue
 import time
-import uuid
 from collections.abc import Sequence
 
 import torch
 
-from transfer.backend import BaseTransferBackend, FakeTransferBackend
 from transfer.control import ControlPlane
-from transfer.datapath import JobResult, KVLayout, PairWorker
+from transfer.datapath import KVLayout
 from transfer.endpoint import parse_endpoint
-from transfer.group import TorchPairGroup
 from transfer.inbound import RejectsByPeer
-from transfer.messages import PairKeyMsg, TransferRequestMsg
-from transfer.receiver import KVReceiver, ReceiverSide, sender_root
-from transfer.rendezvous import Rendezvous, Route
+from transfer.messages import PairKeyMsg
+from transfer.pairs import PairFactory
+from transfer.receiver import KVReceiver, ReceiverSide
+from transfer.rendezvous import Route
 from transfer.sender import KVSender, SenderSide
 from transfer.state import BaseSlotOwner, KVPoll, TransferConfig
 
@@ -48,13 +45,6 @@ class TransferAgent:
         if kind == "nccl" and self.layout.device.type != "cuda":
             raise ValueError(f"backend nccl needs CUDA buffers, got {self.layout.device}")
         self.kind = kind
-        # gloo moves CPU tensors (CUDA buffers are staged through the host); nccl and fake
-        # move tensors where the buffers live.
-        self._pair_device = torch.device("cpu") if kind == "gloo" else self.layout.device
-        self._uid = uuid.uuid4().hex[:12]
-        self._incarnations = itertools.count()
-        self._rendezvous = Rendezvous(cfg.connect_timeout_s)
-        self._results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._ctrl = ControlPlane(
             cfg.secret,
             cfg.host,
@@ -63,9 +53,11 @@ class TransferAgent:
             max_frame_size=cfg.max_frame_bytes,
             max_conns=cfg.max_conns,
         )
-        self._sender = SenderSide(cfg, self._ctrl, self.layout, kind, self._new_send_worker)
+        self._pairs = PairFactory(cfg, kind, self.layout, self._ctrl.endpoint)
+        self._rendezvous = self._pairs.rendezvous
+        self._sender = SenderSide(cfg, self._ctrl, self.layout, kind, self._pairs.for_send)
         self._receiver = ReceiverSide(
-            cfg, self._ctrl, self.layout, kind, slot_owner, self._new_recv_worker
+            cfg, self._ctrl, self.layout, kind, slot_owner, self._pairs.for_recv
         )
         self._closed = False
 
@@ -165,7 +157,7 @@ class TransferAgent:
                 self._ctrl.send(out.route, out.msg)
         while True:
             try:
-                res = self._results.get_nowait()
+                res = self._pairs.results.get_nowait()
             except queue.Empty:
                 break
             (self._sender if res.job.is_send else self._receiver).on_result(res)
@@ -193,37 +185,3 @@ class TransferAgent:
         self._sender.close()
         self._receiver.close()
         self._ctrl.close()
-
-    # -- pair groups
-
-    def _new_send_worker(self, peer: str) -> tuple[PairWorker, str]:
-        prefix = f"{sender_root(self.endpoint)}{self._uid}/{next(self._incarnations)}"
-        return self._new_worker(prefix, 0, peer), prefix
-
-    def _new_recv_worker(self, identity: bytes, msg: TransferRequestMsg) -> PairWorker:
-        return self._new_worker(msg.group_prefix, 1, identity)
-
-    def _new_worker(self, prefix: str, rank: int, peer: Route) -> PairWorker:
-        """A worker that builds the pair as ``rank`` with ``peer``. Its store is open before
-        the peer can hear of the pair, so none of the peer's keys can come too early."""
-        if self.kind == "fake":
-            fake = lambda: FakeTransferBackend(prefix, rank, self._pair_device)  # noqa: E731
-            return PairWorker(prefix, fake, self.layout, self._results)
-        store = self._rendezvous.open(prefix, peer)
-
-        def connect() -> BaseTransferBackend:
-            # On the pair's worker thread: the rendezvous blocks until the peer joins.
-            try:
-                return TorchPairGroup(
-                    self.kind,
-                    store=store,
-                    prefix=prefix,
-                    rank=rank,
-                    timeout_s=self.cfg.connect_timeout_s,
-                    device=self._pair_device,
-                    local_host=self.cfg.host,
-                )
-            finally:
-                self._rendezvous.close(prefix)
-
-        return PairWorker(prefix, connect, self.layout, self._results)

@@ -1,27 +1,16 @@
 """The receiving side (decode node): one record per transfer id, driven by ``progress()``.
 
-BOOTSTRAPPING (no request yet; only when the owner asked about the id first)
-  -> HELD (a request came before the slot owner knew its id: kept, not refused, until the owner
-     does; bounded: ``max_held_requests`` at once, each for half the handshake timeout, after
-     which it is answered "no room" and back to BOOTSTRAPPING, so the sender asks again)
-  -> WAITING (request accepted, slots reserved, ready sent; deadline = now + timeout_s)
-  -> TRANSFERRING (start message seen; the pair worker receives and scatters)
-  -> SUCCESS (done sent; the slots are now the owner's: ``landed``)
-
-Any status before SUCCESS -> FAILED (slots released), but a failure while the worker runs the
-job goes through FAILING (polls as FAILED) until the job's result, so slots are released only
-once no worker job can still write into them. These are ``RecvStatus``; ``RecvRecord.move_to``
-is the one place that changes it, and asserts each step is one ``_NEXT_STATUS`` allows.
+A record's life is ``transfer.recv_record`` (``RecvStatus``: bootstrapping, held, waiting,
+transferring, success, or failed once no worker job can still write into its slots); this side
+answers the sender's messages, asks the slot owner for slots, and keeps one pair group worker
+per sender group.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -36,6 +25,8 @@ from transfer.messages import (
     TransferRequestMsg,
     TransferStartMsg,
 )
+from transfer.pairs import sender_root
+from transfer.recv_record import RecvRecord, RecvStatus
 from transfer.state import (
     BaseSlotOwner,
     KVPoll,
@@ -45,81 +36,6 @@ from transfer.state import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def sender_root(endpoint: str) -> str:
-    """Every pair group a sender whose control endpoint is ``endpoint`` builds is named under
-    this prefix, so a receiver can close them all when that sender is gone."""
-    return f"kvx/{endpoint}/"
-
-
-class RecvStatus(enum.Enum):
-    """Where one incoming transfer is; ``RecvRecord.state`` is what ``poll()`` shows of it."""
-
-    BOOTSTRAPPING = enum.auto()  # the owner asked about the id; no request yet
-    HELD = enum.auto()  # a request the owner could not place yet: answered once it can
-    WAITING = enum.auto()  # slots reserved, ready sent; the job is built, not yet submitted
-    TRANSFERRING = enum.auto()  # the job is on the pair: its worker may write into the slots
-    SUCCESS = enum.auto()  # KV in place, done sent; the slots are the owner's
-    FAILING = enum.auto()  # failed while the worker runs the job: the slots wait for its result
-    FAILED = enum.auto()  # failed; the reserved slots (if any) were released
-
-    @property
-    def poll(self) -> KVPoll:
-        if self == RecvStatus.HELD:
-            return KVPoll.BOOTSTRAPPING
-        return KVPoll.FAILED if self == RecvStatus.FAILING else KVPoll[self.name]
-
-
-_NEXT_STATUS: dict[RecvStatus, frozenset[RecvStatus]] = {
-    RecvStatus.BOOTSTRAPPING: frozenset({RecvStatus.HELD, RecvStatus.WAITING, RecvStatus.FAILED}),
-    RecvStatus.HELD: frozenset(
-        {RecvStatus.WAITING, RecvStatus.BOOTSTRAPPING, RecvStatus.FAILED}  # BOOTSTRAPPING: no room
-    ),
-    RecvStatus.WAITING: frozenset({RecvStatus.TRANSFERRING, RecvStatus.FAILED}),
-    RecvStatus.TRANSFERRING: frozenset(
-        {RecvStatus.SUCCESS, RecvStatus.FAILING, RecvStatus.FAILED}  # FAILED: job not started
-    ),
-    RecvStatus.FAILING: frozenset({RecvStatus.FAILED}),
-    RecvStatus.SUCCESS: frozenset(),
-    RecvStatus.FAILED: frozenset(),
-}
-
-
-@dataclass(eq=False)
-class RecvRecord:
-    transfer_id: str
-    status: RecvStatus = RecvStatus.BOOTSTRAPPING  # changed only by ``move_to``
-    deadline: float = math.inf  # no deadline until a request arrives (HELD: until when)
-    identity: bytes | None = None
-    prefix: str = ""
-    request: TransferRequestMsg | None = None  # HELD: the request to answer
-    reservation: SlotReservation | None = None
-    job: DataJob | None = None
-    failure: str | None = None
-    finished_at: float = math.inf
-
-    @property
-    def state(self) -> KVPoll:
-        return self.status.poll
-
-    def move_to(self, status: RecvStatus) -> None:
-        assert status in _NEXT_STATUS[self.status], (
-            f"receive {self.transfer_id}: {self.status.name} -> {status.name}"
-        )
-        self.status = status
-
-    def hold(self, identity: bytes, request: TransferRequestMsg, deadline: float) -> None:
-        """-> HELD: ``request`` waits here (until ``deadline``) for the owner to know its id."""
-        self.move_to(RecvStatus.HELD)
-        self.identity, self.prefix, self.request = identity, request.group_prefix, request
-        self.deadline = deadline
-
-    def unhold(self) -> None:
-        """HELD -> BOOTSTRAPPING: answered "no room", the sender asks again (the identity and
-        group stay known, so an abort either way still reaches the other side)."""
-        self.move_to(RecvStatus.BOOTSTRAPPING)
-        self.request, self.deadline = None, math.inf
 
 
 class KVReceiver(TransferHandle["ReceiverSide", RecvRecord]):
@@ -175,7 +91,7 @@ class ReceiverSide:
         if notify and rec.identity is not None:
             worker = self._workers.get(rec.prefix)
             broken = worker is None or worker.is_broken
-            self._reply_abort(rec.identity, rec.transfer_id, reason, pair_broken=broken)
+            self._ctrl.reply(rec.identity, _abort_msg(rec.transfer_id, reason, pair_broken=broken))
         rec.failure, rec.finished_at = reason, time.monotonic()
         if rec.job is not None and not rec.job.cancel():
             rec.move_to(RecvStatus.FAILING)  # the worker started it: release on its result
@@ -210,12 +126,14 @@ class ReceiverSide:
             self._owner.landed(rec.transfer_id)
         elif not rec.state.is_final:
             self.fail(rec, res.error or "cancelled")
-            self._release_after_job(rec)
+            if rec.status == RecvStatus.FAILING:  # it waited for the job's result
+                self._release(rec)
         else:  # failed earlier (deadline, abort); tell the sender if the pair died since
-            self._release_after_job(rec)
+            if rec.status == RecvStatus.FAILING:
+                self._release(rec)
             worker = self._workers.get(rec.prefix)
             if rec.identity is not None and (worker is None or worker.is_broken):
-                self._reply_abort(rec.identity, rec.transfer_id, "", pair_broken=True)
+                self._ctrl.reply(rec.identity, _abort_msg(rec.transfer_id, "", pair_broken=True))
         self._drop_broken()
 
     def tick(self, now: float) -> None:
@@ -279,16 +197,25 @@ class ReceiverSide:
         rec = self.records.get(msg.transfer_id)
         if rec is not None and rec.status != RecvStatus.BOOTSTRAPPING:
             if rec.state == KVPoll.FAILED:  # FAILING or FAILED
-                self._reply_abort(identity, msg.transfer_id, rec.failure or "")
+                self._ctrl.reply(identity, _abort_msg(msg.transfer_id, rec.failure or ""))
             elif rec.identity == identity and rec.status == RecvStatus.WAITING:
                 assert rec.reservation is not None  # a repeated request: answer the same
-                self._reply_ready(identity, msg.transfer_id, rec.reservation)
+                self._ctrl.reply(identity, _ready_msg(msg.transfer_id, rec.reservation))
             return  # HELD: answered once the owner knows the id
-        if (why := self._refused(msg)) is not None:
+        if (why := _refused(msg, self._closed, self._kind, self._layout)) is not None:
             log.warning("refused transfer %s: %s", msg.transfer_id, why)
-            self._reply_abort(identity, msg.transfer_id, why)
+            self._ctrl.reply(identity, _abort_msg(msg.transfer_id, why))
             return
-        self._worker_for(identity, msg)  # start the rendezvous now, off the critical path
+        # start the rendezvous now, off the critical path: the sender's pair group (a new one
+        # retires its older group)
+        worker = self._workers.get(msg.group_prefix)
+        if worker is None or worker.is_broken:
+            sender = msg.group_prefix.rpartition("/")[0]  # kvx/{endpoint}/{agent}/{n}
+            old = self._newest_of_sender.get(sender)
+            if old is not None and old != msg.group_prefix:
+                self._retire(old, "the sender moved on to a new pair group")
+            self._workers[msg.group_prefix] = self._new_worker(identity, msg)
+            self._newest_of_sender[sender] = msg.group_prefix
         if self._owner is not None and not self._owner.knows(msg.transfer_id):
             self._hold(identity, msg)
         else:
@@ -323,7 +250,7 @@ class ReceiverSide:
                 if self._owner
                 else None
             )
-            why = None if res is None else self._bad_reservation(msg, res)
+            why = None if res is None else _bad_reservation(msg, res, self._layout.num_slots)
         except Exception as e:  # the owner failed this transfer alone: say so, keep going
             log.exception("slot owner failed to reserve for %s", msg.transfer_id)
             res, why = None, f"reserve failed: {e}"
@@ -332,7 +259,7 @@ class ReceiverSide:
                 assert self._owner is not None
                 self._owner.release(msg.transfer_id, res)
             if held is None:
-                self._reply_abort(identity, msg.transfer_id, why)
+                self._ctrl.reply(identity, _abort_msg(msg.transfer_id, why))
             else:  # failed: a repeat of the request is refused the same
                 self.fail(held, why)
             return
@@ -348,7 +275,7 @@ class ReceiverSide:
         slots = torch.tensor(res.slots, dtype=torch.int64, device=self._layout.device)
         # its place in the stream (seq) and wire plan come with the start message
         rec.job = DataJob(transfer_id=msg.transfer_id, slots=slots, deadline=rec.deadline)
-        self._reply_ready(identity, msg.transfer_id, res)
+        self._ctrl.reply(identity, _ready_msg(msg.transfer_id, res))
 
     def _on_start(self, identity: bytes, msg: TransferStartMsg, rec: RecvRecord | None) -> None:
         worker = self._workers.get(msg.group_prefix)
@@ -383,66 +310,12 @@ class ReceiverSide:
         rec.move_to(RecvStatus.TRANSFERRING)
         worker.submit(job)
 
-    def _reply_ready(self, identity: bytes, transfer_id: str, res: SlotReservation) -> None:
-        ready = TransferReadyMsg(
-            transfer_id=transfer_id, slots=res.slots, num_cached_tokens=res.num_cached_tokens
-        )
-        self._ctrl.reply(identity, ready)
-
-    def _reply_abort(
-        self, identity: bytes, transfer_id: str, reason: str, pair_broken: bool = False
-    ) -> None:
-        abort = TransferAbortMsg(transfer_id=transfer_id, reason=reason, pair_broken=pair_broken)
-        self._ctrl.reply(identity, abort)
-
-    def _refused(self, msg: TransferRequestMsg) -> str | None:
-        """Why a request cannot be served here: a closed sender, or a layout that differs."""
-        if any(msg.group_prefix.startswith(root) for root in self._closed):
-            return "the sender was closed here"
-        lo = self._layout
-        mine = (self._kind, lo.num_layers, lo.elems_per_token, lo.dtype_name)
-        theirs = (msg.backend, msg.num_layers, msg.elems_per_token, msg.dtype)
-        if mine != theirs:
-            return f"layout (backend, layers, elems/token, dtype) {theirs} != receiver's {mine}"
-        if msg.num_tokens < 1 or (
-            msg.token_ids is not None and len(msg.token_ids) != msg.num_tokens
-        ):
-            return f"bad num_tokens {msg.num_tokens}"
-        return None
-
-    def _bad_reservation(self, msg: TransferRequestMsg, res: SlotReservation) -> str | None:
-        n_new = msg.num_tokens - res.num_cached_tokens
-        if not 0 <= res.num_cached_tokens <= msg.num_tokens or len(res.slots) != n_new:
-            return (
-                f"slot owner reserved {len(res.slots)} slots with {res.num_cached_tokens} cached "
-                f"for {msg.num_tokens} tokens (need {n_new} slots)"
-            )
-        if res.slots and not 0 <= min(res.slots) <= max(res.slots) < self._layout.num_slots:
-            return f"slot owner gave slots outside [0, {self._layout.num_slots})"
-        return None
-
-    def _worker_for(self, identity: bytes, msg: TransferRequestMsg) -> PairWorker:
-        worker = self._workers.get(msg.group_prefix)
-        if worker is None or worker.is_broken:
-            sender = msg.group_prefix.rpartition("/")[0]  # kvx/{endpoint}/{agent}/{n}
-            old = self._newest_of_sender.get(sender)
-            if old is not None and old != msg.group_prefix:
-                self._retire(old, "the sender moved on to a new pair group")
-            worker = self._workers[msg.group_prefix] = self._new_worker(identity, msg)
-            self._newest_of_sender[sender] = msg.group_prefix
-        return worker
-
     def _release(self, rec: RecvRecord) -> None:
         """-> FAILED (once): give the reserved slots back; no worker can write into them."""
         rec.move_to(RecvStatus.FAILED)
         if rec.reservation is not None:
             assert self._owner is not None
             self._owner.release(rec.transfer_id, rec.reservation)
-
-    def _release_after_job(self, rec: RecvRecord) -> None:
-        """The record's job has its result: a failure that waited for it is released now."""
-        if rec.status == RecvStatus.FAILING:
-            self._release(rec)
 
     def _drop_broken(self) -> None:
         for prefix, worker in list(self._workers.items()):
@@ -455,6 +328,43 @@ class ReceiverSide:
         for rec in self.records.values():
             if rec.prefix == prefix and rec.status in (RecvStatus.WAITING, RecvStatus.HELD):
                 self.fail(rec, reason)
+
+
+def _refused(msg: TransferRequestMsg, closed: Iterable[str], kind: str, lo: KVLayout) -> str | None:
+    """Why a request cannot be served here: a closed sender (``closed``: the roots of senders
+    refused), or a layout that differs from ``kind`` and ``lo``."""
+    if any(msg.group_prefix.startswith(root) for root in closed):
+        return "the sender was closed here"
+    mine = (kind, lo.num_layers, lo.elems_per_token, lo.dtype_name)
+    theirs = (msg.backend, msg.num_layers, msg.elems_per_token, msg.dtype)
+    if mine != theirs:
+        return f"layout (backend, layers, elems/token, dtype) {theirs} != receiver's {mine}"
+    if msg.num_tokens < 1 or (msg.token_ids is not None and len(msg.token_ids) != msg.num_tokens):
+        return f"bad num_tokens {msg.num_tokens}"
+    return None
+
+
+def _bad_reservation(msg: TransferRequestMsg, res: SlotReservation, num_slots: int) -> str | None:
+    """Why the owner's reservation cannot take the request's KV (a pool of ``num_slots``)."""
+    n_new = msg.num_tokens - res.num_cached_tokens
+    if not 0 <= res.num_cached_tokens <= msg.num_tokens or len(res.slots) != n_new:
+        return (
+            f"slot owner reserved {len(res.slots)} slots with {res.num_cached_tokens} cached "
+            f"for {msg.num_tokens} tokens (need {n_new} slots)"
+        )
+    if res.slots and not 0 <= min(res.slots) <= max(res.slots) < num_slots:
+        return f"slot owner gave slots outside [0, {num_slots})"
+    return None
+
+
+def _ready_msg(transfer_id: str, res: SlotReservation) -> TransferReadyMsg:
+    return TransferReadyMsg(
+        transfer_id=transfer_id, slots=res.slots, num_cached_tokens=res.num_cached_tokens
+    )
+
+
+def _abort_msg(transfer_id: str, reason: str, pair_broken: bool = False) -> TransferAbortMsg:
+    return TransferAbortMsg(transfer_id=transfer_id, reason=reason, pair_broken=pair_broken)
 
 
 def _bad_plan(msg: TransferStartMsg, num_tokens: int | None) -> str | None:

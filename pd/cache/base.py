@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from pd.cache.host_tier import TierStats
+from pd.cache.host_tier import HostTier, TierStats
 from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 
@@ -54,6 +54,7 @@ class BasePrefixCache(ABC):
 
     allocator: SlotAllocator
     page_size: int
+    lower: HostTier | None = None  # the host tier below the pool, if any
 
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
@@ -158,12 +159,13 @@ class BasePrefixCache(ABC):
     @property
     def tier_stats(self) -> TierStats | None:
         """The counters of the tier below the pool, or None without one."""
-        return None
+        return None if self.lower is None else self.lower.stats
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        """The engine computed ``num_tokens`` of prompts in ``seconds`` (a tier weighs loads
-        against it; without one, nothing to do)."""
-        return None
+        """The engine computed ``num_tokens`` of prompts in ``seconds``: the speed a load from
+        the tier below must beat (without one, nothing to do)."""
+        if self.lower is not None:
+            self.lower.prefill_rate.add(num_tokens, seconds)
 
     def match_prompt(self, prompt: Sequence[int], namespace: str = "") -> MatchResult:
         """``match_prefix(prompt[:-1])``: a fully cached prompt still computes its last token."""

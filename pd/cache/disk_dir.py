@@ -161,6 +161,24 @@ def unlink_if_there(p: Path) -> bool:
         return False
 
 
+def exists(p: Path) -> bool:
+    """``p`` exists (an error other than its absence is raised, unlike ``Path.exists``)."""
+    try:
+        os.stat(p)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def touch(p: Path) -> bool:
+    """Refresh ``p``'s modification time (its last use); False if it is not there."""
+    try:
+        os.utime(p)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _open_private(path: Path, flags: int) -> int:
     """An fd of the regular file ``path`` (created 0600), checked to be this user's and
     neither readable nor writable by group or others (``InsecurePathError``)."""

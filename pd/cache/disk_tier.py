@@ -17,17 +17,9 @@ engine's step only copies the KV out and queues it; a chunk still queued counts 
 full queue skips the chunk), each to a temporary name and then renamed (atomic on one file
 system).
 
-File layout::
-
-    b"PDKV2\n" | header length n (4 bytes, little endian) | header (msgpack, n bytes)
-              | tag (32 bytes) | payload
-    tag = HMAC-SHA256(the directory's key, the bytes before it)
-
-The header (``ChunkHeaderMsg``) repeats the key's parts and holds the payload's sha256. A read
-checks, in order: the magic, ``n <= MAX_HEADER_BYTES``, the tag (so a file written without the
-key is never parsed), the header's shape (a typed msgspec decode: no recursion, no unknown
-fields), its key, namespace and token path, the payload's length and sha256. A file failing any
-check is counted, removed and never loaded (a node's start-up scan checks all but the payload).
+A chunk file's format and the checks a read makes are ``pd.cache.chunk_file``'s. A file failing
+any check is counted, removed and never loaded (a node's start-up scan checks all but the
+payload).
 
 A match (``match``) only asks the file system which chunks exist (a ``stat`` each): the caller
 decides from that whether loading pays before any byte is read (``read_chunks``).
@@ -45,45 +37,36 @@ module never looks inside them.
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import logging
 import os
 import queue
-import struct
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
-import msgspec
-
-from pd.cache.disk_dir import CHUNK_SUFFIX, TMP_PREFIX, DiskDir, unlink_if_there
+from pd.cache.chunk_file import (
+    chain_key,
+    chain_keys,
+    chunk_bytes,
+    read_header,
+    read_payload,
+)
+from pd.cache.disk_dir import (
+    CHUNK_SUFFIX,
+    TMP_PREFIX,
+    DiskDir,
+    exists,
+    touch,
+    unlink_if_there,
+)
 from pd.core.private_dir import InsecurePathError
 
-MAGIC = b"PDKV2\n"
-_PREFIX = len(MAGIC) + 4  # the magic and the header's length
-_TAG_BYTES = 32
-MAX_HEADER_BYTES = 1 << 20  # a token path of ~200k tokens; a longer header is rejected unread
 MAX_PENDING_WRITES = 64  # chunks queued for the writer thread; more are skipped
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the chunk fails; the tier stays on
 logger = logging.getLogger(__name__)
-
-
-class ChunkHeaderMsg(msgspec.Struct, forbid_unknown_fields=True):
-    """What a chunk file says it is (authenticated by its tag)."""
-
-    model_key: str
-    namespace: str
-    tokens: list[int]  # the path from its root to the chunk's end
-    payload_bytes: int
-    payload_sha256: bytes
-
-
-_encode_header = msgspec.msgpack.Encoder().encode
-_decode_header = msgspec.msgpack.Decoder(ChunkHeaderMsg).decode
 
 
 class DiskStats(NamedTuple):
@@ -116,31 +99,6 @@ class Chunk(NamedTuple):
     @property
     def end(self) -> int:
         return len(self.path)
-
-
-def model_key(*parts: object) -> str:
-    """A short digest of what a chunk's KV depends on besides its tokens (model files, weight
-    format, KV dtype, page size, chunk size)."""
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
-
-
-def chain_key(key: str, namespace: str, tokens: Sequence[int]) -> str:
-    h = hashlib.sha256(f"{key}|{namespace}|".encode())
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    return h.hexdigest()[:40]
-
-
-def _chain_keys(
-    key: str, namespace: str, tokens: Sequence[int], first: int, step: int
-) -> Iterator[tuple[int, str]]:
-    """(end, ``chain_key`` of ``tokens[:end]``) for end = first, first + step, ... (within
-    ``tokens``), hashing each token once (a 4k-token match: 64 keys, not 64 prefixes)."""
-    h = hashlib.sha256(f"{key}|{namespace}|".encode())
-    done = 0
-    for end in range(first, len(tokens) + 1, step):
-        h.update(struct.pack(f"<{end - done}i", *tokens[done:end]))
-        done = end
-        yield end, h.copy().hexdigest()[:40]
 
 
 class DiskTier:
@@ -202,11 +160,11 @@ class DiskTier:
         if not self.is_on:
             return ends
         with self._contained("looking up chunks"):
-            for end, name in _chain_keys(self.key, namespace, tokens, first, self.chunk_tokens):
+            for end, name in chain_keys(self.key, namespace, tokens, first, self.chunk_tokens):
                 file = self.dir / (name + CHUNK_SUFFIX)
                 with self._lock:
                     queued = file in self._pending
-                if not queued and not _exists(file):
+                if not queued and not exists(file):
                     ends.append(end)
         return ends if self.is_on else []
 
@@ -220,7 +178,7 @@ class DiskTier:
             return
         target = self._file(namespace, path)
         with self._contained("refreshing a chunk"):
-            if _touch(target):  # here already: recently used, evicted last
+            if touch(target):  # here already: recently used, evicted last
                 return
         with self._lock:
             if target in self._pending or not self.is_on:
@@ -280,13 +238,7 @@ class DiskTier:
 
     def _write_now(self, target: Path, namespace: str, path: list[int], payload: bytes) -> None:
         assert self._store is not None
-        header = _encode_header(
-            ChunkHeaderMsg(
-                self.key, namespace, path, len(payload), hashlib.sha256(payload).digest()
-            )
-        )
-        signed = MAGIC + struct.pack("<I", len(header)) + header
-        data = signed + self._store.tag(signed) + payload
+        data = chunk_bytes(self.key, namespace, path, payload, self._store.tag)
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=CHUNK_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -311,8 +263,8 @@ class DiskTier:
             return refs
         first = (start // c + 1) * c
         with self._contained("looking up chunks"):
-            for end, name in _chain_keys(self.key, namespace, tokens, first, c):
-                if not _exists(self.dir / (name + CHUNK_SUFFIX)):
+            for end, name in chain_keys(self.key, namespace, tokens, first, c):
+                if not exists(self.dir / (name + CHUNK_SUFFIX)):
                     break
                 refs.append(ChunkRef(end - c, end))
         return refs if self.is_on else []
@@ -340,58 +292,25 @@ class DiskTier:
             payload = self._read_payload(file, namespace, path)
             if payload is None:
                 return None
-            _touch(file)  # recently used: evicted last
+            touch(file)  # recently used: evicted last
             return Chunk(list(path), len(path) - self.chunk_tokens, payload)
         return None
 
     def _read_payload(self, file: Path, namespace: str, path: Sequence[int]) -> memoryview | None:
+        assert self._store is not None
         try:
             with open(file, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                header = self._read_header(f, size)
-                if header is None or not self._is_of(header, namespace, path):
-                    self._reject(file)
-                    return None
-                data = bytearray(header.payload_bytes)  # one writable buffer: a view of it
-                if f.readinto(data) != len(data) or (
-                    hashlib.sha256(data).digest() != header.payload_sha256
-                ):
+                header = read_header(f, size, self._store.tag)
+                data = None
+                if header is not None and header.names(self.key, namespace, path):
+                    data = read_payload(f, header)
+                if data is None:
                     self._reject(file)
                     return None
         except FileNotFoundError:  # not written, or evicted by another node meanwhile
             return None
         return memoryview(data)
-
-    def _read_header(self, f: IO[bytes], size: int) -> ChunkHeaderMsg | None:
-        """The authenticated header of the chunk file ``f`` of ``size`` bytes (read up to the
-        payload), or None if any check fails."""
-        assert self._store is not None
-        head = f.read(_PREFIX)
-        if len(head) < _PREFIX or not head.startswith(MAGIC):
-            return None
-        (n,) = struct.unpack_from("<I", head, len(MAGIC))
-        if n > MAX_HEADER_BYTES or _PREFIX + n + _TAG_BYTES > size:
-            return None
-        body = f.read(n + _TAG_BYTES)
-        if len(body) != n + _TAG_BYTES:
-            return None
-        if not hmac.compare_digest(self._store.tag(head + body[:n]), body[n:]):
-            return None  # not written under this directory's key: never parsed
-        try:
-            header = _decode_header(body[:n])
-        except msgspec.DecodeError:
-            return None
-        if header.payload_bytes != size - _PREFIX - n - _TAG_BYTES:
-            return None
-        return header
-
-    def _is_of(self, header: ChunkHeaderMsg, namespace: str, path: Sequence[int]) -> bool:
-        """``header`` names exactly this key, namespace and token path."""
-        return (
-            header.model_key == self.key
-            and header.namespace == namespace
-            and header.tokens == list(path)
-        )
 
     def _reject(self, file: Path) -> None:
         unlink_if_there(file)  # the directory's count stays high until a write recounts it
@@ -434,10 +353,11 @@ class DiskTier:
     def _scan_one(self, file: Path) -> tuple[str, list[int], float] | None:
         """(namespace, path, last use) of the chunk file ``file`` by its header, or None (a
         bad one is rejected)."""
+        assert self._store is not None
         try:  # the header only: a payload is checked when it is read
             with open(file, "rb") as f:
                 st = os.fstat(f.fileno())
-                header = self._read_header(f, st.st_size)
+                header = read_header(f, st.st_size, self._store.tag)
         except FileNotFoundError:
             return None
         if (
@@ -474,21 +394,3 @@ class DiskTier:
 
     def _file(self, namespace: str, tokens: Sequence[int]) -> Path:
         return self.dir / (chain_key(self.key, namespace, tokens) + CHUNK_SUFFIX)
-
-
-def _exists(p: Path) -> bool:
-    """``p`` exists (an error other than its absence is raised, unlike ``Path.exists``)."""
-    try:
-        os.stat(p)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _touch(p: Path) -> bool:
-    """Refresh ``p``'s modification time (its last use); False if it is not there."""
-    try:
-        os.utime(p)
-        return True
-    except FileNotFoundError:
-        return False

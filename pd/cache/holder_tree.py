@@ -24,6 +24,8 @@ import struct
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
+from pd.cache.holder_edge import Edge
+
 TOKEN_BYTES = 4
 
 # One step of a walk: (held mask, pending mask, tokens matched up to the end of this step).
@@ -42,23 +44,6 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     except struct.error as e:
         bad = next((t for t in tokens if not 0 <= t < 1 << 32), None)
         raise ValueError(f"token id {bad} is out of [0, 2**32)") from e
-
-
-class Edge:
-    """One edge: its tokens and marks (opaque to callers, who only pass a walk's back)."""
-
-    __slots__ = ("key", "parent", "children", "held", "pending", "num_pending")
-
-    def __init__(self, key: bytes, parent: Edge | None, held: int = 0) -> None:
-        self.key = key
-        self.parent = parent
-        self.children: dict[bytes, Edge] | None = None  # None for a leaf: a dict costs 64+ B
-        self.held = held
-        self.pending = 0
-        self.num_pending: dict[int, int] | None = None  # bit -> prompts in flight through here
-
-    def same_marks(self, other: Edge) -> bool:
-        return self.held == other.held and self.num_pending == other.num_pending
 
 
 class HolderTree:
@@ -183,7 +168,7 @@ class HolderTree:
             node = self._roots[namespace] = Edge(b"", None)
         pos = 0
         for edge in start:
-            self._pend(edge, bit)
+            edge.pend(bit)
             pos += len(edge.key)
             node = edge
         while pos < len(key):
@@ -193,7 +178,7 @@ class HolderTree:
                 common = len(child.key)
             elif common < len(child.key):
                 child = self._split(child, common)
-            self._pend(child, bit)
+            child.pend(bit)
             pos += common
             node = child
 
@@ -208,7 +193,7 @@ class HolderTree:
         while pos < len(key):
             child, common = self._step(node, key, pos)
             assert child is not None and common == len(child.key), "pending path not found"
-            self._unpend(child, bit, 1)
+            child.unpend(bit, 1)
             pos += common
             node = child
         if pos:
@@ -220,11 +205,11 @@ class HolderTree:
         """Drop ``bit`` from every held mark (and every pending count with ``pending``)."""
         self.version += 1
         for root in self._roots.values():
-            order = list(self._iter_subtree(root))
+            order = list(root.subtree())
             for edge in order:
                 edge.held &= ~bit
                 if pending and edge.pending & bit:
-                    self._unpend(edge, bit, None)
+                    edge.unpend(bit, None)
             for edge in reversed(order):  # children before parents
                 self._tidy_one(edge)
 
@@ -253,7 +238,7 @@ class HolderTree:
         pb = self._page_bytes
         for root in self._roots.values():
             assert root.parent is None and not root.key and not root.held and not root.pending
-            for edge in self._iter_subtree(root):
+            for edge in root.subtree():
                 parent = edge.parent
                 assert parent is not None and parent.children is not None
                 assert edge.key and len(edge.key) % pb == 0, f"edge of {len(edge.key)} bytes"
@@ -295,28 +280,6 @@ class HolderTree:
             pos += common
             node = child
         return path, pos
-
-    @staticmethod
-    def _pend(edge: Edge, bit: int) -> None:
-        counts = edge.num_pending
-        if counts is None:
-            edge.num_pending = {bit: 1}
-        else:
-            counts[bit] = counts.get(bit, 0) + 1
-        edge.pending |= bit
-
-    @staticmethod
-    def _unpend(edge: Edge, bit: int, num: int | None) -> None:
-        """Take ``num`` (None: all) of node ``bit``'s pending prompts off ``edge``."""
-        counts = edge.num_pending
-        assert counts and bit in counts, f"no pending prompt of bit {bit} here"
-        if num is not None and counts[bit] > num:
-            counts[bit] -= num
-            return
-        del counts[bit]
-        edge.pending &= ~bit
-        if not counts:
-            edge.num_pending = None
 
     def _step(self, node: Edge, key: bytes, pos: int) -> tuple[Edge | None, int]:
         """The child of ``node`` that ``key[pos:]`` enters, and the bytes of it they share."""
@@ -400,17 +363,7 @@ class HolderTree:
     def _iter_paths(self) -> Iterator[tuple[str, bytes, Edge]]:
         for namespace, root in self._roots.items():
             paths = {id(root): b""}
-            for edge in self._iter_subtree(root):
+            for edge in root.subtree():
                 assert edge.parent is not None
                 path = paths[id(edge)] = paths[id(edge.parent)] + edge.key
                 yield namespace, path, edge
-
-    @staticmethod
-    def _iter_subtree(root: Edge) -> Iterator[Edge]:
-        """Every edge below ``root``, parents before children."""
-        stack = list((root.children or {}).values())
-        while stack:
-            edge = stack.pop()
-            yield edge
-            if edge.children:
-                stack.extend(edge.children.values())

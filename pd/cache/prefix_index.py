@@ -20,7 +20,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pd.cache.holder_tree import TOKEN_BYTES, Edge, HolderTree, WalkStep, encode_tokens
+from pd.cache.holder_edge import Edge
+from pd.cache.holder_tree import TOKEN_BYTES, HolderTree, WalkStep, encode_tokens
 from pd.core.messages import CacheEventMsg
 
 EVENT_KINDS = ("inserted", "evicted", "reset")

@@ -4,9 +4,9 @@ A node's key is whole pages of tokens and its value is the slots holding their K
 owns whole allocator pages and evicting it frees exactly those. Locks cover the path
 root..node; eviction takes unlocked leaves, least recently used first, trimming a leaf from its
 end by pages when less than the whole leaf is needed; with ``shares`` (fair eviction,
-``pd.cache.tenants``) each leaf is the own least recent of the tenant most over its share. Every insertion and eviction becomes a
-CacheEventMsg that the coordinator's PrefixIndex replays. The request-side protocol is in
-``pd.cache.base``.
+``pd.cache.tenants``) each leaf is the own least recent of the tenant most over its share.
+Every insertion and eviction becomes a CacheEventMsg that the coordinator's PrefixIndex
+replays (``pd.cache.cache_events``). The request-side protocol is in ``pd.cache.base``.
 
 With a host tier below (``lower``, ``pd.cache.host_tier``), an evicted leaf's path is saved
 down before its slots are freed, and a match that ends on the device continues there (and on
@@ -18,7 +18,6 @@ Counts (tokens): num_cached = num_evictable + num_protected; protected = on a lo
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from pd.cache.base import (
@@ -28,7 +27,8 @@ from pd.cache.base import (
     NodeHandle,
     check_slot_count,
 )
-from pd.cache.host_tier import HostTier, TierStats
+from pd.cache.cache_events import CacheEvents
+from pd.cache.host_tier import HostTier
 from pd.cache.radix_tree import RadixNode, RadixTree, TreeInsert
 from pd.cache.tenants import TenantShares
 from pd.core.kv_pool import SlotAllocator
@@ -49,22 +49,19 @@ class RadixCache(BasePrefixCache):
     ) -> None:
         self.allocator = allocator
         self.shares = shares  # fair eviction between tenants (None: global LRU)
-        self._lower = lower  # the host tier below the device pool, if any
+        self.lower = lower  # the host tier below the device pool, if any
         self.page_size = allocator.page_size
-        self.node_id = node_id
         self._tree = RadixTree(self.page_size)
         self._num_cached = 0
         self._num_protected = 0
         self._num_hit = 0
         self._num_miss = 0
         self._num_evicted = 0
-        self._next_seq = 0
-        # Bounded so an undrained cache cannot grow without limit; a consumer that falls behind
-        # sees a seq gap and asks for take_snapshot().
-        self._events: deque[CacheEventMsg] = deque(maxlen=max_pending_events)
+        trees = [self._tree] if lower is None else [self._tree, lower.tree]
+        self.events = CacheEvents(node_id, trees, max_pending_events)
         if lower is not None:  # what the disk holds from before this node: announced
             for namespace, path in lower.warm_up():
-                self._emit("inserted", namespace, path)
+                self.events.emit("inserted", namespace, path)
 
     # -- matching and locking ---------------------------------------------------------------
 
@@ -80,42 +77,42 @@ class RadixCache(BasePrefixCache):
     def match_for_peer(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
         m = self._tree.match(tokens, namespace)
         match = MatchResult(m.values, m.node, m.num_tokens)
-        if self._lower is not None and len(tokens) - m.num_tokens >= self.page_size:
+        if self.lower is not None and len(tokens) - m.num_tokens >= self.page_size:
             match = self._load_back(tokens, namespace, match)
-        if self._lower is not None and match.num_tokens:  # a reused prefix: written through
-            self._lower.write_through(tokens[: match.num_tokens], match.slots, namespace)
+        if self.lower is not None and match.num_tokens:  # a reused prefix: written through
+            self.lower.write_through(tokens[: match.num_tokens], match.slots, namespace)
         return match
 
     def _load_back(self, tokens: Sequence[int], namespace: str, m: MatchResult) -> MatchResult:
         """Extend the device match ``m`` with what the host tier, then the disk, hold beyond
         it, when loading beats computing and the device pool has room (evicting what is
         unlocked)."""
-        assert self._lower is not None
-        below = self._lower.match_below(tokens, namespace, m.num_tokens)
+        assert self.lower is not None
+        below = self.lower.match_below(tokens, namespace, m.num_tokens)
         h = below.host
         num_host = max(0, h.num_tokens - m.num_tokens)
         num_load = below.num_tokens - m.num_tokens
-        if num_load <= 0 or not self._lower.pays(num_host, num_load - num_host):
+        if num_load <= 0 or not self.lower.pays(num_host, num_load - num_host):
             return m
         if below.refs:  # loading pays: only now are the disk's bytes read
-            below = self._lower.read_below(below, tokens, namespace)
+            below = self.lower.read_below(below, tokens, namespace)
             num_load = below.num_tokens - m.num_tokens
             if num_load <= 0:
                 return m
         self.inc_lock_ref(m.last_node)
-        self._lower.lock(h)  # making room saves evicted paths into the tier: never over h
+        self.lower.lock(h)  # making room saves evicted paths into the tier: never over h
         try:
             if not self.make_room(num_load):
                 return m
             slots = self.allocator.allocate(num_load)
             if num_host:
-                self._lower.load(h, m.num_tokens, slots[:num_host])
+                self.lower.load(h, m.num_tokens, slots[:num_host])
             if num_load > num_host:
-                self._lower.load_chunks(below, m.num_tokens + num_host, slots[num_host:])
+                self.lower.load_chunks(below, m.num_tokens + num_host, slots[num_host:])
             end = below.num_tokens
             ins = self._insert(tokens[:end], m.slots + slots, m.last_node, namespace)
         finally:
-            self._lower.unlock(h)
+            self.lower.unlock(h)
             self.dec_lock_ref(m.last_node)
         return MatchResult(m.slots + slots, ins.node, end)
 
@@ -192,7 +189,7 @@ class RadixCache(BasePrefixCache):
         num_new = len(tokens) - ins.num_existing
         if num_new:
             self._num_cached += num_new
-            self._emit("inserted", namespace, list(tokens))
+            self.events.emit("inserted", namespace, list(tokens))
         return ins
 
     # -- eviction ---------------------------------------------------------------------------
@@ -202,27 +199,18 @@ class RadixCache(BasePrefixCache):
         for node, take in self._tree.evict_order(num_tokens, self.shares):
             path = self._tree.path_tokens(node)
             held = len(path) - take  # tokens of the path this node still holds afterwards
-            if self._lower is not None:
-                held = max(held, self._save_down(node, path))
+            if self.lower is not None:  # saved down, before its slots are freed
+                values = self._tree.path_values(node)
+                held_below, dropped = self.lower.save(path, values, node.namespace)
+                self.events.dropped_below(dropped)
+                held = max(held, held_below)
             self.allocator.free(self._tree.trim_leaf(node, take))
             freed += take
             if held < len(path):
-                self._emit("evicted", node.namespace, path, len(path) - held)
+                self.events.emit("evicted", node.namespace, path, len(path) - held)
         self._num_cached -= freed
         self._num_evicted += freed
         return freed
-
-    def _save_down(self, node: RadixNode, path: list[int]) -> int:
-        """Hand an evicted leaf's whole path to the host tier; returns how much of it the
-        tier holds. What the tier dropped for room, and the device does not hold either,
-        is gone from this node: an eviction event for each."""
-        assert self._lower is not None
-        held, dropped = self._lower.save(path, self._tree.path_values(node), node.namespace)
-        for d in dropped:
-            still = max(len(d.path) - d.num_tokens, self._tree.held_len(d.path, d.namespace))
-            if still < len(d.path):
-                self._emit("evicted", d.namespace, d.path, len(d.path) - still)
-        return held
 
     # -- counters and events ----------------------------------------------------------------
 
@@ -242,59 +230,13 @@ class RadixCache(BasePrefixCache):
     def stats(self) -> CacheStats:
         return CacheStats(self._num_hit, self._num_miss, self._num_evicted)
 
-    @property
-    def lower(self) -> HostTier | None:
-        """The host tier below the pool, if any."""
-        return self._lower
-
-    @property
-    def tier_stats(self) -> TierStats | None:
-        """The host tier's counters, or None without one."""
-        return None if self._lower is None else self._lower.stats
-
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        """The engine computed ``num_tokens`` of prompts in ``seconds``: the speed a load
-        from the host tier must beat."""
-        if self._lower is not None:
-            self._lower.prefill_rate.add(num_tokens, seconds)
-
-    @property
-    def next_seq(self) -> int:
-        """The seq the next event will carry."""
-        return self._next_seq
-
     def take_events(self) -> list[CacheEventMsg]:
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self.events.take()
 
     def take_snapshot(self) -> list[CacheEventMsg]:
-        """A ``reset`` then one ``inserted`` per leaf path: the whole cache as events.
-
-        Replaces the pending events (they are dropped), so a consumer that applies the snapshot
-        and then the later ``take_events`` is exactly in step again.
-        """
-        self._events.clear()
-        self._emit("reset", "", [])
-        trees = [self._tree] if self._lower is None else [self._tree, self._lower.tree]
-        for tree in trees:  # what the node holds in either tier
-            for node in tree.iter_nodes():
-                if not node.children:
-                    self._emit("inserted", node.namespace, tree.path_tokens(node))
-        return self.take_events()
-
-    def _emit(self, kind: str, namespace: str, tokens: list[int], num_evicted: int = 0) -> None:
-        self._events.append(
-            CacheEventMsg(
-                node_id=self.node_id,
-                seq=self._next_seq,
-                kind=kind,
-                namespace=namespace,
-                tokens=tokens,
-                num_evicted=num_evicted,
-            )
-        )
-        self._next_seq += 1
+        """A ``reset`` then one ``inserted`` per leaf path: the whole cache, in either tier, as
+        events (``CacheEvents.snapshot``: the pending events are dropped)."""
+        return self.events.snapshot()
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -323,8 +265,8 @@ class RadixCache(BasePrefixCache):
         assert num_protected == self._num_protected, (
             f"{num_protected} protected, counter {self._num_protected}"
         )
-        if self._lower is not None:
-            self._lower.check_integrity()
+        if self.lower is not None:
+            self.lower.check_integrity()
 
     def check_slot_ownership(self, running: Iterable[tuple[Sequence[int], NodeHandle]]) -> None:
         owned: list[Sequence[int]] = [n.value for n in self._tree.iter_nodes() if n.value]

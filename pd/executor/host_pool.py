@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pd.cache.disk_tier import DiskTier, model_key
+from pd.cache.chunk_file import model_key
+from pd.cache.disk_tier import DiskTier
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
 from pd.executor.config import EngineConfig

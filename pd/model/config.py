@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pd.core.attention import AttentionSpec
+from pd.model.families import config_fields
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """The config of an HF ``config.json``; ValueError naming what pd does not serve (an
         architecture, with the list it does; a rope scaling; a family's unsupported option)."""
-        from pd.model.families import read_config  # the families build ModelConfigs
-
-        return read_config(cfg)
+        return cls(**config_fields(cfg))
 
     @property
     def window_of(self) -> tuple[int, ...]:

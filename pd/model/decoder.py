@@ -315,7 +315,9 @@ class DecoderLM(nn.Module):
         tied = cfg.tie_word_embeddings
         if tied:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        mapped = to_decoder_weights(self.full_config, weights)
+        mapped = to_decoder_weights(
+            self.full_config.architecture, self.full_config.sandwich_norms, weights
+        )
         if self.tp is not None:
             mapped = shard_weights(self.full_config, mapped, self.tp.rank, self.tp.size)
         # assign: a model built on the meta device takes them

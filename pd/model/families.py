@@ -1,6 +1,7 @@
 """The model families pd serves, each as its differences from Llama: what its ``config.json``
-sets (``read_config``) and how its checkpoint names its weights (``to_decoder_weights``). The
-decoder they all run is ``pd.model.decoder``.
+sets (``config_fields``, the fields of a ``pd.model.config.ModelConfig``) and how its checkpoint
+names its weights (``to_decoder_weights``). The decoder they all run is ``pd.model.decoder``.
+``_FAMILY_KNOBS`` is the registry: a new family is one entry there.
 
     family       architectures                     differs from Llama by
     Llama        Llama (SmolLM2 too)               -
@@ -30,17 +31,10 @@ from typing import Any
 
 import torch
 
-from pd.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-)  # fmt: skip
-
-
-def read_config(cfg: dict[str, Any]) -> ModelConfig:
-    """The ``ModelConfig`` of an HF ``config.json``; ValueError naming what pd does not serve."""
+def config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of an HF ``config.json``; ValueError naming what pd does not
+    serve."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -65,8 +59,8 @@ def read_config(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         rope_scaling=_scaling(rope),
     )
-    base.update(_FAMILY_KNOBS.get(arch, _none)(cfg, base))
-    return ModelConfig(**base)
+    base.update(_FAMILY_KNOBS[arch](cfg, base))
+    return base
 
 
 def _rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
@@ -169,7 +163,9 @@ def _moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The registry: an architecture pd serves -> its knobs (what differs from Llama)
 _FAMILY_KNOBS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "LlamaForCausalLM": _none,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
@@ -179,6 +175,7 @@ _FAMILY_KNOBS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, An
     "MixtralForCausalLM": _moe,
     "Qwen3MoeForCausalLM": _moe,
 }
+SUPPORTED_ARCHITECTURES = tuple(_FAMILY_KNOBS)
 
 # decoder parameter -> the HF parameters concatenated (along output rows) into it
 _FUSED_PROJECTIONS = {
@@ -211,15 +208,15 @@ def _renamed(name: str, renames: dict[str, str]) -> str:
 
 
 def to_decoder_weights(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor]
+    architecture: str, sandwich_norms: bool, weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """An HF-named state dict -> the decoder's names: q/k/v and gate/up concatenated into the
     fused projections (a checkpoint that stores them fused, as Phi-3's, is kept as it is),
     Gemma's norms renamed by role, a mixture of experts' stacked experts split one module
     each. A part that is missing leaves the others as they are, so loading reports them."""
     renames = (
-        _GEMMA_NORMS if cfg.sandwich_norms
-        else _MIXTRAL_NAMES if cfg.architecture == "MixtralForCausalLM"
+        _GEMMA_NORMS if sandwich_norms
+        else _MIXTRAL_NAMES if architecture == "MixtralForCausalLM"
         else {}
     )  # fmt: skip
     out = {_renamed(name, renames): t for name, t in weights.items()}

@@ -14,7 +14,7 @@ request fails that request alone (``guard``).
 
 The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
 for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers (the engine's
-layer callback), so a busy loop is told from a stuck one. Any node's ``PullSource`` answers
+layer callback), so a busy loop is told from a stuck one (``pd.node.heartbeat``). Any node's ``PullSource`` answers
 another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``).
 When a peer dies or leaves
 (``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
@@ -35,14 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgspec
 import zmq
 
 from pd.core.addresses import node_addrs
@@ -52,44 +50,17 @@ from pd.engine.scheduler import Scheduler
 from pd.engine.torch_thread import TorchThread
 from pd.executor.config import EngineConfig
 from pd.node.config import NodeConfig, NodeSettings
+from pd.node.heartbeat import Heartbeat, LoopCommands, NodeResources
 from pd.node.links import Inbox, PeerLinks, ServerLink
 from pd.node.pulls import PullSource
 from pd.node.role import BaseRole, NodeParts
 from pd.node.staged_owner import StagedSlotOwner
 from pd.parallel.group import TensorParallelError
 from transfer.agent import TransferAgent
-from transfer.inbound import max_frame_bytes, merge_top
+from transfer.inbound import max_frame_bytes
 
 logger = logging.getLogger(__name__)
 _PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
-
-
-def _resident_bytes() -> int:
-    """This process's resident memory (Linux; 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class NodeResources(NamedTuple):
-    """What a node holds open; leak checks compare these with their idle level."""
-
-    num_pairs: int  # pair groups (as sender and as receiver)
-    num_sockets: int  # zmq sockets: inbox, server link, peer links, transfer control
-    num_threads: int  # Python threads of the process (pair workers and copiers among them)
-    num_transfers: int  # transfers not yet final
-
-    @classmethod
-    def measure(cls, transfer: TransferAgent, peers: PeerLinks) -> NodeResources:
-        """What a node with this transfer agent and these peer links holds open now."""
-        return cls(
-            num_pairs=transfer.num_pairs,
-            num_sockets=2 + len(peers) + transfer.num_sockets,
-            num_threads=threading.active_count(),
-            num_transfers=transfer.num_open_transfers,
-        )
 
 
 class Node:
@@ -163,10 +134,18 @@ class Node:
             )
         )
         self.pull_source = PullSource(self.core, self.transfer, self.peers)
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = (
-            queue.SimpleQueue()
+        self._commands = LoopCommands()
+        self.heartbeat = Heartbeat(
+            lambda: self.node_cfg.stats_interval_s,
+            self.role_name,
+            self.core,
+            self.role,
+            self.inbox,
+            self.server,
+            self.transfer,
+            self.peers,
+            self.pull_source,
         )
-        self._next_stats = 0.0
         self._stopped = threading.Event()
 
     @property
@@ -177,11 +156,6 @@ class Node:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
-
-    @property
-    def num_rejected_msgs(self) -> int:
-        """Frames that failed authentication, on the inbox and the transfer socket."""
-        return self.inbox.num_rejected_msgs + self.transfer.num_rejected_msgs
 
     # -- called from the actor's thread -----------------------------------------------------
 
@@ -206,12 +180,7 @@ class Node:
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn`` on the loop thread, between steps, and return its result."""
-        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._commands.put((fn, done))
-        result = done.get(timeout=timeout)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._commands.call(fn, timeout)
 
     def check_integrity(self) -> dict[str, int]:
         """Assert the slot pool and cache invariants; return the slot accounting."""
@@ -281,11 +250,11 @@ class Node:
         """One loop iteration; True if it ran a batch. ``block``: when idle, wait a little for
         the next message (the loop's way to sleep); tests drive nodes with ``block=False``."""
         self._recv()
-        self._run_commands()
-        result = self.core.step(before_run=self.role.before_run, on_layer_done=self._beat)
+        self._commands.run_pending()
+        result = self.core.step(before_run=self.role.before_run, on_layer_done=self.heartbeat.beat)
         self.role.after_step(result)
         self.pull_source.progress()
-        self._publish()
+        self.heartbeat.publish()
         busy = result.num_scheduled > 0
         if not busy and block:
             if self.node_cfg.debug_checks and self.count_unfinished() == 0:
@@ -308,17 +277,6 @@ class Node:
                 else:
                     self.role.handle(msg)
 
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                fn, done = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                done.put(fn())
-            except Exception as e:  # handed to the caller
-                done.put(e)
-
     def _on_peer_gone(self, msg: PeerGoneMsg) -> None:
         self.peers.close_peer(msg.addr)
         self.transfer.close_peer(msg.transfer_addr)  # fails its transfers before the role looks
@@ -334,43 +292,6 @@ class Node:
             if request_id:
                 self.role.abort(request_id)
                 self.server.report_error(request_id, f"{type(e).__name__} on {self.node_id}: {e}")
-
-    # -- what the server hears: cache events, and stats as the heartbeat --------------------
-
-    def _publish(self) -> None:
-        self.server.send_all(self.core.cache.take_events())
-        if time.monotonic() >= self._next_stats:
-            self._publish_stats()
-
-    def _beat(self, layer: int) -> None:
-        """A decoder layer finished (the engine's layer callback): let the role do what cannot
-        wait (``between_layers``), and beat if it is time."""
-        self.role.between_layers()
-        if time.monotonic() >= self._next_stats:
-            self._publish_stats()
-
-    def _publish_stats(self) -> None:
-        self._next_stats = time.monotonic() + self.node_cfg.stats_interval_s
-        counters = self.role.transfer_counters()._replace(
-            num_dropped_msgs=self.inbox.num_bad_msgs + self.transfer.num_dropped_msgs
-        )
-        res = NodeResources.measure(self.transfer, self.peers)
-        stats = self.core.stats(self.role_name, counters)
-        self.server.send(
-            msgspec.structs.replace(
-                stats,
-                num_rejected_msgs=self.num_rejected_msgs,
-                rejected_by_peer=merge_top(self.inbox.rejects.top(), self.transfer.rejects.top()),
-                num_pairs=res.num_pairs,
-                num_sockets=res.num_sockets,
-                num_threads=res.num_threads,
-                rss_bytes=_resident_bytes(),
-                num_pulls_served=self.pull_source.num_served,
-                num_transfer_retries=self.transfer.num_retries,
-                num_held_transfers=self.transfer.num_held_requests,
-                **self.role.stats_fields(),
-            )
-        )
 
     # -- accounting -------------------------------------------------------------------------
 

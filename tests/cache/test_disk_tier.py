@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from pd.cache import disk_tier
-from pd.cache.disk_tier import DiskTier, chain_key
+from pd.cache import chunk_file
+from pd.cache.chunk_file import chain_key
+from pd.cache.disk_tier import DiskTier
 from pd.cache.host_tier import HostTier
 from pd.cache.prefix_index import PrefixIndex
 from pd.cache.radix_cache import RadixCache
@@ -292,9 +293,9 @@ def test_a_header_nested_deep_or_too_long_is_rejected_and_counted_never_raised(
     paths = [[i] * CHUNK for i in range(len(bodies) + 1)]
     for body, path in zip([*bodies, None], paths):
         if body is None:  # a length of 4 GiB - 1, on a file of 80 bytes
-            data = disk_tier.MAGIC + struct.pack("<I", 2**32 - 1) + b"x" * 70
+            data = chunk_file.MAGIC + struct.pack("<I", 2**32 - 1) + b"x" * 70
         else:
-            data = disk_tier.MAGIC + struct.pack("<I", len(body)) + body
+            data = chunk_file.MAGIC + struct.pack("<I", len(body)) + body
             if key.exists():
                 data += hmac.new(key.read_bytes(), data, hashlib.sha256).digest()
             data += b"\0" * 16

@@ -14,8 +14,8 @@ from pd.core.kv_pool import SlotAllocator
 from pd.core.messages import CacheEventMsg
 
 
-def _make_cache(num_pages: int = 64, page_size: int = 1) -> RadixCache:
-    return RadixCache(SlotAllocator(num_pages * page_size, page_size), node_id="p0")
+def _make_cache(num_pages: int = 64, page_size: int = 1, node_id: str = "p0") -> RadixCache:
+    return RadixCache(SlotAllocator(num_pages * page_size, page_size), node_id=node_id)
 
 
 def _run(cache: RadixCache, tokens: list[int], namespace: str = "") -> None:
@@ -46,7 +46,7 @@ def test_replays_inserts_and_evictions() -> None:
     assert index.match_len([1, 1, 4, 4]) == 2 and index.match_len([1, 1, 4, 4], "t1") == 4
     assert index.match_len([1, 1, 4, 4], "t2") == 0
     assert index.num_cached_tokens == cache.num_cached_tokens == 8
-    assert index.next_seq == cache.next_seq and not index.needs_resync
+    assert index.next_seq == cache.events.next_seq and not index.needs_resync
 
 
 @pytest.mark.timeout(10)
@@ -219,9 +219,7 @@ def test_property_shared_index_matches_every_cache(page_size: int, data: st.Data
 
 @pytest.mark.timeout(10)
 def test_a_gap_on_one_node_is_repaired_by_its_snapshot() -> None:
-    caches = {n: _make_cache(page_size=2) for n in ("p0", "p1")}
-    for n, cache in caches.items():
-        cache.node_id = n
+    caches = {n: _make_cache(page_size=2, node_id=n) for n in ("p0", "p1")}
     shared = SharedPrefixIndex(page_size=2)
     for n in caches:
         shared.add(n)

@@ -182,7 +182,7 @@ def test_snapshot_resets_and_replays_the_cache() -> None:
     snap = cache.take_snapshot()
     assert snap[0].kind == "reset" and snap[0].seq == 2
     assert sorted(e.tokens for e in snap[1:]) == [[1, 2, 3], [1, 5]]
-    assert cache.take_events() == [] and cache.next_seq == 5
+    assert cache.take_events() == [] and cache.events.next_seq == 5
 
 
 @pytest.mark.timeout(10)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pd.model import loader
+from pd.model import convert
 from pd.model.loader import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
@@ -333,7 +333,7 @@ def test_gguf_path_is_converted_once_into_hashed_cache_dir(monkeypatch, tmp_path
     gguf = tmp_path / "Tiny-Model.Q8_0.gguf"
     gguf.write_bytes(b"GGUF" + bytes(range(256)))
     calls: list[Path] = []
-    monkeypatch.setattr(loader, "_write_converted", _fake_writer(calls))
+    monkeypatch.setattr(convert, "_write_converted", _fake_writer(calls))
 
     model_dir = resolve_model(str(gguf))
     assert model_dir.parent == tmp_path / "cache" / "models"
@@ -352,12 +352,12 @@ def test_crashed_conversion_leaves_no_cache_dir(monkeypatch, tmp_path: Path) -> 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     calls: list[Path] = []
-    monkeypatch.setattr(loader, "_write_converted", _fake_writer(calls, fail=True))
+    monkeypatch.setattr(convert, "_write_converted", _fake_writer(calls, fail=True))
     with pytest.raises(RuntimeError, match="simulated crash"):
         resolve_model(str(gguf))
     models = tmp_path / "cache" / "models"
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
 
-    monkeypatch.setattr(loader, "_write_converted", _fake_writer(calls))
+    monkeypatch.setattr(convert, "_write_converted", _fake_writer(calls))
     assert (resolve_model(str(gguf)) / "model.safetensors").is_file()
     assert len(calls) == 2

@@ -98,7 +98,7 @@ def _idle(server: Server, *nodes: Node) -> None:
 
 def _stats(server: Server, node: Node) -> dict[str, int]:
     server.stats.pop(node.node_id, None)
-    node._publish_stats()
+    node.heartbeat.send_stats()
     deadline = time.monotonic() + 5
     while node.node_id not in server.stats and time.monotonic() < deadline:
         server.drain()

@@ -139,7 +139,7 @@ def _simulate(
         sim.cache.check_integrity()
         sim.cache.check_slot_ownership([])
         index = coord.index(node_id)
-        assert not index.needs_resync and index.next_seq == sim.cache.next_seq
+        assert not index.needs_resync and index.next_seq == sim.cache.events.next_seq
         assert index.num_cached_tokens == sim.cache.num_cached_tokens
         assert sim.num_hit_tokens == sim.cache.stats.num_hit_tokens
         assert coord.nodes.load(node_id) == 0

@@ -184,20 +184,21 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         await _wait(lambda: p.inbox.drops.total == len(plan[p.addr]), 30, "the prefill node")
         gate.open()
         want_d = len(plan[d.addr]) + len(ctrl_plan[d_ctrl])
-        await _wait(lambda: d.num_rejected_msgs == want_d, 30, "the decode node")
+        await _wait(lambda: d.heartbeat.num_rejected_msgs == want_d, 30, "the decode node")
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
         # a prefill node reads its transfer socket only while it sends: one more request
         await asyncio.wait_for(run("after", PROMPTS[0]), 60)
         want_p = len(plan[p.addr]) + len(ctrl_plan[p_ctrl])
-        await _wait(lambda: p.num_rejected_msgs == want_p, 30, "the prefill node's transfer port")
+        await _wait(
+            lambda: p.heartbeat.num_rejected_msgs == want_p, 30, "the prefill node's transfer port"
+        )
 
         assert [outputs[f"r{i}"] for i in range(3)] + [outputs["after"]] == reference + [
             reference[0]
         ]
         # refused at the seal: none decoded, none applied
-        assert (client.num_rejected_msgs, p.num_rejected_msgs, d.num_rejected_msgs) == (
-            7, want_p, want_d
-        )  # fmt: skip
+        nodes_rejected = (p.heartbeat.num_rejected_msgs, d.heartbeat.num_rejected_msgs)
+        assert (client.num_rejected_msgs, *nodes_rejected) == (7, want_p, want_d)
         assert client.sockets._opener.drops.num_replayed == 1
         assert p.inbox.drops.num_replayed == 1 and d.inbox.drops.num_replayed == 1
         assert client.sockets.num_bad_msgs == p.inbox.num_bad_msgs == d.inbox.num_bad_msgs == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.receiver import RecvRecord, RecvStatus
+from transfer.recv_record import RecvRecord, RecvStatus
 from transfer.state import KVPoll
 
 
