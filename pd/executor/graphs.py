@@ -114,9 +114,11 @@ class DecodeGraphs:
                 # object; the entries are made here and only looked up afterwards. Each is
                 # static but for the key length: without automatic dynamic shapes, an entry
                 # made after another engine's (other dims) does not turn those dims symbolic,
-                # which inductor miscompiled around pd's opaque ops (an undefined stride)
+                # which inductor miscompiled around pd's opaque ops (an undefined stride).
+                # emulate_precision_casts: a bf16 value fused into the next op is rounded to
+                # bf16 first, as eager rounds it (else a fused residual add skips a rounding)
                 with (
-                    torch._inductor.config.patch(freezing=True),
+                    torch._inductor.config.patch(freezing=True, emulate_precision_casts=True),
                     torch._dynamo.config.patch(
                         recompile_limit=_MAX_ENTRIES, automatic_dynamic_shapes=False
                     ),

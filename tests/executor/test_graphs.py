@@ -122,3 +122,21 @@ def test_quantized_formats_compile_or_stay_eager_with_the_same_tokens(tiny_llama
     got = [r.token_ids for r in compiled.generate(prompts, GREEDY)]
     assert got == [r.token_ids for r in eager.generate(prompts, GREEDY)]
     _assert_no_leak(compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_compiled_steps_give_eagers_bits_in_bf16_too(tiny_llama_dir, dtype):
+    """With every linear, norm and attention on pd's opaque kernels, a compiled bf16 step has
+    nothing left to fuse its own way: its tokens and logits are eager's, bit for bit."""
+
+    def make(buckets: str) -> Engine:
+        return Engine(EngineConfig(model=str(tiny_llama_dir), dtype=dtype, compile_buckets=buckets))
+
+    compiled, eager = make("4"), make("off")
+    assert set(compiled.runner.graphs.compile_seconds) == {4}
+    prompts = _prompts(3, compiled.runner.model_config.vocab_size)
+    got = [r.token_ids for r in compiled.generate(prompts, GREEDY)]
+    assert got == [r.token_ids for r in eager.generate(prompts, GREEDY)]
+    assert compiled.runner.graphs.num_runs.get(4, 0) >= GREEDY.max_tokens - 2
+    _assert_no_leak(compiled)
