@@ -21,11 +21,18 @@ and this queue makes every move of its status (``pd.core.request``):
 6. ``forget_peer`` (the prefill node is gone; the agent failed its transfers already): what was
    expected from it, or landed with a first token that will never come, is freed and failed;
    a transfer it failed is freed by ``release``.
+
+An abort can overtake its request: the prefill node's ``AbortMsg`` for a request done at its
+first token comes on another socket than the server's ``DecodeReqMsg``. ``RecentAborts``
+remembers the ids an abort found nowhere, so the request that follows is dropped on arrival
+instead of waiting as ``EXPECTED`` for KV that never comes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -199,3 +206,36 @@ class IncomingQueue(BaseSlotOwner):
         inc = self._records.pop(request_id)
         self._scheduler.release_incoming(inc.req)
         inc.req.finish("abort")
+
+
+class RecentAborts:
+    """Request ids an abort found nowhere, for ``max_age_s`` and at most ``max_ids`` of them
+    (the oldest go first): bounded whatever a peer sends."""
+
+    def __init__(
+        self,
+        max_ids: int = 4096,
+        max_age_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_ids = max_ids
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._ids: OrderedDict[str, float] = OrderedDict()  # id -> when, oldest first
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, request_id: str) -> None:
+        now = self._clock()
+        self._ids[request_id] = now
+        self._ids.move_to_end(request_id)
+        while self._ids and (
+            len(self._ids) > self.max_ids or next(iter(self._ids.values())) < now - self.max_age_s
+        ):
+            self._ids.popitem(last=False)
+
+    def take(self, request_id: str) -> bool:
+        """Whether ``request_id`` was aborted before it came (forgotten now)."""
+        when = self._ids.pop(request_id, None)
+        return when is not None and when >= self._clock() - self.max_age_s

@@ -32,7 +32,7 @@ The life of a request on a decode node (its scheduler is ``DecodeScheduler``):
 
 from __future__ import annotations
 
-from decode.incoming import IncomingQueue
+from decode.incoming import IncomingQueue, RecentAborts
 from decode.scheduler import DecodeScheduler
 from pd.core.messages import (
     AbortMsg,
@@ -71,6 +71,7 @@ class DecodeRole(BaseRole):
         self.incoming: IncomingQueue = self.scheduler.incoming
         self.transfer = parts.transfer
         self.server = parts.server
+        self.recent_aborts = RecentAborts()  # aborts that came before their request
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -83,6 +84,8 @@ class DecodeRole(BaseRole):
             self.abort(msg.request_id)
 
     def _on_request(self, msg: DecodeReqMsg | LocalReqMsg) -> None:
+        if self.recent_aborts.take(msg.request_id):
+            return  # its abort overtook it (done at its first token on the prefill node)
         try:
             req = self.core.make_request(
                 msg.prompt_ids, msg.sampling, msg.request_id, msg.namespace
@@ -124,8 +127,10 @@ class DecodeRole(BaseRole):
             self.server.report_error(rid, f"prefill node {msg.node_id} is gone", can_retry=True)
 
     def abort(self, request_id: str) -> None:
-        if not self.incoming.abort(request_id, self.transfer):
-            self.scheduler.abort(request_id)
+        if self.incoming.abort(request_id, self.transfer):
+            return
+        if self.scheduler.abort(request_id) is None:  # not here yet, or not any more
+            self.recent_aborts.add(request_id)
 
     def after_step(self, result: StepResult) -> None:
         self.server.report_step(result)

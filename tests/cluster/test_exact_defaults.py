@@ -1,7 +1,8 @@
 """At ``pd serve``'s defaults (int4 weights, compiled decode steps for batches of 1, 2 and 4,
 conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
 path: alone and among 16, cold and warm, prefilled on its decode node or on a prefill node, its
-prefix pulled from another node or loaded back from the host tier, before and after a drain.
+prefix pulled from another node or loaded back from the host tier, before and after a drain. The
+same with ``--dtype bfloat16`` and with ``--quantization int8`` (every other default kept).
 
 One cluster (Ray, 2 prefill + 1 decode node of the default model, real processes). The
 reference is each prompt's answer alone on the idle cluster. A request made cold again is put
@@ -37,10 +38,18 @@ NOTES = " ".join(f"Note {i}: item {i} weighs {i * 7 % 13} kg." for i in range(30
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def live_spec() -> dict[str, Any]:
-    # pd serve's engine defaults, and its coordinator's (local prefill up to 128 tokens)
-    engine = {"quantization": "auto", "compile_buckets": "auto", "max_total_tokens": 1024}
+# pd serve's engine defaults, and two other weight formats with the rest of them
+FORMATS = {
+    "defaults": {"quantization": "auto"},
+    "bf16": {"quantization": "auto", "dtype": "bfloat16"},  # auto: no quantization for bf16
+    "int8": {"quantization": "int8"},
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def live_spec(request) -> dict[str, Any]:
+    # and the coordinator's defaults (local prefill up to 128 tokens)
+    engine = {**FORMATS[request.param], "compile_buckets": "auto", "max_total_tokens": 1024}
     return dict(num_prefill=2, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine)
 
 
@@ -88,7 +97,7 @@ def _answers(
 def reference(live: LiveCluster, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """Each prompt's answer alone on the idle cluster, cold (the first test's)."""
     cluster: Any = live.cluster
-    assert cluster.engine_cfg.quantization == "auto"
+    assert cluster.engine_cfg.compile_buckets == "auto"
     return {name: _answers(live, [ids])[0] for name, ids in prompts.items()}
 
 

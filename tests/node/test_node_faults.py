@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from pd.core.messages import AbortMsg, PeerGoneMsg, PeerUpMsg, PrefilledMsg, PrefillReqMsg
+from pd.core.messages import (
+    AbortMsg,
+    DecodeReqMsg,
+    PeerGoneMsg,
+    PeerUpMsg,
+    PrefilledMsg,
+    PrefillReqMsg,
+)
 from pd.core.request import ReqStatus
 from pd.core.sampling_params import SamplingParams
 from pd.model.decoder import DecoderLayer
@@ -42,6 +49,41 @@ def test_the_first_token_streams_from_the_decode_node(server, make_pair) -> None
     server.send(d, AbortMsg(request_id="at-prefill"))
     run_until(server, (p, d), lambda: d.count_unfinished() == 0)
     assert_idle(p, d)
+
+
+def test_an_abort_that_overtakes_its_request_leaves_no_record(server, make_pair) -> None:
+    """The prefill node's AbortMsg for a request done at its first token comes on its own
+    socket and can reach the decode node before the server's DecodeReqMsg: the request that
+    follows is dropped on arrival, not kept EXPECTED for KV that never comes (an idle node that
+    polls for it, a drain that waits its deadline)."""
+    p, d = make_pair()
+    server.send(d, AbortMsg(request_id="overtaken", reason="finished at prefill"))
+    run_until(server, (d,), lambda: len(d.role.recent_aborts) == 1, max_iters=200)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    server.send(
+        d,
+        DecodeReqMsg(
+            request_id="overtaken", prompt_ids=PROMPTS[0], sampling=one, namespace="",
+            prefill_node=p.node_id,
+        ),
+    )  # fmt: skip
+    run_until(server, (d,), lambda: len(d.role.recent_aborts) == 0, max_iters=200)
+    assert d.role.incoming.ids() == [] and d.count_unfinished() == 0
+    assert_idle(d)
+
+
+def test_recent_aborts_are_bounded_in_number_and_age() -> None:
+    from decode.incoming import RecentAborts
+
+    now = [0.0]
+    aborts = RecentAborts(max_ids=3, max_age_s=10.0, clock=lambda: now[0])
+    for i in range(5):
+        aborts.add(f"r{i}")
+    assert len(aborts) == 3 and not aborts.take("r0") and aborts.take("r4")
+    now[0] = 11.0
+    assert not aborts.take("r3")  # too old: a request that late is not the overtaken one
+    aborts.add("r5")
+    assert len(aborts) == 1
 
 
 @pytest.mark.parametrize("phase", ["expected", "reserved", "kv_landed"])
