@@ -229,9 +229,12 @@ class ModelRunner:
         with torch.device("meta"):  # no memory, no init: the checkpoint's tensors replace them
             model = DecoderLM(mc, tp)
         model.load_weights(load_weights(self.model_dir, self.dtype, self.device))
-        backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
+        # the linear backend is the library path's (--no-deterministic); pd's matmuls need none
+        backend = "aten"
         if self.deterministic:
             model.use_fixed_ops()
+        else:
+            backend = resolve_linear_backend(self.cfg.linear_backend, self.device, self.dtype)
         return quantize_linears(
             model.to(self.dtype).eval(),
             self.quantization,
