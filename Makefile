@@ -13,7 +13,7 @@ serve: setup
 # another much of the time (57% of the 2 cores busy on average in a serial run here), so two
 # files at once take the whole suite from ~27 to ~16 minutes on 2 cores. Each worker starts its
 # own private Ray instance; a file's tests share one worker, as they share its module fixtures.
-XDIST := -n 2 --dist loadfile
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PY) -m pytest -q $(XDIST) $(ARGS)

@@ -61,9 +61,34 @@ def _slowest_files(terminalreporter: Any, reports: list[Any], num: int = 20) -> 
         by_file[path] = by_file.get(path, 0.0) + getattr(r, "duration", 0.0)
     if len(by_file) < 2:
         return
-    terminalreporter.section(f"the {num} slowest files (seconds, one worker's)")
+    total = sum(by_file.values())
+    terminalreporter.section(f"the {num} slowest files (seconds, one worker's; all: {total:.0f})")
     for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:num]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+
+
+# The files that take longest (the summary's "slowest files"), longest first. ``make test`` hands
+# whole files to two workers in collection order (``--dist loadfile --no-loadscope-reorder``):
+# started first, the long files run beside the many short ones, and the workers end together
+# instead of one running a long file alone at the end.
+_LONGEST_FILES = (
+    "tests/cluster/test_exact_defaults.py",
+    "tests/scripts/test_chaos_soak.py",
+    "tests/multihost/test_onprem_cluster.py",
+    "tests/cluster/test_e2e.py",
+    "tests/cluster/test_tensor_parallel_live.py",
+    "tests/fleet/test_operate.py",
+)
+
+
+def _file_rank(item: pytest.Item) -> int:
+    """Where ``item``'s file runs: the longest files first, then every file that starts a
+    cluster or a process of its own, then the rest."""
+    path = item.nodeid.split("::", 1)[0]
+    if path in _LONGEST_FILES:
+        return _LONGEST_FILES.index(path)
+    heavy = any(item.get_closest_marker(m) for m in ("soak", "multihost", "cluster"))
+    return len(_LONGEST_FILES) + (0 if heavy else 1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -73,6 +98,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.module.__name__.rsplit(".", 1)[-1] in _CLUSTER_MODULES or "ray_session" in fixtures
         ):
             item.add_marker(pytest.mark.cluster)
+    items.sort(key=_file_rank)  # stable: a file's own order (its fixtures' grouping) is kept
 
 
 # Tokenizer pieces of an HF model dir; copied so tiny checkpoints are complete model dirs.

@@ -2,9 +2,11 @@
 conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
 path: alone and among 16, cold and warm, prefilled on its decode node or on a prefill node, its
 prefix pulled from another node or loaded back from the host tier, before and after a drain. The
-same with ``--dtype bfloat16`` and with ``--quantization int8`` (every other default kept).
+same with ``--dtype bfloat16`` and with ``--quantization int8`` (every other default kept), on
+the paths where they differ from the defaults (``EVERY_FORMAT``, ``EVERY_KV_DTYPE``).
 
-One cluster (Ray, 2 prefill + 1 decode node of the default model, real processes). The
+A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes;
+int8's needs no second prefill node: it is neither pulled from nor drained). The
 reference is each prompt's answer alone on the idle cluster. A request made cold again is put
 in a cache namespace of its own (a salt), so nothing it needs is cached; routing is steered where
 a path must be forced (the coordinator's choices, monkeypatched in this process)."""
@@ -46,11 +48,22 @@ FORMATS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
+# Every format answers alike on both kinds of node, alone, batched, cold and warm (what its
+# kernels decide). The paths that move KV (a pull, the host tier) run where the KV's dtype
+# differs: the defaults' and int8's KV is fp32, bf16's is bf16. A drain changes only the routing.
+EVERY_FORMAT = pytest.mark.parametrize("live_spec", list(FORMATS), indirect=True)
+EVERY_KV_DTYPE = pytest.mark.parametrize("live_spec", ["defaults", "bf16"], indirect=True)
+DEFAULTS = pytest.mark.parametrize("live_spec", ["defaults"], indirect=True)
+
+
+@pytest.fixture(scope="module")
 def live_spec(request) -> dict[str, Any]:
     # and the coordinator's defaults (local prefill up to 128 tokens)
     engine = {**FORMATS[request.param], "compile_buckets": "auto", "max_total_tokens": 1024}
-    return dict(num_prefill=2, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine)
+    num_prefill = 1 if request.param == "int8" else 2
+    return dict(
+        num_prefill=num_prefill, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +133,7 @@ def _spy_routes(coordinator: Any, monkeypatch: pytest.MonkeyPatch, local: bool) 
     return routes
 
 
+@EVERY_FORMAT
 @pytest.mark.parametrize("where", ["prefill node", "decode node"])
 def test_a_prompt_computed_on_either_node_answers_alike(
     live, prompts, reference, monkeypatch, where
@@ -134,6 +148,7 @@ def test_a_prompt_computed_on_either_node_answers_alike(
     assert all((r.prefill is None) == (where == "decode node") for r in routes), routes
 
 
+@EVERY_FORMAT
 def test_warm_answers_and_sixteen_at_once_equal_the_cold_ones_alone(live, prompts, reference):
     hits = _node_sum(live, "num_hit_tokens")
     names = list(prompts)
@@ -145,6 +160,7 @@ def test_warm_answers_and_sixteen_at_once_equal_the_cold_ones_alone(live, prompt
         assert got == [reference[q] for q in sixteen], cold
 
 
+@EVERY_KV_DTYPE
 def test_a_prefix_pulled_from_another_node_answers_as_computed(
     live, prompts, reference, monkeypatch
 ):
@@ -172,6 +188,7 @@ def test_a_prefix_pulled_from_another_node_answers_as_computed(
     assert d.error is None and d.num_pulled == d.num_tokens, d
 
 
+@EVERY_KV_DTYPE
 def test_prefixes_loaded_back_from_the_host_tier_answer_as_computed(live, prompts, reference):
     """Unrelated prompts fill every pool, so the earlier prefixes move down to the host tier;
     asked again, they are loaded back from there."""
@@ -183,6 +200,7 @@ def test_prefixes_loaded_back_from_the_host_tier_answer_as_computed(live, prompt
     assert _node_sum(live, "num_host_hit_tokens") > host_hits
 
 
+@DEFAULTS
 def test_after_a_prefill_node_drains_the_answers_are_the_same(live, prompts, reference):
     coordinator = live.cluster.client.coordinator
     prefill = coordinator.nodes.prefill_nodes
