@@ -24,7 +24,8 @@ reference answer; what it must get is written beside it):
   (the ports their processes listen on in the ephemeral range, not advertised), held and
   closed: no node may hold one 10 s later, none may be found dead.
 
-The soak's own checks judge the rest of the lane's promise: ``/health`` latency throughout
+An answer that failed only because its node was one the soak killed or froze is noted, not
+failed. The soak's own checks judge the rest of the lane's promise: ``/health`` latency throughout
 (``chaos_watch.probe_health``), the server's RSS, and no node found dead unasked
 (``chaos_report.run_checks``).
 """
@@ -42,12 +43,14 @@ from pdtools.chaos_cluster import listening_ports, rss_mib
 from pdtools.chaos_faults import Chaos, FaultRecord, fault
 from pdtools.chaos_hardening import _closed_by
 from pdtools.chaos_hostile import stalled_reader
+from pdtools.chaos_judge import NODE_FAILED
 from pdtools.chaos_load import Spec
 from pdtools.chaos_peers import hold_strangers
 from pdtools.chaos_tenant_http import (
     TOOLS,
     TOP,
     N,
+    Reply,
     big_schema,
     chat,
     completed,
@@ -79,8 +82,7 @@ async def tool_call_traps(chaos: Chaos, rec: FaultRecord, rng: random.Random) ->
         rec.notes.append(
             f"{name}: {reply.status} in {reply.seconds:.1f} s" + (f" ({why})" if why else "")
         )
-        if why:
-            rec.failures.append(f"{name}: want a completed answer, {why}")
+        _judged(chaos, rec, reply, why, f"{name}: want a completed answer")
 
 
 @fault("big-schema", "tenant")
@@ -97,11 +99,18 @@ async def big_schema_n16(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> 
         f"n={N} under a schema of {len(json.dumps(schema))} characters: {reply.status} in "
         f"{reply.seconds:.1f} s" + (" (the grammar's budget)" if budget else "")
     )
-    if why:
-        rec.failures.append(
-            f"n={N}, a big schema: want a completed answer or a 400 on the grammar's budget, {why}"
-        )
+    _judged(chaos, rec, reply, why, f"n={N}, a big schema: want an answer or a 400 on its budget")
     await _none_dead(chaos, rec, start)
+
+
+def _judged(chaos: Chaos, rec: FaultRecord, reply: Reply, why: str, want: str) -> None:
+    """A failure ``want, why`` unless ``why`` is empty or the reply's error names a node the
+    soak killed or froze before it ended (noted: its node was the soak's to kill)."""
+    failed = NODE_FAILED.search(reply.error)
+    if why and failed and chaos.doomed.get(failed[1], float("inf")) <= time.monotonic():
+        rec.notes.append(f"{want}: its node {failed[1]} was killed or frozen by the soak")
+    elif why:
+        rec.failures.append(f"{want}, {why}")
 
 
 async def _none_dead(chaos: Chaos, rec: FaultRecord, start: float) -> None:
@@ -230,8 +239,7 @@ async def logprobs_answer(chaos: Chaos, rec: FaultRecord, rng: random.Random) ->
     rec.notes.append(
         f"n={N}, top_logprobs={TOP}, up to {tokens} tokens: {reply.status} in {reply.seconds:.1f} s, {usage.get('completion_tokens')} tokens"
     )
-    if why:
-        rec.failures.append(f"n={N}, top_logprobs={TOP}: want the whole answer, {why}")
+    _judged(chaos, rec, reply, why, f"n={N}, top_logprobs={TOP}: want the whole answer")
 
 
 @fault("tpm-no-max", "tenant", needs="tpm")

@@ -42,3 +42,20 @@ def test_health_p99_is_judged_against_its_bound() -> None:
     check = health_check(slow, 250)
     assert not check.ok and "p99 300" in check.measured, check
     assert not health_check([], 250).ok
+
+
+def test_a_hostile_request_failed_only_by_a_node_the_soak_killed_is_not_a_failure() -> None:
+    from types import SimpleNamespace
+
+    from pdtools.chaos_faults import FaultRecord
+    from pdtools.chaos_tenant import _judged
+    from pdtools.chaos_tenant_http import Reply
+
+    chaos = SimpleNamespace(doomed={"decode-0": 0.0})
+    rec = FaultRecord("logprobs-answer", 0.0)
+    for node in ("decode-0", "decode-3"):  # killed by the soak; found dead unasked
+        reply = Reply()
+        reply.status, reply.error = 500, f"internal error: ClusterError('node {node} failed: x')"
+        _judged(chaos, rec, reply, "got 500", "want the whole answer")  # type: ignore[arg-type]
+    assert rec.failures == ["want the whole answer, got 500"]
+    assert rec.notes == ["want the whole answer: its node decode-0 was killed or frozen by the soak"]
