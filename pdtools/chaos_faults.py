@@ -2,7 +2,8 @@
 on a seeded schedule and keeps what they did.
 
 A fault is one function ``async def f(chaos, rec, rng)`` under ``@fault(name, lane, ...)``
-(``pdtools.chaos_nodes``, ``pdtools.chaos_traffic``, ``pdtools.chaos_hardening``); every
+(``pdtools.chaos_nodes``, ``pdtools.chaos_traffic``, ``pdtools.chaos_hardening``,
+``pdtools.chaos_tenant``); every
 list of faults (a lane's, the soak's ``--faults`` choices, the report's request sources) is
 read off ``FAULTS`` (``pdtools.chaos_lanes`` imports every fault module).
 
@@ -12,8 +13,9 @@ drains nodes (the real admin route, then ``/admin/scale`` back up), waiting betw
 the pools to be whole again. The traffic lane floods past the admission limit, stalls readers,
 trickles bodies, sends hostile input and junk frames at the nodes' sockets. A third lane runs
 the hardening faults (strangers on the nodes' ports, slow readers, silent request heads, a
-read-only disk tier; a planted disk chunk runs in the node lane). Each lane runs rounds, each a
-seeded shuffle of its faults, until the fault phase ends.
+read-only disk tier; a planted disk chunk runs in the node lane); a fourth, the hostile tenant's
+(``pdtools.chaos_tenant``), sends the requests of issue 55 with a key of its own and judges
+each. Each lane runs rounds, each a seeded shuffle of its faults, until the fault phase ends.
 
 Each fault leaves a ``FaultRecord`` (what it did and saw, and the failures it found); the nodes
 it meant to kill (``doomed``) or drain (``drained``) and the windows in which it pressed on
@@ -36,7 +38,7 @@ import httpx
 from pdtools.chaos_cluster import Api, Monitor, Pools, ProcessTree
 from pdtools.chaos_load import Outcome, References, Spec
 
-LANES = ("nodes", "traffic", "hardening")
+LANES = ("nodes", "traffic", "hardening", "tenant")
 GAP_S = (2.0, 5.0)  # quiet seconds before each fault of a lane (drawn)
 FAULT_TIMEOUT_S = 420.0  # no fault (its recovery included) may take longer
 PRESSURE_GRACE_S = 10.0  # 429s this long after a flood (its queue drains) are its own
@@ -48,7 +50,9 @@ class Fault(NamedTuple):
     name: str
     lane: str  # one of LANES
     run: Callable[..., Awaitable[None]]  # (chaos, rec, rng)
-    needs: str = ""  # "tp": nodes of several ranks (--tp N); "disk": a disk tier; "": nothing
+    # "tp": nodes of several ranks (--tp N); "disk": a disk tier; "tpm": a tokens-per-minute
+    # limit a key; "": nothing
+    needs: str = ""
     source: str = ""  # the requests it sends are Outcomes of this source ...
     source_label: str = ""  # ... shown so in the report
 
@@ -60,7 +64,7 @@ def fault(
     name: str, lane: str, needs: str = "", source: str = "", source_label: str = ""
 ) -> Callable[[Callable[..., Awaitable[None]]], Callable[..., Awaitable[None]]]:
     """Register the decorated ``async def f(chaos, rec, rng)`` as the fault ``name``."""
-    assert lane in LANES and needs in ("", "tp", "disk"), (lane, needs)
+    assert lane in LANES and needs in ("", "tp", "disk", "tpm"), (lane, needs)
 
     def register(run: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
         assert name not in FAULTS, f"fault {name!r} registered twice"
@@ -70,10 +74,10 @@ def fault(
     return register
 
 
-def faults_of(lane: str, tp: int = 1, disk: bool = False) -> tuple[str, ...]:
+def faults_of(lane: str, tp: int = 1, disk: bool = False, tpm: bool = False) -> tuple[str, ...]:
     """The faults of ``lane`` that apply to a server of ``tp`` ranks a node, with a disk tier
-    or not, in the order registered."""
-    has = {"": True, "tp": tp > 1, "disk": disk}
+    or not, a tokens-per-minute limit a key or not, in the order registered."""
+    has = {"": True, "tp": tp > 1, "disk": disk, "tpm": tpm}
     return tuple(f.name for f in FAULTS.values() if f.lane == lane and has[f.needs])
 
 
@@ -109,6 +113,11 @@ class Settings:
     disk_dir: Path | None = None  # the server's --disk-cache-dir
     readonly_s: float = 8.0
     num_fresh: int = 4  # fresh prompts asked twice while the disk is read-only
+    # the hostile tenant's lane (pdtools.chaos_tenant)
+    hostile_key: str | None = None  # its own API key (None: the steady load's)
+    tokens_per_minute: int = 0  # the server's --max-tokens-per-minute-per-key (0: none)
+    hostile_tokens: int = 1000  # tokens a choice of its n=16 answers
+    hostile_rss_mib: float = 96.0  # the server's RSS growth allowed under its stopped readers
 
 
 @dataclass
@@ -251,7 +260,6 @@ class Chaos:
             for r in self.records
             if r.pressure
         ]
-
 
 
 def count_statuses(counts: Counter[int | None]) -> str:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from pdtools.chaos_cluster import Interval
 from pdtools.chaos_load import Answer, Outcome
 
-_NODE_FAILED = re.compile(r"node ([\w.-]+) failed")
+NODE_FAILED = re.compile(r"node ([\w.-]+) failed")
 _CUT_CODES = ("", "request_timeout")  # how a server may end a stream whose client stopped reading
 
 
@@ -49,7 +49,7 @@ def judge(out: Outcome, ref: Answer, ctx: Context) -> Verdict:
             return Verdict("ok", "") if why is None else Verdict("wrong", why)
         if not out.answer.is_prefix_of(ref):
             return Verdict("wrong", f"cut short, and what came differs: {out.answer.text[:60]!r}")
-    failed = _NODE_FAILED.search(out.error)
+    failed = NODE_FAILED.search(out.error)
     if failed and ctx.doomed.get(failed[1], float("inf")) <= out.end:
         return Verdict("expected", "its node was killed or frozen")
     if out.status == 200:  # a stream cut short, no node to blame

@@ -5,18 +5,19 @@ sources.
 
 from __future__ import annotations
 
-from pdtools import chaos_hardening, chaos_nodes, chaos_traffic
+from pdtools import chaos_hardening, chaos_nodes, chaos_tenant, chaos_traffic
 from pdtools.chaos_faults import FAULTS, LANES, faults_of
 
-FAULT_MODULES = (chaos_nodes, chaos_traffic, chaos_hardening)  # each registers its faults
+FAULT_MODULES = (chaos_nodes, chaos_traffic, chaos_hardening, chaos_tenant)  # each registers
 
 
 def lanes(
-    tp: int = 1, disk: bool = False, only: list[str] | None = None
+    tp: int = 1, disk: bool = False, only: list[str] | None = None, tpm: bool = False
 ) -> dict[str, tuple[str, ...]]:
-    """Each lane's faults for a server of ``tp`` ranks a node, with a disk tier or not
-    (``only``: these faults alone); lanes left empty are left out."""
-    got = {lane: faults_of(lane, tp, disk) for lane in LANES}
+    """Each lane's faults for a server of ``tp`` ranks a node, with a disk tier or not, a
+    tokens-per-minute limit a key or not (``only``: these faults alone); lanes left empty are
+    left out."""
+    got = {lane: faults_of(lane, tp, disk, tpm) for lane in LANES}
     if only is not None:
         got = {lane: tuple(n for n in names if n in only) for lane, names in got.items()}
     return {lane: names for lane, names in got.items() if names}

@@ -182,6 +182,8 @@ class Run(NamedTuple):
     routes: dict[str, list[dict[str, Any]]] = {}  # noqa: RUF012 - never mutated
     # each node's RSS (MiB) over time, by node id
     node_rss: dict[str, list[tuple[float, float]]] = {}  # noqa: RUF012 - never mutated
+    health: list[tuple[float, float]] = []  # noqa: RUF012 - GET /health: (when, seconds)
+    max_health_p99_ms: float = 250.0
 
 
 def wrong_outcomes(run: Run) -> list[Outcome]:
@@ -258,6 +260,7 @@ def run_checks(run: Run) -> list[Check]:
         Check("admin polls unanswered within 10 s", str(monitor.num_errors), "0", monitor.num_errors == 0),
         Check("server RSS (MiB)", memory, f"growth <= {run.max_rss_growth_mib:g}", growth <= run.max_rss_growth_mib),
         node_memory_check(run.node_rss, run.max_rss_growth_mib),
+        health_check(run.health, run.max_health_p99_ms),
         disk_off_check(run),
     ]  # fmt: skip
 
@@ -288,6 +291,23 @@ def node_memory_check(samples: dict[str, list[tuple[float, float]]], bound: floa
         measured,
         f"growth <= {bound:g}",
         ok,
+    )
+
+
+def health_check(samples: list[tuple[float, float]], bound_ms: float) -> Check:
+    """``GET /health``'s latency over the soak (probes unanswered count as their timeout)."""
+    took = [1000 * s for _, s in samples]
+    p99 = percentile(took, 0.99)
+    measured = (
+        f"p99 {p99:.0f}, p50 {percentile(took, 0.5):.0f}, max {max(took):.0f} ({len(took)} probes)"
+        if took
+        else "no probe"
+    )
+    return Check(
+        "GET /health latency throughout (ms)",
+        measured,
+        f"p99 < {bound_ms:g}",
+        bool(took) and p99 < bound_ms,
     )
 
 

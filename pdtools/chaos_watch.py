@@ -1,6 +1,6 @@
 """What ``scripts/chaos_soak.py`` runs beside its faults: a wait for the server to be ready, the
-steady clients, the server's and each node's memory sampled, and the leak checks polled until
-they settle.
+steady clients, the server's and each node's memory sampled, ``GET /health`` timed, and the
+leak checks polled until they settle.
 """
 
 from __future__ import annotations
@@ -59,6 +59,27 @@ async def sample_rss(pid: int | None, samples: list[tuple[float, float]]) -> Non
     while pid is not None and (rss := rss_mib(pid)) is not None:
         samples.append((time.monotonic(), rss))
         await asyncio.sleep(5.0)
+
+
+HEALTH_EVERY_S = 0.25
+HEALTH_TIMEOUT_S = 10.0  # a probe unanswered this long counts as this long
+
+
+async def probe_health(url: str, samples: list[tuple[float, float]]) -> None:
+    """``GET /health`` every ``HEALTH_EVERY_S`` on a connection of its own each time (as a
+    load balancer's check): (when, seconds to its answer) in ``samples``; an error or no
+    answer counts as ``HEALTH_TIMEOUT_S``."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as http:
+        while True:
+            start = time.monotonic()
+            try:
+                r = await http.get("/health", timeout=HEALTH_TIMEOUT_S)
+                took = time.monotonic() - start if r.status_code == 200 else HEALTH_TIMEOUT_S
+            except httpx.HTTPError:
+                took = HEALTH_TIMEOUT_S
+            samples.append((start, took))
+            await asyncio.sleep(max(0.0, HEALTH_EVERY_S - (time.monotonic() - start)))
 
 
 async def sample_node_rss(

@@ -2,7 +2,9 @@
 ``max_tokens``) while nodes are killed, frozen and drained, admission is flooded, readers stall
 or read slowly, bodies trickle, request heads go silent, hostile input, junk frames and
 strangers' connections arrive, the disk tier turns read-only and a forged chunk is planted in
-it, on a seeded schedule; then, after a quiet period, checks that nothing leaked. Prints a
+it, and a hostile tenant with a key of its own sends what issue 55 found could freeze the
+server, kill nodes or exhaust its memory (``pdtools.chaos_tenant``), on a seeded schedule, while
+``/health`` is timed throughout; then, after a quiet period, checks that nothing leaked. Prints a
 report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
 
     python scripts/chaos_soak.py --minutes 30 [--seed S] [--model DIR] [--report PATH]
@@ -45,7 +47,15 @@ from pdtools.chaos_faults import FAULTS, Chaos, Settings
 from pdtools.chaos_lanes import lanes
 from pdtools.chaos_load import Outcome, long_spec, make_specs, references
 from pdtools.chaos_report import Run, render, summarize, wrong_outcomes
-from pdtools.chaos_watch import sample_node_rss, sample_rss, settle, steady, wait_ready
+from pdtools.chaos_tenant_http import TENANT_FLAGS, TOKENS_PER_MINUTE
+from pdtools.chaos_watch import (
+    probe_health,
+    sample_node_rss,
+    sample_rss,
+    settle,
+    steady,
+    wait_ready,
+)
 from pdtools.disk_faults import writable_again
 
 QUIET_S = 20.0  # steady load without faults before the checks
@@ -168,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --url: the server's disk tier (its faults are skipped without one); a "
         "server the soak starts gets a fresh one",
     )
+    for flag, kind, default, text in TENANT_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument(
         "--faults",
         nargs="+",
@@ -176,7 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FAULT",
         help="run only these faults (default: every one that applies; the rank faults need "
         "--tp > 1, planted-chunk a disk tier), by lane: "
-        + "; ".join(f"{lane}: {', '.join(names)}" for lane, names in lanes(2, True).items()),
+        + "; ".join(
+            f"{lane}: {', '.join(names)}" for lane, names in lanes(2, True, tpm=True).items()
+        ),
     )
     return p.parse_args(argv)
 
@@ -206,6 +220,8 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
         "--max-body-bytes", str(MAX_BODY_BYTES), "--request-timeout", f"{args.request_timeout:g}",
         "--api-key", args.api_key,
     ]  # fmt: skip
+    if args.hostile_api_key:  # the hostile tenant's own key
+        out += ["--api-key", args.hostile_api_key]
     if args.model:
         out += ["--model", args.model]
     if args.disk_cache_dir is not None:
@@ -216,6 +232,7 @@ def serve_args(args: argparse.Namespace, flags: set[str]) -> list[str]:
         "--stream-write-timeout-s": f"{WRITE_TIMEOUT_S:g}",  # a stalled reader outlasts it
         "--body-read-timeout-s": "8",  # shorter than a slow body's trickle
         "--header-timeout-s": f"{args.header_timeout_s:g}",  # the silent heads' deadline
+        "--max-tokens-per-minute-per-key": str(args.tokens_per_minute or "") or None,
     }
     for flag, value in optional.items():
         if value is not None and flag in flags:
@@ -274,6 +291,8 @@ async def _soak(
         num_slow=MAX_INFLIGHT + 8, slow_s=15.0, junk_frames=20_000, junk_big_bytes=8 << 20,
         header_timeout_s=args.header_timeout_s, disk_dir=args.disk_cache_dir,
         strangers_every_port=args.strangers_every_port,
+        hostile_key=args.hostile_api_key or args.api_key, tokens_per_minute=args.tokens_per_minute or 0,
+        hostile_tokens=args.hostile_tokens, hostile_rss_mib=args.max_rss_growth_mib,
     )  # fmt: skip
     outcomes: list[Outcome] = []
     monitor = Monitor(api)
@@ -292,7 +311,10 @@ async def _soak(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
     node_sampler = asyncio.get_running_loop().create_task(sample_node_rss(monitor, tree, node_rss))
-    faults = lanes(args.tp, args.disk_cache_dir is not None, args.faults)
+    health: list[tuple[float, float]] = []
+    prober = asyncio.get_running_loop().create_task(probe_health(api.url, health))
+    has_tpm = bool(args.tokens_per_minute)
+    faults = lanes(args.tp, args.disk_cache_dir is not None, args.faults, tpm=has_tpm)
     await asyncio.gather(
         *(
             chaos.lane(names, faults_end, random.Random(f"{args.seed}/{lane}"))
@@ -307,12 +329,13 @@ async def _soak(
     metrics1 = await api.metrics()
     await monitor.poll()
     await monitor.stop()
-    sampler.cancel()
-    node_sampler.cancel()
+    for task in (sampler, node_sampler, prober):
+        task.cancel()
     engine = (" ".join(engine_args(args)) or "defaults") if server is not None else ""
     run = Run(
         args.minutes, args.seed, model["id"], sizes, chaos, monitor, refs, outcomes, checks,
         metrics0, metrics1, rss, origin, args.max_rss_growth_mib, engine, node_rss=node_rss,
+        health=health, max_health_p99_ms=args.max_health_p99_ms,
     )  # fmt: skip
     wrong = [out.request_id for out in wrong_outcomes(run)[:20] if out.request_id]
     routes = {rid: await api.routes(rid) for rid in wrong}
@@ -333,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         args.stream_write_timeout_s = (
             WRITE_TIMEOUT_S if "--stream-write-timeout-s" in flags else 0.0
         )
+        args.hostile_api_key = args.hostile_api_key or secrets.token_hex(16)
+        if "--max-tokens-per-minute-per-key" not in flags:
+            args.tokens_per_minute = 0
+        elif args.tokens_per_minute is None:
+            args.tokens_per_minute = TOKENS_PER_MINUTE
         if "--disk-cache-dir" in flags:  # a disk tier the soak owns (harmed by its faults)
             args.disk_cache_dir = Path(tempfile.mkdtemp(prefix="chaos-soak-disk-"))
         server = ServeProcess(serve_args(args, flags), free_port(), log)

@@ -27,6 +27,16 @@ time, which a read refreshes) until it fits, and writes the true count. A node t
 recounts. A file removed outside the lock (a chunk rejected on read, a node killed between
 counting and renaming) leaves the count high, never low, so the directory stays within
 ``max_bytes``; the next write that finds it full recounts.
+
+The file system's floor. ``max_bytes`` bounds the chunks, not what else fills the file system:
+before a chunk is written, ``room_for`` asks the file system (``statvfs``) whether it leaves
+``floor`` bytes free (``min_free_bytes`` or ``min_free_fraction`` of the file system, the
+larger) after the chunk. If not, the oldest chunks are removed when that restores the floor,
+else nothing is removed or written (the directory's chunks stay readable): the caller holds
+back (``pd.cache.disk_tier``), and a full disk is never written into.
+
+The parents. Every directory above ``root`` is checked at start (``pd.core.private_dir.
+check_parents``): one another user could write is refused, naming it.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pd.core.private_dir import InsecurePathError, check_trusted, private_dir
+from pd.core.private_dir import InsecurePathError, check_parents, check_trusted, private_dir
 
 KEY_FILE = ".pd-key"
 USAGE_FILE = ".pd-usage"
@@ -60,9 +70,15 @@ logger = logging.getLogger(__name__)
 class DiskDir:
     """The directory ``root`` of at most ``max_bytes`` of chunks, in subdirectories."""
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int, min_free_bytes: int = 0, min_free_fraction: float = 0.0
+    ) -> None:
+        check_parents(root)  # before anything is made under them
         self.root = private_dir(root)
+        check_parents(root)  # and those just made
         self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.min_free_fraction = min_free_fraction
         self.key = _load_key(self.root / KEY_FILE)
         self._usage_fd = _open_private(self.root / USAGE_FILE, os.O_RDWR | os.O_CREAT)
         self._thread_lock = threading.Lock()
@@ -96,6 +112,25 @@ class DiskDir:
             os.replace(tmp, target)
         return True
 
+    def room_for(self, num_bytes: int) -> bool:
+        """Whether the file system keeps its floor with ``num_bytes`` more written, after
+        removing the oldest chunks (of any model) if that is enough to keep it; if it is not,
+        nothing is removed."""
+        short = num_bytes - self._free_above_floor()
+        if short <= 0:
+            return True
+        with self._locked():
+            held = self._scan(0)
+            if held < short:  # others fill the file system: what is here stays
+                return False
+            self._write_usage(self._scan(0, bound=held - short))
+        return num_bytes <= self._free_above_floor()
+
+    def _free_above_floor(self) -> int:
+        st = os.statvfs(self.root)
+        floor = max(self.min_free_bytes, int(self.min_free_fraction * st.f_blocks * st.f_frsize))
+        return st.f_bavail * st.f_frsize - floor
+
     def close(self) -> None:
         os.close(self._usage_fd)
 
@@ -115,9 +150,11 @@ class DiskDir:
     def _write_usage(self, num_bytes: int) -> None:
         os.pwrite(self._usage_fd, struct.pack("<Q", max(0, num_bytes)), 0)
 
-    def _scan(self, room: int) -> int:
+    def _scan(self, room: int, bound: int | None = None) -> int:
         """Count the chunks of every subdirectory, removing the oldest until ``room`` more
-        bytes fit and the temporary files of writers that died; -> the bytes left."""
+        bytes fit within ``bound`` (default ``max_bytes``) and the temporary files of writers
+        that died; -> the bytes left."""
+        bound = self.max_bytes if bound is None else bound
         files: list[tuple[float, int, Path]] = []
         now = time.time()
         for sub in _entries(self.root):
@@ -136,7 +173,7 @@ class DiskDir:
         files.sort()
         held = sum(size for _, size, _ in files)
         for _, size, path in files:
-            if held + room <= self.max_bytes:
+            if held + room <= bound:
                 break
             held -= size
             if unlink_if_there(path):

@@ -12,10 +12,10 @@ The model key (``model_key``) covers the contents of the checkpoint's weights (`
 loader.weights_digest``), the weight format, the KV dtype and the page size, so a file of
 another model, format or tenant never matches. The directory (``pd.cache.disk_dir``) is this
 user's, 0700, bounded as a whole across the nodes that share it, and holds the key that
-authenticates every chunk's header. Chunks are written by one writer thread per node (the
-engine's step only copies the KV out and queues it; a chunk still queued counts as held, and a
-full queue skips the chunk), each to a temporary name and then renamed (atomic on one file
-system).
+authenticates every chunk's header. Chunks are written by one writer thread per node
+(``pd.cache.disk_writer``: the engine's step only copies the KV out and queues it; a chunk
+still queued counts as held, and a full queue skips the chunk), each to a temporary name and
+then renamed (atomic on one file system).
 
 A chunk file's format and the checks a read makes are ``pd.cache.chunk_file``'s. A file failing
 any check is counted, removed and never loaded (a node's start-up scan checks all but the
@@ -24,11 +24,15 @@ payload).
 A match (``match``) only asks the file system which chunks exist (a ``stat`` each): the caller
 decides from that whether loading pays before any byte is read (``read_chunks``).
 
-Failures. Every file-system error is contained here: a full disk (ENOSPC, EDQUOT) fails the
-chunk being written (counted); any other error (a read-only or vanished directory, EIO, EACCES)
-turns the tier off, logged once and reported (``DiskStats.is_off``): from then on it holds,
-finds and writes nothing, and the node serves on without it (a restart tries again). An
-insecure directory is refused at start (``InsecurePathError``): that is the operator's to fix.
+Failures. Every file-system error is contained here. A chunk is written only if the file
+system keeps its floor after it (``DiskDir.room_for``: the oldest chunks make way when they
+can); when it cannot, or the disk is full anyway (ENOSPC, EDQUOT: another writer won the
+race), writes are held back (``disk_writer.HoldBack``: skipped unqueued and counted, then checked again
+after a period doubling to a minute), never retried chunk by chunk against a full disk. Any
+other error (a read-only or vanished directory, EIO, EACCES) turns the tier off, logged once
+and reported (``DiskStats.is_off``): from then on it holds, finds and writes nothing, and the
+node serves on without it (a restart tries again). An insecure directory or parent is refused
+at start (``InsecurePathError``): that is the operator's to fix.
 
 The payload's bytes are the mover's (``BaseKVMover.host_bytes`` and ``device_bytes``); this
 module never looks inside them.
@@ -36,11 +40,8 @@ module never looks inside them.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import queue
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,22 +51,19 @@ from typing import NamedTuple
 from pd.cache.chunk_file import (
     chain_key,
     chain_keys,
-    chunk_bytes,
     read_header,
     read_payload,
 )
 from pd.cache.disk_dir import (
     CHUNK_SUFFIX,
-    TMP_PREFIX,
     DiskDir,
     exists,
     touch,
     unlink_if_there,
 )
+from pd.cache.disk_writer import ChunkWriter, WriteCounts
 from pd.core.private_dir import InsecurePathError
 
-MAX_PENDING_WRITES = 64  # chunks queued for the writer thread; more are skipped
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the chunk fails; the tier stays on
 logger = logging.getLogger(__name__)
 
 
@@ -77,8 +75,9 @@ class DiskStats(NamedTuple):
     num_load_bytes: int
     load_seconds: float
     num_written: int  # chunks written
-    num_write_skipped: int  # chunks not written: the writer was MAX_PENDING_WRITES behind
-    num_write_failed: int  # chunks the disk refused (full)
+    num_write_skipped: int  # chunks not written: the writer queue was full
+    num_write_failed: int  # chunks the disk refused (full) or larger than max_bytes
+    num_write_held: int  # chunks not written: the file system at its floor (HoldBack)
     num_rejected: int  # files found truncated, corrupt, unauthenticated or foreign, and removed
     num_evicted: int  # files removed for room (by this node)
     is_off: bool  # turned off by a file-system error (logged); the node serves without it
@@ -102,9 +101,19 @@ class Chunk(NamedTuple):
 
 
 class DiskTier:
-    """Chunks of ``chunk_tokens`` in ``root/<key>/``; ``root`` holds at most ``max_bytes``."""
+    """Chunks of ``chunk_tokens`` in ``root/<key>/``; ``root`` holds at most ``max_bytes``, and
+    is written only while its file system keeps ``min_free_bytes`` and ``min_free_fraction``
+    of itself free."""
 
-    def __init__(self, root: str | os.PathLike[str], key: str, chunk_tokens: int, max_bytes: int):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        key: str,
+        chunk_tokens: int,
+        max_bytes: int,
+        min_free_bytes: int = 0,
+        min_free_fraction: float = 0.0,
+    ):
         if chunk_tokens < 1 or max_bytes < 1:
             raise ValueError(
                 f"chunk_tokens and max_bytes must be >= 1: {chunk_tokens}, {max_bytes}"
@@ -114,19 +123,16 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.dir = Path(root) / key
         self._num_hit = self._num_loads = self._num_load_bytes = 0
-        self._num_written = self._num_rejected = 0
-        self._num_write_skipped = self._num_write_failed = 0
+        self._num_rejected = 0
         self._load_seconds = 0.0
         self.off_reason: str | None = None
-        # chunks queued for the writer thread: file -> (namespace, path, payload)
         self._lock = threading.Lock()
-        self._pending: dict[Path, tuple[str, list[int], bytes]] = {}
-        self._queue: queue.Queue[Path | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
         self._store: DiskDir | None = None
+        self._writer: ChunkWriter | None = None
         with self._contained("opening"):  # an insecure directory is raised, not contained
-            self._store = DiskDir(Path(root), max_bytes)
+            self._store = DiskDir(Path(root), max_bytes, min_free_bytes, min_free_fraction)
             self.dir = self._store.subdir(key)
+            self._writer = ChunkWriter(self._store, key, self.dir, self._turn_off)
 
     @property
     def is_on(self) -> bool:
@@ -162,8 +168,7 @@ class DiskTier:
         with self._contained("looking up chunks"):
             for end, name in chain_keys(self.key, namespace, tokens, first, self.chunk_tokens):
                 file = self.dir / (name + CHUNK_SUFFIX)
-                with self._lock:
-                    queued = file in self._pending
+                queued = self._writer is not None and self._writer.is_queued(file)
                 if not queued and not exists(file):
                     ends.append(end)
         return ends if self.is_on else []
@@ -171,8 +176,8 @@ class DiskTier:
     def write(self, namespace: str, path: Sequence[int], payload: bytes) -> None:
         """Queue the chunk that ends at ``len(path)`` for the writer thread (started on first
         use), which writes it atomically, evicting for room; the caller's step does not wait
-        for the disk. With ``MAX_PENDING_WRITES`` queued already, the chunk is skipped
-        (counted): a cache may lose what it cannot keep up with."""
+        for the disk. With ``disk_writer.MAX_PENDING_WRITES`` queued, or while writes are held
+        back, the chunk is skipped (counted): a cache may lose what it cannot keep."""
         assert len(path) % self.chunk_tokens == 0, (len(path), self.chunk_tokens)
         if not self.is_on:
             return
@@ -180,77 +185,21 @@ class DiskTier:
         with self._contained("refreshing a chunk"):
             if touch(target):  # here already: recently used, evicted last
                 return
-        with self._lock:
-            if target in self._pending or not self.is_on:
-                return
-            if len(self._pending) >= MAX_PENDING_WRITES:
-                self._num_write_skipped += 1
-                return
-            self._pending[target] = (namespace, list(path), payload)
-        if self._writer is None:
-            self._writer = threading.Thread(
-                target=self._write_loop, name="pd-disk-tier", daemon=True
-            )
-            self._writer.start()
-        self._queue.put(target)
+        if self._writer is not None and self.is_on:
+            self._writer.submit(target, namespace, list(path), payload)
 
     def flush(self) -> None:
         """Wait until every queued chunk is written (or failed)."""
         if self._writer is not None:
-            self._queue.join()
+            self._writer.flush()
 
     def close(self) -> None:
         """Write what is queued, then stop the writer thread."""
         if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join()
-            self._writer = None
+            self._writer.close()
         if self._store is not None:
             self._store.close()
             self._store = None
-
-    def _write_loop(self) -> None:
-        while True:
-            target = self._queue.get()
-            try:
-                if target is None:
-                    return
-                with self._lock:
-                    namespace, path, payload = self._pending[target]
-                try:
-                    if self.is_on:
-                        self._write_now(target, namespace, path, payload)
-                except OSError as e:
-                    if e.errno in _DISK_FULL:  # the chunk is not kept; others may fit later
-                        logger.warning("disk tier: writing %s failed: %s", target.name, e)
-                        with self._lock:
-                            self._num_write_failed += 1
-                    else:
-                        self._turn_off(f"writing {target.name} failed: {e}")
-                except Exception as e:  # a bug: the tier stops rather than the writer thread
-                    logger.exception("disk tier: writing %s failed", target.name)
-                    self._turn_off(f"writing {target.name} failed: {e!r}")
-                finally:
-                    with self._lock:
-                        del self._pending[target]
-            finally:
-                self._queue.task_done()
-
-    def _write_now(self, target: Path, namespace: str, path: list[int], payload: bytes) -> None:
-        assert self._store is not None
-        data = chunk_bytes(self.key, namespace, path, payload, self._store.tag)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=TMP_PREFIX, suffix=CHUNK_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            kept = self._store.put(Path(tmp), target, len(data))
-        finally:
-            unlink_if_there(Path(tmp))  # gone if it was renamed in
-        with self._lock:
-            if kept:
-                self._num_written += 1
-            else:  # larger than the whole bound
-                self._num_write_failed += 1
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -377,6 +326,7 @@ class DiskTier:
         if self._store is not None and self.is_on:
             with self._contained("counting the directory"):
                 num_bytes = self._store.num_bytes
+        w = self._writer.counts if self._writer is not None else WriteCounts()
         return DiskStats(
             num_bytes=num_bytes,
             max_bytes=self.max_bytes,
@@ -384,9 +334,10 @@ class DiskTier:
             num_loads=self._num_loads,
             num_load_bytes=self._num_load_bytes,
             load_seconds=self._load_seconds,
-            num_written=self._num_written,
-            num_write_skipped=self._num_write_skipped,
-            num_write_failed=self._num_write_failed,
+            num_written=w.written,
+            num_write_skipped=w.skipped,
+            num_write_failed=w.failed,
+            num_write_held=w.held,
             num_rejected=self._num_rejected,
             num_evicted=0 if self._store is None else self._store.num_evicted,
             is_off=not self.is_on,

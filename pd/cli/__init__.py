@@ -37,6 +37,8 @@ ENGINE_GROUPS = {
     "host_cache_tokens": "cache tiers",
     "disk_cache_dir": "cache tiers",
     "disk_cache_gb": "cache tiers",
+    "disk_cache_min_free_gb": "cache tiers",
+    "disk_cache_min_free_percent": "cache tiers",
     "speculative_tokens": "speculation",
     "speculative_max_batch": "speculation",
 }

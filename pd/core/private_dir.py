@@ -6,6 +6,10 @@ is code execution in pd's process; a KV chunk is what a request's answer is comp
 So such a directory is created 0700 and an existing one (or file) is used only if it is owned
 by this user (or root, who can do anything anyway) and writable by neither group nor others;
 anything else is refused with ``InsecurePathError``, naming the path, its owner and its mode.
+Its parents matter as much (``check_parents``, as ssh's StrictModes): whoever can write a parent
+can rename the directory away and put their own in its place. A parent must be owned by this
+user or root and writable by neither group nor others, unless it is sticky and root's or this
+user's (``/tmp``: others may add names there but not rename or remove this user's).
 The same user is not defended against: it can read and write whatever this process can.
 """
 
@@ -42,6 +46,36 @@ def check_trusted(path: Path, st: os.stat_result, *, is_dir: bool) -> None:
             f"{_describe(path, st)} is writable by group or others: refused, since its "
             f"contents would be trusted; chmod go-w {path} (or use a directory of your own)"
         )
+
+
+def check_parents(path: Path) -> None:
+    """Raise ``InsecurePathError`` unless every existing directory above ``path`` (as written,
+    each followed through its symlinks, and as resolved) is owned by this user or root and
+    writable by neither group nor others, or is sticky and owned by this user or root."""
+    path = Path(os.path.abspath(path))
+    seen: set[Path] = set()
+    for chain in (path.parents, Path(os.path.realpath(path)).parents):
+        for parent in chain:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            try:
+                st = os.stat(parent)
+            except FileNotFoundError:  # made later, with this user's umask: checked then
+                continue
+            uid = os.geteuid()
+            if st.st_uid not in (uid, 0):
+                raise InsecurePathError(
+                    f"{_describe(parent, st)}, a parent of {path}, is owned by another user "
+                    f"(this process runs as uid {uid}): refused, since it could replace "
+                    f"{path.name}; use a directory under one of your own"
+                )
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise InsecurePathError(
+                    f"{_describe(parent, st)}, a parent of {path}, is writable by group or "
+                    f"others (and not sticky): refused, since they could replace {path.name}; "
+                    f"chmod go-w {parent} (or use a directory under one of your own)"
+                )
 
 
 def private_dir(path: Path, *, tighten: bool = True) -> Path:

@@ -90,6 +90,15 @@ class EngineConfig:
     disk_cache_gb: float = option(
         16.0, "the disk tier directory's bound, GiB, for every node and model sharing it"
     )
+    disk_cache_min_free_gb: float = option(
+        1.0,
+        "the disk tier writes only while its file system keeps this many GiB free, and "
+        "--disk-cache-min-free-percent of itself (the larger); below that it removes its "
+        "oldest chunks or holds writes back until there is room; 0 and 0: no floor",
+    )
+    disk_cache_min_free_percent: float = option(
+        5.0, "the disk tier's file system's free-space floor, percent of its size"
+    )
     cache_eviction: str = option(
         "fair",
         "fair: under pressure, the tenant (API key group) holding most of a cache tier per "
@@ -149,6 +158,15 @@ class EngineConfig:
             raise ValueError("disk_cache_dir needs the prefix cache and its host tier")
         if not self.disk_cache_gb > 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
+        if not self.disk_cache_min_free_gb >= 0:
+            raise ValueError(
+                f"disk_cache_min_free_gb must be >= 0, got {self.disk_cache_min_free_gb}"
+            )
+        if not 0 <= self.disk_cache_min_free_percent < 100:
+            raise ValueError(
+                "disk_cache_min_free_percent must be in [0, 100), got "
+                f"{self.disk_cache_min_free_percent}"
+            )
         if self.cache_eviction not in ("fair", "lru"):
             raise ValueError(f"cache_eviction must be fair or lru, got {self.cache_eviction!r}")
         object.__setattr__(self, "cache_share", tuple(self.cache_share or ()))  # flag unset: None

@@ -46,8 +46,9 @@ def make_disk_tier(
     """The disk tier ``cfg`` asks for, keyed by the contents of the checkpoint's weights and
     config, the weight format, the KV layout (every KV head of the model: a tensor-parallel
     node's chunks hold them all) and the page and chunk sizes; None without
-    ``disk_cache_dir``. A directory another user could write is refused (``InsecurePathError``);
-    one that fails gives a tier that is off (logged, in the node's stats)."""
+    ``disk_cache_dir``. A directory another user could write, or one under such a parent, is
+    refused (``InsecurePathError``); one that fails gives a tier that is off (logged, in the
+    node's stats)."""
     if cfg.disk_cache_dir is None:
         return None
     ps = cfg.page_size
@@ -58,7 +59,11 @@ def make_disk_tier(
         pool.num_layers, num_kv_heads, pool.head_dim, ps, chunk,
     )  # fmt: skip
     max_bytes = int(cfg.disk_cache_gb * 2**30)
-    return DiskTier(Path(cfg.disk_cache_dir).expanduser(), key, chunk, max_bytes)
+    return DiskTier(
+        Path(cfg.disk_cache_dir).expanduser(), key, chunk, max_bytes,
+        min_free_bytes=int(cfg.disk_cache_min_free_gb * 2**30),
+        min_free_fraction=cfg.disk_cache_min_free_percent / 100,
+    )  # fmt: skip
 
 
 def cgroup_memory_limit(root: Path | None = None, self_cgroup: Path | None = None) -> int | None:

@@ -225,7 +225,7 @@ def test_every_fault_is_registered_once_and_every_list_is_read_off_the_registry(
     from pdtools.chaos_report import SOURCES
     from scripts.chaos_soak import parse_args
 
-    every = lanes(tp=2, disk=True)
+    every = lanes(tp=2, disk=True, tpm=True)
     assert sorted(n for names in every.values() for n in names) == sorted(FAULTS)
     assert lanes()["nodes"] == (
         "kill-prefill",

@@ -2,7 +2,10 @@
 ``pd serve --prefill 2 --decode 2`` (with a disk tier) and, for 3 minutes, kills, freezes and
 drains nodes, floods, stalls readers, trickles bodies and sends hostile input and junk frames,
 connects strangers to the nodes' ports, reads streams slowly, sends silent request heads, makes
-the disk tier read-only and plants a forged chunk in it, beside a steady load with known
+the disk tier read-only and plants a forged chunk in it, and sends a hostile tenant's requests
+(tool-call traps, a big schema at n=16, fields past their bounds, n=16 top_logprobs=20 readers
+that stop, strangers on the pair listeners; 200 tokens a choice, no tokens-per-minute limit:
+the tiny model's context is too short for n=16 to outrun one), beside a steady load with known
 answers (some without ``max_tokens``); it must pass (no wrong answer, no hang, unexpected errors within
 0.1%, nothing leaked) having run every fault at least once.
 
@@ -52,6 +55,7 @@ def test_chaos_soak_passes_and_runs_every_fault(long_tiny_dir: Path, tmp_path: P
         sys.executable, "scripts/chaos_soak.py", "--minutes", f"{MINUTES:g}", "--seed", "0",
         "--model", str(long_tiny_dir), "--long-tokens", str(LONG_TOKENS),
         "--report", str(report), "--json", str(summary_path), "--log", str(log),
+        "--hostile-tokens", "200", "--tokens-per-minute", "0",
     ]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=int(MINUTES * 60) + 500
