@@ -242,9 +242,10 @@ class GrammarCompiler:
         self.num_compiled += 1
 
         def compile_() -> None:
-            job.started = time.monotonic()
             try:
-                matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+                tokenizer = self._llg_tokenizer()  # the engine's, not the grammar's, time
+                job.started = time.monotonic()
+                matcher = llguidance.LLMatcher(tokenizer, grammar)
                 if matcher.is_error():
                     raise ValueError(matcher.get_error())
                 job.future.set_result(matcher)
