@@ -142,7 +142,8 @@ class EngineCore:
         request_id: str,
         namespace: str = "",
     ) -> Req:
-        """A checked request (ValueError, with the numbers, if it can never run here)."""
+        """A checked request (ValueError, with the numbers, if it can never run here); its
+        grammar, if any, starts compiling now (off this thread: it runs once compiled)."""
         if self.fatal_error is not None:
             raise TensorParallelError(self.fatal_error)
         vocab = self.runner.model_config.vocab_size
@@ -152,6 +153,7 @@ class EngineCore:
         req = Req(request_id, list(prompt_ids), params, namespace)
         self.scheduler.check_request(req)
         req.generator = make_generator(params, self._rng.randrange(2**31))
+        self.grammars.prepare(req)
         return req
 
     def step(

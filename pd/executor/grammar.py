@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -129,11 +130,14 @@ class Guide:
 
 
 class _Compile:
-    """One grammar's compile on a worker thread: when it started there (None: queued)."""
+    """One grammar's compile on a worker thread: when it started there (None: queued), and
+    the requests that wait for it (weakly: a request that ended is no longer counted). Its
+    future's result is None when it was skipped: no request wanted it any more."""
 
     def __init__(self) -> None:
         self.started: float | None = None
-        self.future: Future[llguidance.LLMatcher] = Future()
+        self.future: Future[llguidance.LLMatcher | None] = Future()
+        self.wanted: weakref.WeakSet[Req] = weakref.WeakSet()
 
 
 class GrammarCompiler:
@@ -146,7 +150,8 @@ class GrammarCompiler:
     interrupted: its worker finishes the build (bounded by llguidance's own fuel limits) and
     the result is dropped. The worker threads are a fixed pool, so a flood of grammars queues
     (each waiting request holds its place on the node, bounded by the node's queues) and never
-    piles up threads; a queued grammar's clock starts when its worker takes it."""
+    piles up threads; a queued grammar's clock starts when its worker takes it, and one that
+    no live request waits for any more (they were aborted) is skipped."""
 
     def __init__(
         self,
@@ -177,7 +182,7 @@ class GrammarCompiler:
         False while its grammar compiles (the compile starts at the first call)."""
         if not req.params.grammar or req.guide is not None:
             return True
-        result = self.poll(req.params.grammar)
+        result = self.poll(req.params.grammar, req)
         if result is None:
             return False
         try:
@@ -186,14 +191,23 @@ class GrammarCompiler:
             req.guide = e
         return True
 
-    def poll(self, grammar: str) -> llguidance.LLMatcher | GrammarRefused | None:
+    def poll(self, grammar: str, req: Req) -> llguidance.LLMatcher | GrammarRefused | None:
         """The compiled matcher of ``grammar`` (shared: copy it), its refusal, or None while it
-        compiles (started here if it is not compiling yet)."""
+        compiles for ``req`` (and the others that wait for it; started here if it is not
+        compiling yet)."""
         done = self._done.get(grammar)
         if done is not None:
             self._done.move_to_end(grammar)
             return done
         job = self._compiling.get(grammar)
+        if job is not None and job.future.done():
+            del self._compiling[grammar]
+            error = job.future.exception()
+            if error is not None:
+                return self._finish(grammar, GrammarRefused(f"grammar: {error}"))
+            if (matcher := job.future.result()) is not None:
+                return self._finish(grammar, matcher)
+            job = None  # skipped while no request wanted it: wanted again now
         if job is None:
             if len(grammar) > self.max_chars:
                 return self._finish(
@@ -204,15 +218,10 @@ class GrammarCompiler:
                     ),
                 )
             self._compiling[grammar] = job = _Compile()
+            job.wanted.add(req)
             self._start(grammar, job)
             return None
-        if job.future.done():
-            del self._compiling[grammar]
-            error = job.future.exception()
-            return self._finish(
-                grammar,
-                job.future.result() if error is None else GrammarRefused(f"grammar: {error}"),
-            )
+        job.wanted.add(req)
         if job.started is not None and time.monotonic() - job.started > self.timeout_s:
             del self._compiling[grammar]  # its worker finishes it, and the result is dropped
             return self._finish(
@@ -242,6 +251,9 @@ class GrammarCompiler:
         self.num_compiled += 1
 
         def compile_() -> None:
+            if not job.wanted:  # every request that asked for it ended while it queued
+                job.future.set_result(None)
+                return
             try:
                 tokenizer = self._llg_tokenizer()  # the engine's, not the grammar's, time
                 job.started = time.monotonic()

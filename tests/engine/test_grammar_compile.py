@@ -9,6 +9,7 @@ request runs once its grammar is in.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -32,6 +33,7 @@ POINT = {
 GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
     POINT, defaults={"whitespace_flexible": False}
 )
+YES_NO = llguidance.LLMatcher.grammar_from_regex("(yes|no)")
 _REAL_MATCHER = llguidance.LLMatcher
 
 
@@ -154,5 +156,28 @@ def test_a_grammar_over_the_size_budget_is_refused_before_it_compiles(
     assert out.is_refused, out
     assert f"{len(GRAMMAR)} characters" in out.error and f"at most {len(GRAMMAR) - 1}" in out.error
     assert gate.threads == [] and engine.core.grammars.num_compiled == 0
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_queued_grammar_whose_requests_were_aborted_is_skipped(
+    tiny_llama_dir, gate: _Gate
+) -> None:
+    """One worker: grammar A compiles (held at the gate) while B (``YES_NO``) queues; B's only
+    request is aborted, so B is skipped when the worker gets to it; a later request with B
+    compiles it."""
+    engine = _engine(tiny_llama_dir)
+    vocab = engine.runner.model_config.vocab_size
+    first = engine.add_request(_prompt(0, vocab), SamplingParams(max_tokens=4, grammar=GRAMMAR))
+    gone = engine.add_request(_prompt(1, vocab), SamplingParams(max_tokens=4, grammar=YES_NO))
+    assert engine.core.grammars.num_compiling == 2
+    engine.abort(gone)
+    gc.collect()  # the aborted request is gone: nothing waits for B any more
+    gate.open()
+    _run(engine, {first})
+    assert len(gate.threads) == 1, "the compile no request waited for ran"
+    again = engine.add_request(_prompt(2, vocab), SamplingParams(max_tokens=3, grammar=YES_NO))
+    outs = _run(engine, {again})[again]
+    assert outs[-1].error is None and len(gate.threads) == 2
     engine.check_integrity()
     engine.close()
