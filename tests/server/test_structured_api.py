@@ -136,6 +136,8 @@ def test_a_grammar_over_the_engines_budget_is_a_400_streamed_or_not(served) -> N
     from openai import BadRequestError
 
     client, app, oai = served
+    # a schema no other test sends: its grammar is not in the engine's cache of compiled ones
+    schema = {"type": "object", "properties": {"budget_test": {"type": "integer"}}}
     budget = client.call(lambda engine: engine.core.grammars.max_chars)
     client.call(lambda engine: setattr(engine.core.grammars, "max_chars", 64))
     try:
@@ -145,7 +147,7 @@ def test_a_grammar_over_the_engines_budget_is_a_400_streamed_or_not(served) -> N
                 prompt="A city:",
                 max_tokens=4,
                 n=2,
-                extra_body={"guided_json": {"type": "object"}},
+                extra_body={"guided_json": schema},
             )
         body = err.value.body
         assert isinstance(body, dict) and body["type"] == "invalid_request_error", body
@@ -155,7 +157,7 @@ def test_a_grammar_over_the_engines_budget_is_a_400_streamed_or_not(served) -> N
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=4,
             stream=True,
-            response_format={"type": "json_object"},
+            extra_body={"guided_json": schema},
         )
         with pytest.raises(openai.APIError) as streamed:
             list(stream)
