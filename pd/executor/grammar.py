@@ -30,7 +30,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -237,9 +237,7 @@ class GrammarCompiler:
         """Block up to ``timeout_s`` for a compile to end (an engine with nothing else to do)."""
         futures = [job.future for job in self._compiling.values()]
         if futures:
-            import concurrent.futures
-
-            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+            wait(futures, timeout_s, FIRST_COMPLETED)
 
     def close(self) -> None:
         if self._pool is not None:
