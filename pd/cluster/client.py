@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 from pd.cluster.client_config import ROLES, ClientConfig
 from pd.cluster.event_loop import LoopHandoff, TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightStatus
-from pd.cluster.flights import ClusterError, Flights
+from pd.cluster.flights import ClusterError, Flights, RequestRefused
 from pd.cluster.membership import Membership
 from pd.cluster.mirror import MirrorSync
 from pd.cluster.slo import LatencyWindow
@@ -219,7 +219,7 @@ class ClusterClient:
                     room_wait += await _timed(self.flights.dispatch(flight))
                     continue
                 if event.kind is EventKind.ERROR:  # its nodes were told to drop it
-                    raise ClusterError(event.why)
+                    raise (RequestRefused if event.is_refused else ClusterError)(event.why)
                 # TOKENS, or ABORT: a last output without tokens
                 if num_cached is None:
                     num_cached = event.num_cached_tokens

@@ -86,6 +86,7 @@ class FlightEvent(NamedTuple):
     num_cached_tokens: int  # prompt tokens the prefill node had cached
     why: str  # a REROUTE's or an ERROR's reason
     logprobs: Sequence[TokenLogprobsMsg] = ()  # one per token id, when asked for
+    is_refused: bool = False  # an ERROR that is the request's own fault (its grammar)
 
     @classmethod
     def tokens(
@@ -109,8 +110,8 @@ class FlightEvent(NamedTuple):
         return cls(EventKind.ABORT, [], True, "abort", 0, "")
 
     @classmethod
-    def error(cls, why: str) -> FlightEvent:
-        return cls(EventKind.ERROR, [], True, None, 0, why)
+    def error(cls, why: str, is_refused: bool = False) -> FlightEvent:
+        return cls(EventKind.ERROR, [], True, None, 0, why, (), is_refused)
 
 
 class Attempt(NamedTuple):

@@ -47,6 +47,11 @@ class ClusterError(RuntimeError):
     """A request failed inside the cluster (a node rejected it or a transfer failed)."""
 
 
+class RequestRefused(ValueError):
+    """A node refused the request for its own fault (its grammar over the node's budget): the
+    server answers it with a 400, as any ValueError of a request."""
+
+
 class Flights:
     def __init__(
         self,
@@ -168,7 +173,8 @@ class Flights:
         if msg.error is not None:
             self.coordinator.on_prefilled(wire)
             retried = msg.can_retry  # retryable, but not again
-            self._fail(flight, flight.out_of_reroutes(msg.error) if retried else msg.error)
+            why = flight.out_of_reroutes(msg.error) if retried else msg.error
+            self._fail(flight, why, msg.is_refused)
             return
         event = FlightEvent.tokens(
             msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens, msg.logprobs
@@ -250,10 +256,11 @@ class Flights:
         self.num_rerouted += 1
         flight.mailbox.put_nowait(FlightEvent.reroute(why))
 
-    def _fail(self, flight: Flight, error: str) -> None:
-        """It failed in the cluster: its stream raises ``ClusterError(error)``, and its nodes
-        (the partner may still hold it) drop the attempt."""
-        flight.mailbox.put_nowait(FlightEvent.error(error))
+    def _fail(self, flight: Flight, error: str, is_refused: bool = False) -> None:
+        """It failed in the cluster: its stream raises ``ClusterError(error)`` (or
+        ``RequestRefused``: ``is_refused``), and its nodes (the partner may still hold it) drop
+        the attempt."""
+        flight.mailbox.put_nowait(FlightEvent.error(error, is_refused))
         self._end_attempt(flight, FlightStatus.FAILED, abort_nodes=True)
 
     async def _retry_later(self, flight: Flight, wire_id: str, error: str) -> None:

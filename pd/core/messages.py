@@ -176,6 +176,7 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
     error: str | None = None
     node_id: str = ""
     can_retry: bool = False  # the error is its KV transfer's, not the request's own
+    is_refused: bool = False  # the error is the request's own fault (its grammar): a 400
     logprobs: list[TokenLogprobsMsg] = []  # one per token id, when the request asked for them
 
 

@@ -24,6 +24,7 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int  # prompt tokens served from a prefix cache
     error: str | None = None  # set when the request failed inside the engine (finished, "abort")
     logprobs: Sequence[TokenLogprobsMsg] = ()  # one per new token id, when asked for
+    is_refused: bool = False  # ``error`` is the request's own fault (e.g. its grammar): a 400
 
 
 class ClusterStats(NamedTuple):

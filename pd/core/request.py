@@ -82,6 +82,7 @@ class Req:
     cache_node: Any = None  # the prefix-cache node this request holds a lock on
     finish_reason: str | None = None
     error: str | None = None  # why the request failed here (finish_reason is then "abort")
+    is_refused: bool = False  # ``error`` is the request's own fault (a 400 at the server)
     generator: Any = None  # torch.Generator for sampled requests; opaque to schedulers
     num_new_outputs: int = 0  # outputs not yet reported to the caller
     fill_len: int = 0  # tokens to compute before sampling: the prompt, or all ids on a resume
@@ -107,9 +108,11 @@ class Req:
         self.finish_reason = reason
         self.set_status(ReqStatus.FINISHED)
 
-    def fail(self, error: str) -> None:
-        """Failed here (finish_reason "abort", ``error`` says why)."""
+    def fail(self, error: str, is_refused: bool = False) -> None:
+        """Failed here (finish_reason "abort", ``error`` says why; ``is_refused``: the request's
+        own fault, e.g. its grammar, answered with a 400)."""
         self.error = error
+        self.is_refused = is_refused
         if self.status is not ReqStatus.FINISHED:
             self.finish("abort")
         else:

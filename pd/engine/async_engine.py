@@ -144,5 +144,8 @@ class AsyncEngine:
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
             for out in outputs:
-                failed = out.error is not None
-                self._deliver(out.request_id, RuntimeError(out.error) if failed else out)
+                if out.error is None:
+                    self._deliver(out.request_id, out)
+                else:  # the request's own fault is a ValueError: the server's 400
+                    error = ValueError if out.is_refused else RuntimeError
+                    self._deliver(out.request_id, error(out.error))

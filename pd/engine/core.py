@@ -24,6 +24,7 @@ from pd.core.sampling_params import SamplingParams
 from pd.engine.scheduler import ScheduledBatch, Scheduler, StepResult
 from pd.engine.stats import PrefillCounters, TransferCounters, stats_msg
 from pd.executor.config import EngineConfig
+from pd.executor.grammar import GrammarCompiler
 from pd.executor.host_pool import make_disk_tier
 from pd.executor.runner import ModelRunner
 from pd.executor.sampler import make_generator
@@ -99,6 +100,10 @@ class EngineCore:
         self.cache = make_prefix_cache(
             cfg.enable_prefix_cache, self.allocator, node_id, host, disk, cfg.cache_shares()
         )
+        # requests' grammars, compiled off this engine's thread (a request waits for its own)
+        self.grammars = GrammarCompiler(
+            lambda: runner.grammar_tokenizer, cfg.max_grammar_chars, cfg.grammar_timeout_s
+        )
         self.scheduler = scheduler_cls(
             self.allocator,
             self.cache,
@@ -110,6 +115,7 @@ class EngineCore:
             eos_token_ids=eos_token_ids(self.runner.model_dir),
             num_speculative_tokens=cfg.speculative_tokens,
             max_speculative_batch=cfg.speculative_max_batch,
+            is_ready=self.grammars.prepare,
         )
         self._ids = itertools.count()
         self._rng = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -136,7 +142,8 @@ class EngineCore:
         request_id: str,
         namespace: str = "",
     ) -> Req:
-        """A checked request (ValueError, with the numbers, if it can never run here)."""
+        """A checked request (ValueError, with the numbers, if it can never run here); its
+        grammar, if any, starts compiling now (off this thread: it runs once compiled)."""
         if self.fatal_error is not None:
             raise TensorParallelError(self.fatal_error)
         vocab = self.runner.model_config.vocab_size
@@ -146,6 +153,7 @@ class EngineCore:
         req = Req(request_id, list(prompt_ids), params, namespace)
         self.scheduler.check_request(req)
         req.generator = make_generator(params, self._rng.randrange(2**31))
+        self.grammars.prepare(req)
         return req
 
     def step(

@@ -36,8 +36,10 @@ class Engine:
         self.cfg = cfg
 
     def close(self) -> None:
-        """Stop the engine's other ranks, if it has any (tensor parallel)."""
+        """Stop the engine's other ranks, if it has any (tensor parallel), and its grammar
+        compiler's worker."""
         self.core.runner.close()
+        self.core.grammars.close()
 
     # The core's parts, for callers that inspect them (tests, benchmarks, the server's stats).
     @property
@@ -85,7 +87,11 @@ class Engine:
         return None if req is None else _output(req)
 
     def step(self) -> list[RequestOutput]:
+        """One step; with nothing to run while grammars compile, a short wait for one instead
+        of a spin."""
         result = self.core.step()
+        if result.num_scheduled == 0 and self.core.grammars.num_compiling:
+            self.core.grammars.wait(0.01)
         return [_output(r) for r in result.produced + result.failed]
 
     def generate(
@@ -144,4 +150,5 @@ def _output(req: Req) -> RequestOutput:
         req.num_cached_tokens,
         req.error,
         new.logprobs,
+        req.is_refused,
     )

@@ -9,13 +9,16 @@ The life of a request:
    it generated already, at most its max_tokens; less the cached prefix) must fit in free + evictable
    slots after what every running request is expected to still take. Admission matches the
    prompt in the prefix cache and locks the match, so those slots cannot be evicted under it. A
+   request whose grammar still compiles (off the loop thread: ``pd.executor.grammar``) is not
+   admitted until it has compiled; others go ahead of it. A
    request that shares at least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt
    still being prefilled here (``_pending_prompts``) waits, and others go ahead of it, until that
    prompt is cached: it then computes only its own part instead of the shared one a second time.
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
-3. ``running`` and decoding: one token per step; every decoding request is in every step. At
+3. ``running`` and decoding: one token per step; every decoding request is in every step (but
+   a decode node's request whose KV came while its grammar still compiles). At
    its first token the prompt goes into the prefix cache (locked while the request runs), so
    requests that share it match it while it decodes.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
@@ -110,7 +113,10 @@ class Scheduler:
         max_speculative_batch: int = 4,
         prompt_only: bool = False,
         num_promised: Callable[[], int] | None = None,
+        is_ready: Callable[[Req], bool] | None = None,
     ) -> None:
+        """``is_ready(req)``: whether ``req`` may run now (False while its grammar compiles,
+        ``pd.executor.grammar.GrammarCompiler.prepare``); it keeps its place meanwhile."""
         self.slots = SlotBudget(
             allocator,
             cache,
@@ -127,6 +133,7 @@ class Scheduler:
         )
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._is_ready = is_ready or (lambda req: True)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the newest last
         self._num_admitted_tokens = 0
@@ -183,17 +190,18 @@ class Scheduler:
                 return req
         return None
 
-    def fail(self, req: Req, error: str) -> None:
-        """``req`` failed (its forward, its sampling, its transfer): release what it holds."""
+    def fail(self, req: Req, error: str, is_refused: bool = False) -> None:
+        """``req`` failed (its forward, its sampling, its transfer): release what it holds
+        (``is_refused``: its own fault, see ``Req.fail``)."""
         self.abort(req.request_id)
-        req.fail(error)
+        req.fail(error, is_refused)
 
     # -- schedule ---------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
         self._admit()
         self._retract_until_decodes_fit()
-        decoding = [r for r in self.running if not r.is_prefilling]
+        decoding = [r for r in self.running if not r.is_prefilling and self._is_ready(r)]
         reqs, seqs = [], []
         for req in decoding:
             self.slots.grow(req, req.num_computed + 1)
@@ -229,7 +237,7 @@ class Scheduler:
         deferred: list[Req] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            if self._should_defer(req):
+            if not self._is_ready(req) or self._should_defer(req):
                 deferred.append(self.waiting.popleft())
                 continue
             if not self._lock_prefix(req, self.slots.expected_len(req)):
@@ -307,7 +315,7 @@ class Scheduler:
                 continue
             draft = batch.drafts[i] if i < len(batch.drafts) else []
             if row.error is not None:
-                self.fail(req, row.error)
+                self.fail(req, row.error, row.is_refused)
                 failed.append(req)
                 continue
             for j, token in enumerate((*row.accepted, row.token)):

@@ -4,8 +4,7 @@ speculative verdict on the draft (``pd.executor.spec``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -17,11 +16,8 @@ from pd.executor.spec import verify_row
 
 
 class BatchSampler:
-    """Samples the rows of a forward. ``grammar_tokenizer``: llguidance's tokenizer, asked for
-    when a guided request first needs it (``pd.executor.grammar``)."""
-
-    def __init__(self, grammar_tokenizer: Callable[[], Any]) -> None:
-        self.grammar_tokenizer = grammar_tokenizer
+    """Samples the rows of a forward (a guided request's grammar compiled before it was
+    scheduled: ``pd.executor.grammar.GrammarCompiler``)."""
 
     def sample(
         self,
@@ -80,12 +76,12 @@ class BatchSampler:
 
     def _guides(self, reqs: Sequence[Req]) -> tuple[list[Guide | None], dict[int, str]]:
         """Each request's grammar guide, up to date with its output (None: no grammar), and the
-        requests whose grammar failed (it does not compile here, or the output broke it)."""
+        requests whose grammar failed (it was refused here, or the output broke it)."""
         guides: list[Guide | None] = []
         failed: dict[int, str] = {}
         for i, req in enumerate(reqs):
             try:
-                guides.append(Guide.of(req, self.grammar_tokenizer))
+                guides.append(Guide.of(req))
             except ValueError as e:
                 guides.append(None)
                 failed[i] = str(e)
@@ -104,7 +100,8 @@ def grammar_masks(guides: Sequence[Guide | None], vocab: int) -> list[torch.Tens
 
 
 def _with_failed(rows: list[SampledRow], failed: dict[int, str]) -> list[SampledRow]:
-    """``rows`` with the rows of the requests whose grammar failed replaced by their error."""
+    """``rows`` with the rows of the requests whose grammar failed replaced by their error (the
+    request's own fault: ``is_refused``)."""
     for i, error in failed.items():
-        rows[i] = SampledRow(-1, error)
+        rows[i] = SampledRow(-1, error, is_refused=True)
     return rows

@@ -59,6 +59,16 @@ class EngineConfig:
     speculative_max_batch: int = option(
         4, "speculate only in decode steps of at most this many requests (past it, it costs)"
     )
+    max_grammar_chars: int = option(
+        1 << 18,
+        "a request's grammar (structured outputs, tools) longer than this is refused with a "
+        "400 before it compiles (twice the server's limit on a schema's JSON)",
+    )
+    grammar_timeout_s: float = option(
+        5.0,
+        "a grammar that takes longer to compile (on a worker thread, never the loop's) is "
+        "refused with a 400",
+    )
     page_size: int = option(1, "tokens per KV page (1: token-level prefix reuse)")
     max_total_tokens: int = option(32768, "KV slots in each pool")
     max_running_requests: int = option(64, "requests in one running batch")
@@ -188,6 +198,11 @@ class EngineConfig:
         if self.quantization != "auto":
             check_quantization(self.quantization, self.torch_device)
         resolve_linear_backend(self.linear_backend, self.torch_device, self.torch_dtype)
+        if self.max_grammar_chars < 1 or not self.grammar_timeout_s > 0:
+            raise ValueError(
+                f"max_grammar_chars must be >= 1 and grammar_timeout_s > 0, got "
+                f"{self.max_grammar_chars} and {self.grammar_timeout_s}"
+            )
         if self.tensor_parallel_size < 1 or not self.tensor_parallel_timeout_s > 0:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "

@@ -76,7 +76,7 @@ class ModelRunner:
         self.graphs = self._build_graphs()
         if ranks is not None:  # the KV copies between ranks, over this rank's pool
             ranks.attach(self.pool, self.model_config.num_kv_heads)
-        self.sampler = BatchSampler(lambda: self.grammar_tokenizer)
+        self.sampler = BatchSampler()
 
     def _resolve_configs(self) -> None:
         """The device and dtype, the model (whole, and this rank's shard), the longest
@@ -173,8 +173,9 @@ class ModelRunner:
 
     @functools.cached_property
     def grammar_tokenizer(self) -> Any:
-        """llguidance's tokenizer (``pd.executor.grammar``), built when a guided request first
-        needs it: seconds, which an engine that never sees a grammar never spends."""
+        """llguidance's tokenizer (``pd.executor.grammar``), built when a grammar is first
+        compiled, on the compiler's worker: seconds, which an engine that never sees a grammar
+        never spends."""
         tokenizer = load_tokenizer(self.model_dir)
         return make_tokenizer(
             tokenizer, self.model_config.vocab_size, eos_token_ids(self.model_dir)

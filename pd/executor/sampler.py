@@ -39,6 +39,7 @@ class SampledRow(NamedTuple):
     accepted: tuple[int, ...] = ()  # draft tokens accepted before ``token`` (speculation)
     # with ``params.logprobs`` set: one per token of (*accepted, token)
     logprobs: tuple[TokenLogprobsMsg, ...] = ()
+    is_refused: bool = False  # ``error`` is the request's own (its grammar): a 400
 
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:

@@ -160,8 +160,11 @@ class ServerLink:
             )
         )
 
-    def report_error(self, request_id: str, error: str, can_retry: bool = False) -> None:
-        """``can_retry``: the request itself is fine (its KV transfer or a peer failed)."""
+    def report_error(
+        self, request_id: str, error: str, can_retry: bool = False, is_refused: bool = False
+    ) -> None:
+        """``can_retry``: the request itself is fine (its KV transfer or a peer failed);
+        ``is_refused``: the request itself is at fault (its grammar), the server's 400."""
         self.send(
             TokenMsg(
                 request_id=request_id,
@@ -173,6 +176,7 @@ class ServerLink:
                 error=error,
                 node_id=self._node_id,
                 can_retry=can_retry,
+                is_refused=is_refused,
             )
         )
 
@@ -180,7 +184,7 @@ class ServerLink:
         """The new tokens of the requests that produced any (a speculative step may produce
         several), errors of those that failed."""
         for req in result.failed:
-            self.report_error(req.request_id, req.error or "failed")
+            self.report_error(req.request_id, req.error or "failed", is_refused=req.is_refused)
         for req in result.produced:
             self.report(req, *req.take_new_outputs())
 

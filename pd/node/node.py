@@ -227,6 +227,7 @@ class Node:
     def shutdown(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=10)
+        self.core.grammars.close()
         self.transfer.close()
         self.inbox.close()
         self.server.close()

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from pd.cluster.client import ClusterClient
 from pd.cluster.client_config import ClientConfig
-from pd.cluster.flights import ClusterError
+from pd.cluster.flights import ClusterError, RequestRefused
 from pd.core.messages import (
     AbortMsg,
     CacheEventMsg,
@@ -94,19 +94,21 @@ class FakeNode:
         reason = "length" if finished else None
         self.send(_token_msg(rid, ids, node_id=self.node_id, finished=finished, reason=reason))
 
-    def fails(self, rid: str, error: str, can_retry: bool = False) -> None:
-        """``rid`` failed here: ``can_retry`` when its KV transfer did, not the request."""
-        self.send(
-            _token_msg(
-                rid,
-                [],
-                node_id=self.node_id,
-                finished=True,
-                reason="abort",
-                error=error,
-                can_retry=can_retry,
-            )
+    def fails(
+        self, rid: str, error: str, can_retry: bool = False, is_refused: bool = False
+    ) -> None:
+        """``rid`` failed here: ``can_retry`` when its KV transfer did, not the request;
+        ``is_refused`` when the request itself is at fault (its grammar)."""
+        msg = _token_msg(
+            rid,
+            [],
+            node_id=self.node_id,
+            finished=True,
+            reason="abort",
+            error=error,
+            can_retry=can_retry,
         )
+        self.send(msgspec.structs.replace(msg, is_refused=is_refused))
 
     def beat(self) -> None:
         role = self.info.role
@@ -581,7 +583,25 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         p.fails("own-error", "sampling failed")
         await h.wait_done("own-error")
         assert str(h.errors["own-error"]).endswith("sampling failed")
+        assert not isinstance(h.errors["own-error"], ValueError)  # the server's 500
         assert h.client.flights.num_rerouted == 1
+
+
+async def test_a_request_a_node_refuses_for_its_grammar_raises_a_value_error() -> None:
+    """A node's ``is_refused`` error (its grammar over the node's budget) is the request's own
+    fault: its stream raises ``RequestRefused``, a ValueError, which the server answers with
+    a 400 (``pd.server.state``); it is not re-routed, and its other node drops it."""
+    async with _harness() as h:
+        p, d = h.add("prefill-0"), h.add("decode-0")
+        h.request("r")
+        await p.recv_until(PrefillReqMsg)
+        why = "the grammar did not compile within 5 s (--grammar-timeout-s)"
+        p.fails("r", why, is_refused=True)
+        await h.wait_done("r")
+        assert isinstance(h.errors["r"], RequestRefused) and isinstance(h.errors["r"], ValueError)
+        assert str(h.errors["r"]) == why
+        assert await d.recv_until(AbortMsg) == AbortMsg(request_id="r")
+        assert h.client.flights.num_rerouted == 0
 
 
 async def test_membership_calls_from_another_thread_run_on_the_loop(monkeypatch) -> None:

@@ -284,3 +284,63 @@ def test_a_flood_on_every_internal_socket_costs_no_node_latency_nor_memory(
         f"{len(probes)} ports probed, none a store"
     )
     wait_idle_and_check(live)
+
+
+def _heavy_schema() -> dict[str, Any]:
+    """A schema just under the server's limit on its JSON (131,072 characters) whose grammar
+    takes llguidance a good part of a second to compile with the model's tokenizer."""
+    n = 1500
+    return {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "integer", "minimum": i * 7919, "maximum": 10**12 + i * 104729}
+            for i in range(n)
+        },
+        "required": [f"p{i}" for i in range(n)],
+        "additionalProperties": False,
+    }
+
+
+def test_a_heavy_grammar_with_n_16_stalls_no_node(live: LiveCluster) -> None:
+    """Issue 55, item 2: grammars compile off a node's loop thread, once per request (its 16
+    choices share one compile), so the loop keeps beating and other requests keep going. The
+    old code compiled each choice on the loop thread: ~16 x 0.6 s on each node without a
+    heartbeat."""
+    client = live.cluster.client  # type: ignore[attr-defined]
+    nodes = list(client.membership.nodes.values())
+    schema = _heavy_schema()
+    assert len(json.dumps(schema)) < 131_072
+    _, want = _complete(live.url)
+    heavy = {
+        "model": MODEL,
+        "prompt": "A JSON object:",
+        "n": 16,
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 5,
+        "guided_json": schema,
+    }
+    pids = {i.node_id: i.pid for i in nodes}
+
+    async def both() -> tuple[httpx.Response, str]:
+        started = asyncio.Event()
+        normal = asyncio.create_task(_stream(live.url, 48, started))
+        await asyncio.wait_for(started.wait(), 60)
+        async with httpx.AsyncClient(timeout=120) as http:
+            resp = await http.post(f"{live.url}/v1/completions", json=heavy)
+        return resp, await normal
+
+    with _Watch(pids, client) as watch:
+        resp, text = asyncio.run(both())
+        loaded = _complete(live.url)[1]
+    assert client.membership.dead_nodes == {} and set(client.membership.nodes) == set(pids)
+    silence = max(watch.max_silence.values())
+    assert silence < client.cfg.heartbeat_timeout_s / 2, watch.max_silence
+    assert text.startswith(want) and loaded == want
+    if resp.status_code == 200:  # compiled within the nodes' budget
+        choices = resp.json()["choices"]
+        assert len(choices) == 16 and all(c["text"].startswith('{"p0":') for c in choices)
+    else:  # over it on a loaded machine: a 400 that says so
+        assert resp.status_code == 400, resp.text
+        assert "did not compile within" in resp.json()["error"]["message"], resp.text
+    wait_idle_and_check(live)

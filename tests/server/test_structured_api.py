@@ -129,6 +129,44 @@ def test_a_schema_that_does_not_compile_is_a_400_that_says_why(served) -> None:
     check_idle(client, app)
 
 
+def test_a_grammar_over_the_engines_budget_is_a_400_streamed_or_not(served) -> None:
+    """Issue 55, item 2: a grammar the engine refuses (here over a size budget lowered for the
+    test: ``--max-grammar-chars``) ends its request with a 400 in OpenAI's shape, or an
+    ``invalid_request_error`` event on a stream, not a 500; the engine goes on."""
+    from openai import BadRequestError
+
+    client, app, oai = served
+    # a schema no other test sends: its grammar is not in the engine's cache of compiled ones
+    schema = {"type": "object", "properties": {"budget_test": {"type": "integer"}}}
+    budget = client.call(lambda engine: engine.core.grammars.max_chars)
+    client.call(lambda engine: setattr(engine.core.grammars, "max_chars", 64))
+    try:
+        with pytest.raises(BadRequestError) as err:
+            oai.completions.create(
+                model="tiny",
+                prompt="A city:",
+                max_tokens=4,
+                n=2,
+                extra_body={"guided_json": schema},
+            )
+        body = err.value.body
+        assert isinstance(body, dict) and body["type"] == "invalid_request_error", body
+        assert "this engine compiles grammars of at most 64" in body["message"], body
+        stream = oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=True,
+            extra_body={"guided_json": schema},
+        )
+        with pytest.raises(openai.APIError) as streamed:
+            list(stream)
+        assert "at most 64" in str(streamed.value), streamed.value
+    finally:
+        client.call(lambda engine: setattr(engine.core.grammars, "max_chars", budget))
+    check_idle(client, app)
+
+
 WEATHER = {
     "type": "function",
     "function": {

@@ -188,6 +188,8 @@ async def sse_steps(
             yield sse_event(usage)
     except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
+    except ValueError as e:  # the engine refused the request for its own fault (its grammar)
+        yield sse_event(APIError(str(e)).to_dict())
     except Exception as e:
         logger.exception("stream %s failed", choices.request_id)
         yield sse_event(internal_error(e).to_dict())
