@@ -15,7 +15,10 @@ The life of a request:
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
-3. ``running`` and decoding: one token per step; every decoding request is in every step. At
+3. ``running`` and decoding: one token per step; every decoding request is in every step (but
+   a paused one: ``set_paused``, its client fell behind; it keeps its slots, is left out of
+   steps, prefill chunks and admission until resumed, and its rows are computed alone as
+   before, so it goes on with the very tokens it would have made). At
    its first token the prompt goes into the prefix cache (locked while the request runs), so
    requests that share it match it while it decodes.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
@@ -89,6 +92,7 @@ class SchedulerStats(NamedTuple):
     num_prompt_tokens: int  # prompt tokens of every admitted request so far ...
     num_cached_tokens: int  # ... and how many of them the prefix cache served
     num_retracted: int  # retractions so far
+    num_pauses: int  # requests paused so far (their client fell behind)
     num_spec_steps: int = 0  # decode rows that verified a draft ...
     num_draft_tokens: int = 0  # ... the draft tokens they verified ...
     num_accepted_tokens: int = 0  # ... and how many of those were accepted
@@ -132,6 +136,7 @@ class Scheduler:
         self._num_admitted_tokens = 0
         self._num_admitted_cached_tokens = 0
         self._num_retracted = 0
+        self._num_pauses = 0
         self.drafter = Drafter(
             allocator,
             cache,
@@ -145,6 +150,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def has_runnable(self) -> bool:
+        """A request here that is not paused (else a step has nothing to do)."""
+        return any(not r.is_paused for r in (*self.waiting, *self.running))
 
     def check_request(self, req: Req) -> None:
         """Raise ValueError (with the numbers) for a request this engine can never run."""
@@ -183,6 +193,16 @@ class Scheduler:
                 return req
         return None
 
+    def set_paused(self, request_id: str, is_paused: bool) -> bool:
+        """Leave a waiting or running request out of steps (``is_paused``), or take it back
+        in; False if it is neither waiting nor running here."""
+        for req in (*self.waiting, *self.running):
+            if req.request_id == request_id:
+                self._num_pauses += is_paused and not req.is_paused
+                req.is_paused = is_paused
+                return True
+        return False
+
     def fail(self, req: Req, error: str) -> None:
         """``req`` failed (its forward, its sampling, its transfer): release what it holds."""
         self.abort(req.request_id)
@@ -193,7 +213,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         self._admit()
         self._retract_until_decodes_fit()
-        decoding = [r for r in self.running if not r.is_prefilling]
+        decoding = [r for r in self.running if not r.is_prefilling and not r.is_paused]
         reqs, seqs = [], []
         for req in decoding:
             self.slots.grow(req, req.num_computed + 1)
@@ -208,7 +228,7 @@ class Scheduler:
                 seqs.append(SeqInput([token], req.slots[: n + i], n - 1 + i))
             seqs.append(SeqInput(rows[-1:], req.slots, req.num_computed - 1))
         budget = self.max_mixed_prefill_tokens if decoding else self.max_prefill_tokens
-        for req in [r for r in self.running if r.is_prefilling]:
+        for req in [r for r in self.running if r.is_prefilling and not r.is_paused]:
             if budget <= 0:
                 break
             start = req.num_computed
@@ -229,7 +249,7 @@ class Scheduler:
         deferred: list[Req] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            if self._should_defer(req):
+            if req.is_paused or self._should_defer(req):
                 deferred.append(self.waiting.popleft())
                 continue
             if not self._lock_prefix(req, self.slots.expected_len(req)):
@@ -280,13 +300,20 @@ class Scheduler:
 
     def _retract_until_decodes_fit(self) -> None:
         """Retract the newest running requests until every decoding one can take a token."""
-        while self.running and not self.slots.can_decode(self.running):
+        while self.running and not self.slots.can_decode(self._active):
             self._retract(self.running[-1])
 
     def _retract_stalled(self) -> None:
         """Nothing could run: requests are waiting on slots that only retraction frees."""
-        if self.running and all(r.is_prefilling for r in self.running):
+        active = self._active
+        wants = active or any(not r.is_paused for r in self.waiting)
+        if self.running and wants and all(r.is_prefilling for r in active):
             self._retract(self.running[-1])
+
+    @property
+    def _active(self) -> list[Req]:
+        """Running requests not paused."""
+        return [r for r in self.running if not r.is_paused]
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
@@ -355,6 +382,7 @@ class Scheduler:
             self._num_admitted_tokens,
             self._num_admitted_cached_tokens,
             self._num_retracted,
+            self._num_pauses,
             *self.drafter.stats,
         )
 
