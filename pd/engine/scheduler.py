@@ -9,16 +9,14 @@ The life of a request:
    it generated already, at most its max_tokens; less the cached prefix) must fit in free + evictable
    slots after what every running request is expected to still take. Admission matches the
    prompt in the prefix cache and locks the match, so those slots cannot be evicted under it. A
-   request that shares at least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt
-   still being prefilled here (``_pending_prompts``) waits, and others go ahead of it, until that
-   prompt is cached: it then computes only its own part instead of the shared one a second time.
+   request that shares enough uncached tokens with a prompt still being prefilled here waits
+   (``pd.engine.deferral``), and others go ahead of it, until that prompt is cached.
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
-3. ``running`` and decoding: one token per step; every decoding request is in every step (but
-   a paused one: ``set_paused``, its client fell behind; it keeps its slots, is left out of
-   steps, prefill chunks and admission until resumed, and its rows are computed alone as
-   before, so it goes on with the very tokens it would have made). At
+3. ``running`` and decoding: one token per step; every decoding request is in every step but
+   a paused one (``set_paused``: its client fell behind; it keeps its slots, and resumes with
+   the tokens it would have made, each row being computed alone). At
    its first token the prompt goes into the prefix cache (locked while the request runs), so
    requests that share it match it while it decodes.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
@@ -56,16 +54,13 @@ from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.priority import insert_ranked
 from pd.core.request import Req, ReqStatus
+from pd.engine.deferral import shares_pending_prompt
 from pd.engine.drafter import Drafter
 from pd.engine.slots import SlotBudget
 from pd.executor.sampler import SampledRow
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
-
-# A waiting request defers to a prompt being prefilled when they share this many tokens that
-# the cache does not hold yet (SGLang's in-batch prefix check uses 32 too).
-MIN_DEFERRED_SHARED_TOKENS = 32
 
 
 class ScheduledBatch(NamedTuple):
@@ -194,8 +189,7 @@ class Scheduler:
         return None
 
     def set_paused(self, request_id: str, is_paused: bool) -> bool:
-        """Leave a waiting or running request out of steps (``is_paused``), or take it back
-        in; False if it is neither waiting nor running here."""
+        """Leave a request out of steps and admission, or take it back in; False if unknown."""
         for req in (*self.waiting, *self.running):
             if req.request_id == request_id:
                 self._num_pauses += is_paused and not req.is_paused
@@ -261,23 +255,15 @@ class Scheduler:
 
     def _should_defer(self, req: Req) -> bool:
         """``req`` shares enough uncached tokens with a pending prompt to wait for it."""
-        tokens = req.all_ids[: req.fill_len]
-        shared = max(
-            (
-                _common_prefix_len(tokens, prompt)
-                for ns, prompt in self._pending_prompts()
-                if ns == req.namespace
-            ),
-            default=0,
-        )
-        if shared < MIN_DEFERRED_SHARED_TOKENS:
-            return False
-        cached = self.cache.match_prompt(tokens, req.namespace).num_tokens
-        return shared - cached >= MIN_DEFERRED_SHARED_TOKENS
+        return shares_pending_prompt(req, self._pending_prompts(), self.cache)
 
     def _pending_prompts(self) -> list[tuple[str, list[int]]]:
         """(namespace, tokens) of prompts being computed here that the cache will hold soon."""
-        return [(r.namespace, r.all_ids[: r.fill_len]) for r in self.running if r.is_prefilling]
+        return [
+            (r.namespace, r.all_ids[: r.fill_len])
+            for r in self.running
+            if r.is_prefilling and not r.is_paused
+        ]
 
     def _lock_prefix(self, req: Req, expected_len: int) -> bool:
         """Match ``req``'s tokens in the cache and lock the match if ``expected_len`` tokens
@@ -300,19 +286,17 @@ class Scheduler:
 
     def _retract_until_decodes_fit(self) -> None:
         """Retract the newest running requests until every decoding one can take a token."""
-        while self.running and not self.slots.can_decode(self._active):
+        while self.running and not self.slots.can_decode(self._unpaused()):
             self._retract(self.running[-1])
 
     def _retract_stalled(self) -> None:
         """Nothing could run: requests are waiting on slots that only retraction frees."""
-        active = self._active
+        active = self._unpaused()
         wants = active or any(not r.is_paused for r in self.waiting)
         if self.running and wants and all(r.is_prefilling for r in active):
             self._retract(self.running[-1])
 
-    @property
-    def _active(self) -> list[Req]:
-        """Running requests not paused."""
+    def _unpaused(self) -> list[Req]:
         return [r for r in self.running if not r.is_paused]
 
     def _retract(self, req: Req) -> None:
@@ -406,13 +390,3 @@ def _finish_reason(
     if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= max_model_len:
         return "length"
     return None
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (compared in blocks, then token by token)."""
-    n, block, i = min(len(a), len(b)), 64, 0
-    while i + block <= n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
