@@ -19,7 +19,9 @@ The life of a request on a decode node (its scheduler is ``DecodeScheduler``):
    its logprobs, when the request asked for them) ->
    ``admit`` -> ``running``, and the first token goes to the server: from here on the request
    has started (before, the server may re-route it when a node dies).
-4. Decode, one token per step for the whole batch; every token goes to the server.
+4. Decode, one token per step for the whole batch; every token goes to the server. A
+   ``PauseMsg`` (its client fell behind) leaves it out of the steps, its KV kept, until the
+   next one takes it back in (``Scheduler.set_paused``).
 5. Finish (stop token, max_tokens, abort): the tokens and slots go to the prefix cache, so a
    follow-up turn of a conversation moves only its new tokens. A transfer that fails or times
    out releases its reservation (``release``, once no data thread can write into the slots) and
@@ -39,6 +41,7 @@ from pd.core.messages import (
     DecodeReqMsg,
     LocalReqMsg,
     NodeMsg,
+    PauseMsg,
     PeerGoneMsg,
     PrefilledMsg,
     TokenMsg,
@@ -82,6 +85,8 @@ class DecodeRole(BaseRole):
             self._on_prefilled(msg)
         elif isinstance(msg, AbortMsg):
             self.abort(msg.request_id)
+        elif isinstance(msg, PauseMsg):  # its client fell behind, or caught up
+            self.scheduler.set_paused(msg.request_id, msg.is_paused)
 
     def _on_request(self, msg: DecodeReqMsg | LocalReqMsg) -> None:
         if self.recent_aborts.take(msg.request_id):

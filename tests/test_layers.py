@@ -26,7 +26,9 @@ functions and under ``TYPE_CHECKING``, is checked against this order (bottom fir
 
 Inside a room (a top folder: ``pd.server`` with its sub-rooms, ``pd.engine``, ``prefill``, ...)
 no import circle may close, counting function-local and type-only imports too
-(``test_no_new_import_circle_inside_a_room``).
+(``test_no_new_import_circle_inside_a_room``). And every room stays small enough to read as one
+(``test_rooms_stay_readable``): at most 15 modules in a folder of ``pd/``, 400 lines in a
+module, 20 methods in a class.
 """
 
 from __future__ import annotations
@@ -163,8 +165,7 @@ def test_the_check_sees_an_upward_import(
 
 # Import circles that exist today inside a room, each a set of modules: to be broken (issue 53).
 # The test fails on any circle not listed here, and on a listed one that is gone (drop it).
-KNOWN_CIRCLES: list[frozenset[str]] = [
-]
+KNOWN_CIRCLES: list[frozenset[str]] = []
 
 
 def room_of(module: str) -> str:
@@ -266,3 +267,49 @@ def test_the_circle_check_sees_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert circles(graph) == [frozenset({"a", "b", "c"})]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_MODULES_PER_FOLDER = 15
+MAX_MODULE_LINES = 400
+MAX_CLASS_METHODS = 20
+
+
+def oversized(root: Path) -> list[str]:
+    """What under ``root`` passes the limits: a folder's modules (``__init__`` not counted),
+    a module's lines, a class's methods (properties and static methods counted)."""
+    found = []
+    for folder in sorted(p for p in [root, *root.rglob("*")] if p.is_dir()):
+        modules = [m for m in folder.glob("*.py") if m.name != "__init__.py"]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            found.append(f"{folder.relative_to(root.parent)}/: {len(modules)} modules")
+    for module in sorted(root.rglob("*.py")):
+        text = module.read_text()
+        name = module.relative_to(root.parent)
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+                methods = sum(isinstance(n, defs) for n in node.body)
+                if methods > MAX_CLASS_METHODS:
+                    found.append(f"{name}: class {node.name} has {methods} methods")
+    return found
+
+
+def test_rooms_stay_readable() -> None:
+    assert oversized(ROOT / "pd") == []
+
+
+def test_the_size_check_sees_each_limit(tmp_path: Path) -> None:
+    room = tmp_path / "pd" / "wide"
+    room.mkdir(parents=True)
+    for i in range(MAX_MODULES_PER_FOLDER + 1):
+        (room / f"m{i}.py").write_text("x = 1\n")
+    (room / "m0.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    methods = "".join(f"    def f{i}(self): pass\n" for i in range(MAX_CLASS_METHODS + 1))
+    (room / "m1.py").write_text(f"class Big:\n{methods}")
+    assert oversized(tmp_path / "pd") == [
+        f"pd/wide/: {MAX_MODULES_PER_FOLDER + 1} modules",
+        f"pd/wide/m0.py: {MAX_MODULE_LINES + 1} lines",
+        f"pd/wide/m1.py: class Big has {MAX_CLASS_METHODS + 1} methods",
+    ]

@@ -22,7 +22,8 @@ happens:
 2. ``ROUTED``: ``Flights.dispatch`` tells the decode node what to expect, the prefill node what
    to compute (or the decode node prefills it itself: conditional disaggregation), through
    ``NodeSockets``.
-3. ``STREAMING``: tokens stream back from the decode node once the KV is there. ``NodeSockets``
+3. ``STREAMING``: tokens stream back from the decode node once the KV is there (a stream's
+   request bounds what waits for its reader: ``pd.core.backlog``, ``Flights.on_flow``). ``NodeSockets``
    reads tokens, cache events fed to the coordinator, and stats (which are also the
    heartbeats), and hands each message to the client (``_on_node_msg``); ``Flights.on_tokens``
    turns each ``TokenMsg`` into a ``FlightEvent`` in the flight's mailbox, which its stream
@@ -73,6 +74,7 @@ from pd.cluster.membership import Membership
 from pd.cluster.mirror import MirrorSync
 from pd.cluster.slo import LatencyWindow
 from pd.cluster.sockets import NodeSockets
+from pd.core.backlog import Backlog, ReaderStalled
 from pd.core.messages import (
     CacheEventMsg,
     NodeInfo,
@@ -187,9 +189,15 @@ class ClusterClient:
         self._tasks.spawn(self.mirror.run())
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        backlog: Backlog | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._generate(Flight(request_id, list(prompt_ids), params, namespace))
+        flight = Flight(request_id, list(prompt_ids), params, namespace, backlog=backlog)
+        return self._generate(flight)
 
     async def warm(self, request_id: str, prompt_ids: list[int], namespace: str = "") -> WarmResult:
         """Prefill ``prompt_ids`` into the cache of the prefill node the coordinator routes it
@@ -220,6 +228,8 @@ class ClusterClient:
                     continue
                 if event.kind is EventKind.ERROR:  # its nodes were told to drop it
                     raise (RequestRefused if event.is_refused else ClusterError)(event.why)
+                if event.kind is EventKind.STALLED:  # likewise
+                    raise ReaderStalled(event.why)
                 # TOKENS, or ABORT: a last output without tokens
                 if num_cached is None:
                     num_cached = event.num_cached_tokens
@@ -294,6 +304,8 @@ class ClusterClient:
             num_pulls_chosen=pulls.num_pulls,
             num_pulls_computed=pulls.num_computed,
             num_pull_fallbacks=pulls.num_fallbacks,
+            num_stalled_streams=self.flights.num_stalled,
+            num_queued_token_bytes=self.flights.num_queued_bytes,
         )
 
     def _on_node_msg(self, msg: ServerMsg) -> None:

@@ -22,8 +22,10 @@ The status, and the only moves ``Flight`` allows (each checked where it is made)
 nodes and the coordinator know); leaving them gives it up (``end_attempt``).
 
 The mailbox carries ``FlightEvent``s to the request's stream, in order: ``TOKENS`` (made from a
-node's ``TokenMsg`` by ``Flights.on_tokens``), ``REROUTE``, ``ABORT`` (a last, empty output) and
-``ERROR``; ``Flights`` (``pd.cluster.flights``) makes every move of a flight but ``NEW``.
+node's ``TokenMsg`` by ``Flights.on_tokens``), ``REROUTE``, ``ABORT`` (a last, empty output),
+``ERROR`` and ``STALLED`` (its client fell behind for too long: ``pd.core.backlog``); a
+``TOKENS`` event's bytes count in its request's backlog until the stream reads it.
+``Flights`` (``pd.cluster.flights``) makes every move of a flight but ``NEW``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pd.cluster.room import RoomTicket
+from pd.core.backlog import Backlog
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.request import checked_move
 from pd.core.sampling_params import SamplingParams
@@ -74,6 +77,7 @@ class EventKind(enum.Enum):
     REROUTE = enum.auto()  # the attempt was given up: book the next (``why``)
     ABORT = enum.auto()  # abort() was called: a last output, empty, finish reason "abort"
     ERROR = enum.auto()  # it failed in the cluster (``why``): the stream raises
+    STALLED = enum.auto()  # its client did not catch up (``why``): the stream raises
 
 
 class FlightEvent(NamedTuple):
@@ -86,6 +90,7 @@ class FlightEvent(NamedTuple):
     num_cached_tokens: int  # prompt tokens the prefill node had cached
     why: str  # a REROUTE's or an ERROR's reason
     logprobs: Sequence[TokenLogprobsMsg] = ()  # one per token id, when asked for
+    num_bytes: int = 0  # what its token message counts in the request's backlog
     is_refused: bool = False  # an ERROR that is the request's own fault (its grammar)
 
     @classmethod
@@ -96,9 +101,17 @@ class FlightEvent(NamedTuple):
         finish_reason: str | None,
         num_cached_tokens: int,
         logprobs: Sequence[TokenLogprobsMsg] = (),
+        num_bytes: int = 0,
     ) -> FlightEvent:
         return cls(
-            EventKind.TOKENS, token_ids, finished, finish_reason, num_cached_tokens, "", logprobs
+            EventKind.TOKENS,
+            token_ids,
+            finished,
+            finish_reason,
+            num_cached_tokens,
+            "",
+            logprobs,
+            num_bytes,
         )
 
     @classmethod
@@ -110,8 +123,10 @@ class FlightEvent(NamedTuple):
         return cls(EventKind.ABORT, [], True, "abort", 0, "")
 
     @classmethod
-    def error(cls, why: str, is_refused: bool = False) -> FlightEvent:
-        return cls(EventKind.ERROR, [], True, None, 0, why, (), is_refused)
+    def error(
+        cls, why: str, kind: EventKind = EventKind.ERROR, is_refused: bool = False
+    ) -> FlightEvent:
+        return cls(kind, [], True, None, 0, why, is_refused=is_refused)
 
 
 class Attempt(NamedTuple):
@@ -138,6 +153,9 @@ class Flight:
     last_prefill: str = ""  # the node that prefilled the latest attempt (kept after it ends)
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
+    backlog: Backlog | None = None  # its request's queued token bytes (streams only)
+    num_queued_bytes: int = 0  # of them, this flight's, in its mailbox
+    paused_wire: str = ""  # the attempt its decode node was told to pause ("" none)
     _status: FlightStatus = field(default=FlightStatus.NEW, init=False)
 
     @property

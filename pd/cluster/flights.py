@@ -12,6 +12,10 @@ one's current attempt. A request's attempts, in the order of the client's reques
   ``retry_delay_s`` (``_retry_later``), unless a node death moves it first.
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
   (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere.
+- ``on_flow`` (its request's ``Backlog``, shared by its choices: ``pd.core.backlog``): its
+  client fell behind, so its decode node is told to pause it (``PauseMsg``; a flight that has
+  not streamed yet is told at its first tokens), or to resume it; a client that did not catch
+  up in time ends it (``STALLED``, and its nodes drop it).
 - ``abort``, ``end`` (the stream stopped early), or the last tokens: the attempt is over. Its
   booking is released, the next waiting request woken, and unless it finished its nodes are
   told to forget it (``_end_attempt``, the one place an attempt ends).
@@ -21,20 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import zmq
 
 from pd.cluster.client_config import ClientConfig
 from pd.cluster.event_loop import TaskSet
-from pd.cluster.flight import Flight, FlightEvent, FlightStatus
+from pd.cluster.flight import EventKind, Flight, FlightEvent, FlightStatus
 from pd.cluster.room import RoomQueue
 from pd.cluster.sockets import NodeSockets
+from pd.core.backlog import Flow
 from pd.core.messages import (
     AbortMsg,
     DecodeReqMsg,
     LocalReqMsg,
     NodeInfo,
+    PauseMsg,
     PrefillReqMsg,
     PullFrom,
     TokenMsg,
@@ -71,7 +78,10 @@ class Flights:
         self._by_id: dict[str, Flight] = {}
         self._by_wire: dict[str, Flight] = {}  # by the wire id of its current attempt
         self._room = RoomQueue()
+        # by request id: what watches its backlog (``on_flow`` of the flight)
+        self._flow_watchers: dict[str, Callable[[Flow], None]] = {}
         self.num_rerouted = 0
+        self.num_stalled = 0  # requests ended because their client did not catch up
 
     def __len__(self) -> int:
         """Requests in flight."""
@@ -86,6 +96,11 @@ class Flights:
         """Room may have appeared (a node joined): the first waiting request tries again."""
         self._room.wake()
 
+    @property
+    def num_queued_bytes(self) -> int:
+        """Token bytes in the mailboxes of the streams (what their backlogs count)."""
+        return sum(f.num_queued_bytes for f in self._by_id.values())
+
     def num_routed_to(self, node_id: str) -> int:
         """Requests in flight that this node serves (or is about to receive)."""
         return sum(node_id in (f.prefill, f.decode) for f in self._by_id.values())
@@ -97,15 +112,24 @@ class Flights:
             raise ValueError(f"request id {flight.request_id!r} is already running")
         self._sockets.check_sendable(flight.params, "sampling parameters")
         self._by_id[flight.request_id] = flight
+        if flight.backlog is not None:
+            on_flow = self._flow_watchers[flight.request_id] = partial(self.on_flow, flight)
+            flight.backlog.watch(on_flow)
 
     def leave(self, flight: Flight) -> None:
-        """Out of the table: its stream has ended."""
+        """Out of the table: its stream has ended (what its mailbox holds leaves the
+        backlog)."""
         self._by_id.pop(flight.request_id, None)
+        on_flow = self._flow_watchers.pop(flight.request_id, None)
+        if flight.backlog is not None and on_flow is not None:
+            flight.backlog.unwatch(on_flow)
+            flight.backlog.take(flight.num_queued_bytes)
+            flight.num_queued_bytes = 0
 
     async def dispatch(self, flight: Flight) -> None:
         """Book nodes for the next attempt, waiting by priority then arrival while none has
         room (until the deadline), and send the request to them."""
-        if flight.status is FlightStatus.ABORTED:  # while re-routing: ABORT is next
+        if flight.is_over:  # aborted or stalled while re-routing: its last event is next
             return
         wire = flight.begin_attempt()
         prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
@@ -127,21 +151,28 @@ class Flights:
         flight.route(route.prefill, route.decode)
         self._by_wire[wire] = flight
         try:
-            self._send_attempt(flight, wire, route)
+            send_attempt(self._sockets, self._nodes, flight, wire, route)
         except zmq.ZMQError as e:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
 
     async def next_event(self, flight: Flight) -> FlightEvent:
-        """The next event in its mailbox; TimeoutError at its deadline."""
+        """The next event in its mailbox (its bytes leave the backlog); TimeoutError at its
+        deadline."""
         if not flight.mailbox.empty():
-            return flight.mailbox.get_nowait()
-        left = flight.deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(flight.mailbox.get(), max(left, 0.0))
-        except TimeoutError:
-            raise TimeoutError(
-                f"request {flight.request_id} passed its deadline ({self.cfg.request_timeout_s} s)"
-            ) from None
+            event = flight.mailbox.get_nowait()
+        else:
+            left = flight.deadline - time.monotonic()
+            try:
+                event = await asyncio.wait_for(flight.mailbox.get(), max(left, 0.0))
+            except TimeoutError:
+                limit = self.cfg.request_timeout_s
+                raise TimeoutError(
+                    f"request {flight.request_id} passed its deadline ({limit} s)"
+                ) from None
+        if event.num_bytes and flight.backlog is not None:
+            flight.num_queued_bytes -= event.num_bytes
+            flight.backlog.take(event.num_bytes)
+        return event
 
     def abort(self, request_id: str) -> None:
         """Its stream ends with an empty last output (finish reason "abort")."""
@@ -176,10 +207,24 @@ class Flights:
             why = flight.out_of_reroutes(msg.error) if retried else msg.error
             self._fail(flight, why, msg.is_refused)
             return
+        backlog = flight.backlog
+        num_bytes = 0 if backlog is None else msg.num_bytes()
         event = FlightEvent.tokens(
-            msg.token_ids, msg.finished, msg.finish_reason, msg.num_cached_tokens, msg.logprobs
+            msg.token_ids,
+            msg.finished,
+            msg.finish_reason,
+            msg.num_cached_tokens,
+            msg.logprobs,
+            num_bytes,
         )
         flight.mailbox.put_nowait(event)  # first: the caller gets its tokens whatever follows
+        if backlog is not None:
+            flight.num_queued_bytes += num_bytes
+            backlog.add(num_bytes)  # past its high mark: every choice's node is told to pause
+            if backlog.is_paused and flight.paused_wire != wire and not msg.finished:
+                tell_paused(
+                    self._sockets, flight, True
+                )  # it streamed only now: it runs on its node
         self.coordinator.on_prefilled(wire)
         if msg.finished:
             self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
@@ -192,50 +237,28 @@ class Flights:
             if node_id in (flight.prefill, flight.decode):
                 self._lose(flight, node_id, why)
 
+    def on_flow(self, flight: Flight, flow: Flow) -> None:
+        """Its request's backlog passed its high mark (pause its decode node's steps for it),
+        fell to its low mark (resume them), or stayed paused too long (end it)."""
+        if flow is Flow.STALLED:
+            if not flight.is_over:
+                self.num_stalled += 1
+                assert flight.backlog is not None
+                why = (
+                    f"request {flight.request_id}: its client did not catch up with its answer "
+                    f"within {flight.backlog.max_pause_s:g} s (it was paused "
+                    f"{flight.backlog.high_bytes} bytes of tokens ahead): ended"
+                )
+                flight.mailbox.put_nowait(FlightEvent.error(why, EventKind.STALLED))
+                self._end_attempt(flight, FlightStatus.FAILED, abort_nodes=True)
+                flight.ticket.cancel()  # stop waiting for room, if it waits
+        elif flow is Flow.PAUSE:
+            if flight.status is FlightStatus.STREAMING:  # else told at its first tokens
+                tell_paused(self._sockets, flight, True)
+        elif flight.paused_wire:
+            tell_paused(self._sockets, flight, False)
+
     # -- an attempt -------------------------------------------------------------------------
-
-    def _send_attempt(self, flight: Flight, wire: str, route: Route) -> None:
-        """Tell the decode node what to expect, the prefill node what to compute; or the
-        decode node alone to prefill it."""
-        prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
-        d = self._nodes[route.decode]
-        if route.prefill is None:
-            msg = LocalReqMsg(request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns)
-            self._sockets.send(route.decode, msg)
-            return
-        self._sockets.send(
-            route.decode,
-            DecodeReqMsg(
-                request_id=wire,
-                prompt_ids=prompt,
-                sampling=p,
-                namespace=ns,
-                prefill_node=route.prefill,
-            ),
-        )
-        msg = PrefillReqMsg(
-            request_id=wire,
-            prompt_ids=prompt,
-            sampling=p,
-            namespace=ns,
-            decode_node=route.decode,
-            decode_addr=d.addr,
-            decode_transfer_addr=d.transfer_addr,
-            pull=self._pull_from(route.pull),
-        )
-        self._sockets.send(route.prefill, msg)
-
-    def _pull_from(self, pull: Pull | None) -> PullFrom | None:
-        holder = None if pull is None else self._nodes.get(pull.holder)
-        if pull is None or holder is None:
-            return None
-        return PullFrom(
-            node_id=pull.holder,
-            addr=holder.addr,
-            transfer_addr=holder.transfer_addr,
-            num_tokens=pull.num_tokens,
-            timeout_s=pull.timeout_s,
-        )
 
     def _end_attempt(self, flight: Flight, status: FlightStatus, abort_nodes: bool) -> None:
         """Move the flight to ``status`` (re-routing, or over). The attempt it held (if any)
@@ -260,7 +283,7 @@ class Flights:
         """It failed in the cluster: its stream raises ``ClusterError(error)`` (or
         ``RequestRefused``: ``is_refused``), and its nodes (the partner may still hold it) drop
         the attempt."""
-        flight.mailbox.put_nowait(FlightEvent.error(error, is_refused))
+        flight.mailbox.put_nowait(FlightEvent.error(error, is_refused=is_refused))
         self._end_attempt(flight, FlightStatus.FAILED, abort_nodes=True)
 
     async def _retry_later(self, flight: Flight, wire_id: str, error: str) -> None:
@@ -275,3 +298,58 @@ class Flights:
         elif flight.status is not FlightStatus.STREAMING or node_id == flight.decode:
             self._fail(flight, flight.out_of_reroutes(f"node {node_id} failed: {why}"))
         # else it decodes on a live node that has its KV already: leave it be
+
+
+def send_attempt(
+    sockets: NodeSockets, nodes: Mapping[str, NodeInfo], flight: Flight, wire: str, route: Route
+) -> None:
+    """Tell the decode node what to expect, the prefill node what to compute; or the
+    decode node alone to prefill it."""
+    prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
+    d = nodes[route.decode]
+    if route.prefill is None:
+        msg = LocalReqMsg(request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns)
+        sockets.send(route.decode, msg)
+        return
+    sockets.send(
+        route.decode,
+        DecodeReqMsg(
+            request_id=wire,
+            prompt_ids=prompt,
+            sampling=p,
+            namespace=ns,
+            prefill_node=route.prefill,
+        ),
+    )
+    msg = PrefillReqMsg(
+        request_id=wire,
+        prompt_ids=prompt,
+        sampling=p,
+        namespace=ns,
+        decode_node=route.decode,
+        decode_addr=d.addr,
+        decode_transfer_addr=d.transfer_addr,
+        pull=pull_from(nodes, route.pull),
+    )
+    sockets.send(route.prefill, msg)
+
+
+def pull_from(nodes: Mapping[str, NodeInfo], pull: Pull | None) -> PullFrom | None:
+    """Where the prefill node pulls ``pull``'s prefix from (None: no pull, or its holder is gone)."""
+    holder = None if pull is None else nodes.get(pull.holder)
+    if pull is None or holder is None:
+        return None
+    return PullFrom(
+        node_id=pull.holder,
+        addr=holder.addr,
+        transfer_addr=holder.transfer_addr,
+        num_tokens=pull.num_tokens,
+        timeout_s=pull.timeout_s,
+    )
+
+
+def tell_paused(sockets: NodeSockets, flight: Flight, is_paused: bool) -> None:
+    """Tell ``flight``'s decode node to leave its attempt out of its steps, or take it back."""
+    wire = flight.wire_id if is_paused else flight.paused_wire
+    sockets.tell(flight.decode, PauseMsg(request_id=wire, is_paused=is_paused))
+    flight.paused_wire = wire if is_paused else ""

@@ -9,6 +9,8 @@ node would dial must be a ``tcp://host:port`` (checked on decode, so a bad one i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from pd.core.sampling_params import SamplingParams
@@ -24,6 +26,13 @@ class TokenLogprobsMsg(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+
+
+def token_bytes(num_tokens: int, logprobs: Sequence[TokenLogprobsMsg]) -> int:
+    """About the msgpack size of ``num_tokens`` tokens and their ``logprobs`` (9 bytes a number
+    at most), and a message's other fields."""
+    num_numbers = num_tokens + sum(2 + 2 * len(lp.top_ids) for lp in logprobs)
+    return 64 + 9 * num_numbers
 
 
 class CacheEventMsg(msgspec.Struct, tag="cache_event", frozen=True, kw_only=True):
@@ -142,6 +151,15 @@ class AbortMsg(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     reason: str = "abort"
 
 
+class PauseMsg(msgspec.Struct, tag="pause", frozen=True, kw_only=True):
+    """Server -> decode node: leave the request out of its steps (``is_paused``), its KV kept,
+    because its client fell behind (``pd.core.backlog``); or take it back in. Unknown ids are
+    ignored."""
+
+    request_id: str
+    is_paused: bool
+
+
 class PeerUpMsg(msgspec.Struct, tag="peer_up", frozen=True, kw_only=True):
     """Server -> every other node: ``node_id`` joined at these addresses. A node refuses a gone
     peer's endpoints for a while (``TransferConfig.linger_s``), and the kernel may give the node
@@ -179,6 +197,10 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
     is_refused: bool = False  # the error is the request's own fault (its grammar): a 400
     logprobs: list[TokenLogprobsMsg] = []  # one per token id, when the request asked for them
 
+    def num_bytes(self) -> int:
+        """About its frame's size: what a server queues for its reader (``token_bytes``)."""
+        return len(self.request_id) + token_bytes(len(self.token_ids), self.logprobs)
+
 
 class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     """Node -> server, a few times a second: what /metrics and the router need, and the node's
@@ -204,6 +226,7 @@ class NodeStatsMsg(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     # of them, per sending address: the few addresses that sent the most (transfer.inbound)
     rejected_by_peer: dict[str, int] = {}
     num_retracted: int = 0  # running requests retracted for want of KV slots (they resume)
+    num_pauses: int = 0  # requests left out of its steps because their client fell behind
     # speculative decoding: decode rows that verified a draft, its tokens, and those accepted
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
@@ -283,6 +306,7 @@ NodeMsg = (
     | LocalReqMsg
     | PrefilledMsg
     | AbortMsg
+    | PauseMsg
     | PeerGoneMsg
     | PeerUpMsg
     | PullReqMsg

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple, Protocol
 
+from pd.core.backlog import Backlog
 from pd.core.messages import NodeStatsMsg, TokenLogprobsMsg
 from pd.core.sampling_params import SamplingParams
 
@@ -44,18 +45,28 @@ class ClusterStats(NamedTuple):
     num_pulls_chosen: int = 0  # routes with a pull (the coordinator's PullLog)
     num_pulls_computed: int = 0  # a holder had more, but computing was estimated faster
     num_pull_fallbacks: int = 0  # pulls that did not come: computed instead
+    num_stalled_streams: int = 0  # streams ended because their client did not catch up
+    num_queued_token_bytes: int = 0  # token messages queued for streams' readers now
 
 
 class EngineClient(Protocol):
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        backlog: Backlog | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs until one with ``finished=True``: the call returns the iterator itself
         (an async generator function is one such), never an awaitable. Stop strings are the
         caller's job (they need detokenized text); stop token ids, EOS and max_tokens are the
         engine's.
         ``namespace`` scopes prefix-cache sharing (requests share cached prefixes only within
-        one). A request that fails inside the engine raises (with the reason).
+        one). A request that fails inside the engine raises (with the reason). ``backlog``
+        (a stream's; its choices share it): count each output's bytes in it until the caller
+        reads the output, pause the request while it is paused, and end it raising
+        ``ReaderStalled`` when it stalls (``pd.core.backlog``).
         Cancelling the iterator (client gone) must abort the request and free its slots."""
         ...
 

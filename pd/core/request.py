@@ -94,6 +94,7 @@ class Req:
     token_counts: Any = None  # what its penalties count (pd.executor.penalties); opaque here
     num_overtaken: int = 0  # later arrivals admitted ahead of it (pd.core.priority)
     guide: Any = None  # its grammar's matcher (pd.executor.grammar); opaque here
+    is_paused: bool = False  # its client fell behind: left out of steps (Scheduler.set_paused)
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)

@@ -70,6 +70,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.core.scheduler.num_unfinished > 0
 
+    @property
+    def has_runnable(self) -> bool:
+        """An unfinished request that is not paused: a step may do something."""
+        return self.core.scheduler.has_runnable
+
+    def set_paused(self, request_id: str, is_paused: bool) -> None:
+        """Leave the request out of steps, or take it back in (``Scheduler.set_paused``)."""
+        self.core.scheduler.set_paused(request_id, is_paused)
+
     def add_request(
         self,
         prompt_ids: Sequence[int],

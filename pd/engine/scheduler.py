@@ -10,15 +10,16 @@ The life of a request:
    slots after what every running request is expected to still take. Admission matches the
    prompt in the prefix cache and locks the match, so those slots cannot be evicted under it. A
    request whose grammar still compiles (off the loop thread: ``pd.executor.grammar``) is not
-   admitted until it has compiled; others go ahead of it. A
-   request that shares at least ``MIN_DEFERRED_SHARED_TOKENS`` uncached tokens with a prompt
-   still being prefilled here (``_pending_prompts``) waits, and others go ahead of it, until that
-   prompt is cached: it then computes only its own part instead of the shared one a second time.
+   admitted until it has compiled; others go ahead of it. A request that shares enough uncached
+   tokens with a prompt still being prefilled here waits (``pd.engine.deferral``), and others go
+   ahead of it, until that prompt is cached.
 2. ``running`` and prefilling: the unmatched part is computed in chunks under a token budget
    (chunked prefill): ``max_prefill_tokens`` per step, or ``max_mixed_prefill_tokens`` in a step
    that also decodes, so running streams keep their pace.
-3. ``running`` and decoding: one token per step; every decoding request is in every step (but
-   a decode node's request whose KV came while its grammar still compiles). At
+3. ``running`` and decoding: one token per step; every decoding request is in every step but
+   a paused one (``set_paused``: its client fell behind; it keeps its slots, and resumes with
+   the tokens it would have made, each row being computed alone) and a decode node's request
+   whose KV came while its grammar still compiles. At
    its first token the prompt goes into the prefix cache (locked while the request runs), so
    requests that share it match it while it decodes.
 4. finished (stop token, max_tokens, max_model_len, abort, failure): its tokens and slots are
@@ -56,16 +57,13 @@ from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
 from pd.core.priority import insert_ranked
 from pd.core.request import Req, ReqStatus
+from pd.engine.deferral import pending_prompts, shares_pending_prompt
 from pd.engine.drafter import Drafter
 from pd.engine.slots import SlotBudget
 from pd.executor.sampler import SampledRow
 
 # A slot list held outside ``running`` and the prefix-cache node it has locked.
 HeldSlots = tuple[list[int], Any]
-
-# A waiting request defers to a prompt being prefilled when they share this many tokens that
-# the cache does not hold yet (SGLang's in-batch prefix check uses 32 too).
-MIN_DEFERRED_SHARED_TOKENS = 32
 
 
 class ScheduledBatch(NamedTuple):
@@ -92,6 +90,7 @@ class SchedulerStats(NamedTuple):
     num_prompt_tokens: int  # prompt tokens of every admitted request so far ...
     num_cached_tokens: int  # ... and how many of them the prefix cache served
     num_retracted: int  # retractions so far
+    num_pauses: int  # requests paused so far (their client fell behind)
     num_spec_steps: int = 0  # decode rows that verified a draft ...
     num_draft_tokens: int = 0  # ... the draft tokens they verified ...
     num_accepted_tokens: int = 0  # ... and how many of those were accepted
@@ -139,6 +138,7 @@ class Scheduler:
         self._num_admitted_tokens = 0
         self._num_admitted_cached_tokens = 0
         self._num_retracted = 0
+        self._num_pauses = 0
         self.drafter = Drafter(
             allocator,
             cache,
@@ -152,6 +152,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def has_runnable(self) -> bool:
+        """A request here that is not paused (else a step has nothing to do)."""
+        return any(not r.is_paused for r in (*self.waiting, *self.running))
 
     def check_request(self, req: Req) -> None:
         """Raise ValueError (with the numbers) for a request this engine can never run."""
@@ -190,6 +195,15 @@ class Scheduler:
                 return req
         return None
 
+    def set_paused(self, request_id: str, is_paused: bool) -> bool:
+        """Leave a request out of steps and admission, or take it back in; False if unknown."""
+        for req in (*self.waiting, *self.running):
+            if req.request_id == request_id:
+                self._num_pauses += is_paused and not req.is_paused
+                req.is_paused = is_paused
+                return True
+        return False
+
     def fail(self, req: Req, error: str, is_refused: bool = False) -> None:
         """``req`` failed (its forward, its sampling, its transfer): release what it holds
         (``is_refused``: its own fault, see ``Req.fail``)."""
@@ -201,7 +215,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         self._admit()
         self._retract_until_decodes_fit()
-        decoding = [r for r in self.running if not r.is_prefilling and self._is_ready(r)]
+        decoding = [
+            r for r in self.running if not r.is_prefilling and not r.is_paused and self._is_ready(r)
+        ]
         reqs, seqs = [], []
         for req in decoding:
             self.slots.grow(req, req.num_computed + 1)
@@ -216,7 +232,7 @@ class Scheduler:
                 seqs.append(SeqInput([token], req.slots[: n + i], n - 1 + i))
             seqs.append(SeqInput(rows[-1:], req.slots, req.num_computed - 1))
         budget = self.max_mixed_prefill_tokens if decoding else self.max_prefill_tokens
-        for req in [r for r in self.running if r.is_prefilling]:
+        for req in [r for r in self.running if r.is_prefilling and not r.is_paused]:
             if budget <= 0:
                 break
             start = req.num_computed
@@ -237,7 +253,11 @@ class Scheduler:
         deferred: list[Req] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            if not self._is_ready(req) or self._should_defer(req):
+            if (
+                req.is_paused
+                or not self._is_ready(req)
+                or shares_pending_prompt(req, pending_prompts(self.running), self.cache)
+            ):
                 deferred.append(self.waiting.popleft())
                 continue
             if not self._lock_prefix(req, self.slots.expected_len(req)):
@@ -246,26 +266,6 @@ class Scheduler:
             req.set_status(ReqStatus.RUNNING)
             self.running.append(req)
         self.waiting.extendleft(reversed(deferred))
-
-    def _should_defer(self, req: Req) -> bool:
-        """``req`` shares enough uncached tokens with a pending prompt to wait for it."""
-        tokens = req.all_ids[: req.fill_len]
-        shared = max(
-            (
-                _common_prefix_len(tokens, prompt)
-                for ns, prompt in self._pending_prompts()
-                if ns == req.namespace
-            ),
-            default=0,
-        )
-        if shared < MIN_DEFERRED_SHARED_TOKENS:
-            return False
-        cached = self.cache.match_prompt(tokens, req.namespace).num_tokens
-        return shared - cached >= MIN_DEFERRED_SHARED_TOKENS
-
-    def _pending_prompts(self) -> list[tuple[str, list[int]]]:
-        """(namespace, tokens) of prompts being computed here that the cache will hold soon."""
-        return [(r.namespace, r.all_ids[: r.fill_len]) for r in self.running if r.is_prefilling]
 
     def _lock_prefix(self, req: Req, expected_len: int) -> bool:
         """Match ``req``'s tokens in the cache and lock the match if ``expected_len`` tokens
@@ -288,12 +288,16 @@ class Scheduler:
 
     def _retract_until_decodes_fit(self) -> None:
         """Retract the newest running requests until every decoding one can take a token."""
-        while self.running and not self.slots.can_decode(self.running):
+        while self.running and not self.slots.can_decode(
+            [r for r in self.running if not r.is_paused]
+        ):
             self._retract(self.running[-1])
 
     def _retract_stalled(self) -> None:
         """Nothing could run: requests are waiting on slots that only retraction frees."""
-        if self.running and all(r.is_prefilling for r in self.running):
+        active = [r for r in self.running if not r.is_paused]
+        wants = active or any(not r.is_paused for r in self.waiting)
+        if self.running and wants and all(r.is_prefilling for r in active):
             self._retract(self.running[-1])
 
     def _retract(self, req: Req) -> None:
@@ -363,6 +367,7 @@ class Scheduler:
             self._num_admitted_tokens,
             self._num_admitted_cached_tokens,
             self._num_retracted,
+            self._num_pauses,
             *self.drafter.stats,
         )
 
@@ -386,13 +391,3 @@ def _finish_reason(
     if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= max_model_len:
         return "length"
     return None
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (compared in blocks, then token by token)."""
-    n, block, i = min(len(a), len(b)), 64, 0
-    while i + block <= n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -59,6 +59,7 @@ def stats_msg(
         num_transfers=transfer.num_done,
         num_dropped_msgs=transfer.num_dropped_msgs,
         num_retracted=s.num_retracted,
+        num_pauses=s.num_pauses,
         num_spec_steps=s.num_spec_steps,
         num_draft_tokens=s.num_draft_tokens,
         num_accepted_draft_tokens=s.num_accepted_tokens,

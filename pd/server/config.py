@@ -69,7 +69,15 @@ class ServerConfig:
     max_stream_buffer_bytes: int = option(
         512 << 10,
         "bytes of a stream's answer the server holds for a client that reads slower than the "
-        "engine generates; a request that far ahead of its client waits for it",
+        "engine generates, twice: as text for the client's socket, and behind it as the "
+        "nodes' token messages (all its choices); a request that far ahead of its client is "
+        "paused on its node until the client catches up",
+    )
+    stream_pause_timeout_s: float = option(
+        60.0,
+        "a stream paused because its client fell max_stream_buffer_bytes behind is ended "
+        "(an error event; its request aborted, its KV freed) when its client has not caught up "
+        "within this many seconds",
     )
     max_released_stream_bytes: int = option(
         128 * _MIB,
@@ -151,7 +159,8 @@ class ServerConfig:
                 f"max_body_bytes ({self.max_body_bytes})"
             )
         for name in (
-            "request_timeout", "stream_write_timeout_s", "body_read_timeout_s",
+            "request_timeout", "stream_write_timeout_s", "stream_pause_timeout_s",
+            "body_read_timeout_s",
             "header_timeout_s", "shutdown_grace_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:

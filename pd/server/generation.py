@@ -3,7 +3,10 @@
 ``Generation`` (one sequence) drives ``EngineClient.generate``, detokenizes, applies stop
 strings (aborting the engine side when one is hit), and records the sequence's metrics. Every
 exit path that leaves the engine still working on it (stop string, client gone, error) aborts
-it. ``Choices`` runs a request's ``n`` sequences (OpenAI's ``n``) and merges their steps.
+it. ``Choices`` runs a request's ``n`` sequences (OpenAI's ``n``) and merges their steps. What
+waits between the engine and the request's reader is bounded: a stream's outputs in the
+engine's queues by its ``Backlog`` (``pd.core.backlog``: the engine pauses the request), the
+merged steps by ``Choices`` (a step per choice).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from pd.core.backlog import Backlog
 from pd.core.messages import TokenLogprobsMsg
 from pd.core.outputs import EngineClient, RequestOutput
 from pd.core.sampling_params import SamplingParams
@@ -56,6 +60,7 @@ class Generation:
     on_tokens: Callable[[int], None] | None = None  # told the prompt's tokens, then each output's
     count_prompt: bool = True  # False: on_tokens is told only the outputs (choices after the first)
     tools: Any = None  # chat: the calls to parse out of the answer (pd.server.openai.tools.Tools)
+    backlog: Backlog | None = None  # a stream's: shared by its choices (EngineClient.generate)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_ids)
@@ -75,7 +80,11 @@ class Generation:
             self.on_tokens(self.num_prompt_tokens)
         try:
             outputs = self.client.generate(
-                self.request_id, self.prompt_ids, self.params, namespace=self.namespace
+                self.request_id,
+                self.prompt_ids,
+                self.params,
+                namespace=self.namespace,
+                backlog=self.backlog,
             )
             async for out in outputs:
                 now = time.perf_counter()
@@ -155,7 +164,9 @@ class Choices:
        (on the cluster, the prefill node's cache), so once choice 0's first step is out the
        others start and match the prompt there: its KV is held once (the cache's page-aligned
        part; only the last partial page is computed again per choice), never copied.
-    2. ``steps`` merges the choices' steps as they come, each with its choice's index.
+    2. ``steps`` merges the choices' steps as they come, each with its choice's index: a
+       choice waits while a step of each is queued, so its engine stream is read only as the
+       request's reader takes them (and the engine pauses it: ``Generation.backlog``).
     3. Closing ``steps`` (or a choice failing) cancels every choice, which aborts it on the
        engine (``Generation.steps``).
     """
@@ -188,17 +199,19 @@ class Choices:
                 async for step in steps:
                     yield 0, step
             return
-        queue: asyncio.Queue[tuple[int, Step | Exception | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Step | Exception | None]] = asyncio.Queue(
+            maxsize=len(self.gens)
+        )
 
         async def pump(i: int) -> None:
             try:
                 async with aclosing(self.gens[i].steps()) as steps:
                     async for step in steps:
-                        queue.put_nowait((i, step))
+                        await queue.put((i, step))
             except Exception as e:  # handed to the reader, which fails the request
-                queue.put_nowait((i, e))
+                await queue.put((i, e))
                 return
-            queue.put_nowait((i, None))
+            await queue.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(0))]
         try:

@@ -31,6 +31,10 @@ _NODE_COUNTERS = {
         "frames its sockets refused (failed authentication)",
     ),
     "num_retracted": ("retractions", "running requests retracted for want of KV slots"),
+    "num_pauses": (
+        "pauses",
+        "requests left out of its steps because their client fell behind (resumed as it reads)",
+    ),
     "num_spec_steps": ("spec_verify_steps", "decode rows that verified a speculative draft"),
     "num_draft_tokens": ("spec_draft_tokens", "speculative tokens drafted and verified"),
     "num_accepted_draft_tokens": (
@@ -124,6 +128,11 @@ _SERVER_COUNTERS = {
         "pd_pull_fallbacks",
         "Pulls chosen that did not come (refused, holder gone or stalled): computed instead",
     ),
+    "num_stalled_streams": (
+        "pd_server_stalled_streams",
+        "Streams ended because their client, paused behind, did not catch up within "
+        "stream_pause_timeout_s",
+    ),
 }
 
 
@@ -211,6 +220,11 @@ class ServerMetrics:
         self.coordinator_queue = Gauge(
             "pd_coordinator_queue_depth", "Requests not yet assigned to a node.", registry=r
         )
+        self.queued_token_bytes = Gauge(
+            "pd_server_queued_token_bytes",
+            "Bytes of token messages queued for streams' readers now (pd.core.backlog).",
+            registry=r,
+        )
         self.server_counters = {
             attr: Gauge(name, f"{help_}, cumulative.", registry=r)
             for attr, (name, help_) in _SERVER_COUNTERS.items()
@@ -268,6 +282,7 @@ class ServerMetrics:
         self.coordinator_queue.set(stats.num_queued)
         for attr, gauge in self.server_counters.items():
             gauge.set(getattr(stats, attr))
+        self.queued_token_bytes.set(stats.num_queued_token_bytes)
 
     def _set_node(self, s: NodeStatsMsg) -> None:
         labels = {"node": s.node_id, "role": s.role}

@@ -18,6 +18,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from pd.core.backlog import Backlog
 from pd.core.outputs import EngineClient
 from pd.server.checks import Prepared, RequestChecks
 from pd.server.config import ServerConfig
@@ -116,8 +117,17 @@ class ServerState:
         self, prefix: str, prep: Prepared, on_tokens: Callable[[int], None] | None = None
     ) -> Choices:
         """The request's ``prep.n`` choices: choice i seeded ``seed + i`` (vLLM's rule), its
-        engine id the response's id with ``-i`` (one choice: the response's id itself)."""
+        engine id the response's id with ``-i`` (one choice: the response's id itself). A
+        stream's choices share one ``Backlog`` (``pd.core.backlog``): what waits for its client
+        pauses it on the engine past ``max_stream_buffer_bytes``. (A non-streamed request is
+        read as fast as the engine makes it: its answer is bounded by its max_tokens.)"""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        cfg = self.config
+        backlog = (
+            Backlog(cfg.max_stream_buffer_bytes, cfg.stream_pause_timeout_s)
+            if prep.stream
+            else None
+        )
         gens = []
         for i in range(prep.n):
             params = prep.params
@@ -136,6 +146,7 @@ class ServerState:
                     on_tokens=on_tokens,
                     count_prompt=i == 0,  # the prompt counts once against a key's tokens
                     tools=prep.tools,
+                    backlog=backlog,
                 )
             )
         return Choices(request_id, gens)

@@ -2,7 +2,11 @@
 advertises; a process without the cluster secret sending to each of its sockets while a
 streamed request is decoding; and the same stranger flooding every internal socket (the
 server's PULL, each node's inbox and transfer control port) with junk, oversized and replayed
-frames for ``PD_FLOOD_SECONDS`` (5 s here; the issue's 30 s by hand) beside normal traffic.
+frames for ``PD_FLOOD_SECONDS`` (5 s here; the issue's 30 s by hand) beside normal traffic;
+and a tenant whose stream (``n=2``, ``top_logprobs=20``) is read by a client that stops reading
+(issue 55, item 3): the token bytes the server queues for it stay under its bound, its decode
+node pauses it while another request is answered, and it is ended (its KV freed) when its
+client does not catch up; one that catches up gets the very answer of an undisturbed run.
 
 The flood's yardsticks: no node is declared dead (nor silent for half the heartbeat timeout);
 normal requests keep their answers and a median latency within 2x of the unloaded windows
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import statistics
 import threading
 import time
@@ -32,6 +37,8 @@ import pytest
 
 from pd.core.messages import AbortMsg, CacheEventMsg
 from pd.model.tokenizer import encode_prompt, load_tokenizer
+from pd.server.config import ServerConfig
+from pdtools.chaos_hostile import STALLED_MSS, STALLED_RCVBUF
 from tests.cluster.conftest import LiveCluster, wait_idle_and_check
 from tests.conftest import make_node_stats
 from tests.hf_reference import hf_greedy
@@ -51,12 +58,19 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The three primary colors are"
 FLOOD_S = float(os.environ.get("PD_FLOOD_SECONDS", "5"))
 MIB = 1 << 20
+STREAM_BUFFER = 32 << 10
 pytestmark = pytest.mark.timeout(300 + 4 * FLOOD_S)
 
 
 @pytest.fixture(scope="module")
 def live_spec(smollm2_dir) -> dict[str, Any]:
-    return dict(num_prefill=1, num_decode=1, host="0.0.0.0")
+    # a small stream buffer: a stalled client is felt after a few hundred tokens, not thousands
+    cfg = ServerConfig(
+        max_stream_buffer_bytes=STREAM_BUFFER,
+        stream_pause_timeout_s=6.0,
+        stream_write_timeout_s=120,
+    )
+    return dict(num_prefill=1, num_decode=1, host="0.0.0.0", server_cfg=cfg)
 
 
 async def _stream(url: str, max_tokens: int, started: asyncio.Event) -> str:
@@ -343,4 +357,122 @@ def test_a_heavy_grammar_with_n_16_stalls_no_node(live: LiveCluster) -> None:
     else:  # over it on a loaded machine: a 400 that says so
         assert resp.status_code == 400, resp.text
         assert "did not compile within" in resp.json()["error"]["message"], resp.text
+
+
+# -- a client that stops reading its stream (issue 55, item 3) ---------------------------------
+
+_LOGPROBS_CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+    "temperature": 0,
+    "ignore_eos": True,
+    "logprobs": True,
+    "top_logprobs": 20,
+    "n": 2,
+}
+
+
+def _open_stalled(url: str, body: dict[str, Any]) -> socket.socket:
+    """A stream whose client reads its status line and then nothing (a 2 KiB receive buffer
+    and small segments: the server's socket buffers fill after a few KiB)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STALLED_RCVBUF)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, STALLED_MSS)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    data = json.dumps({**body, "stream": True}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    assert sock.recv(12) == b"HTTP/1.1 200"
+    return sock
+
+
+def _read_rest(sock: socket.socket) -> list[dict[str, Any]]:
+    """The SSE events still to come (chunked transfer: each event is in a line of its own)."""
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    sock.close()
+    lines = data.decode().splitlines()
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+
+
+def _decode_pauses(url: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("pd_node_pauses{")  # only decode nodes pause
+    )
+
+
+def _wait_for(what: str, cond: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _texts(events: list[dict[str, Any]], n: int) -> list[tuple[str, list[str]]]:
+    """Each choice's text and its logprobs' tokens, from a stream's chunks."""
+    text: list[str] = [""] * n
+    tokens: list[list[str]] = [[] for _ in range(n)]
+    for ev in events:
+        assert "error" not in ev, ev
+        for c in ev.get("choices", []):
+            text[c["index"]] += c["delta"].get("content") or ""
+            tokens[c["index"]] += [t["token"] for t in (c.get("logprobs") or {}).get("content", [])]
+    return list(zip(text, tokens))
+
+
+def test_a_stalled_reader_is_paused_on_its_node_then_ended_and_its_kv_freed(
+    live: LiveCluster,
+) -> None:
+    """The stalled stream's queued token bytes stay within the stream buffer (plus a step per
+    choice on the way when the pause went out), its decode node pauses it, another request
+    is answered meanwhile, and past ``stream_pause_timeout_s`` it is ended: every pool whole
+    while its client still holds the connection unread, which then reads an error event."""
+    _, want = _complete(live.url)
+    pauses = _decode_pauses(live.url)
+    sock = _open_stalled(live.url, {**_LOGPROBS_CHAT, "max_tokens": 1500})
+    try:
+        _wait_for("pause", lambda: _decode_pauses(live.url) > pauses)
+        queued = []
+        for _ in range(10):  # paused: the queue stays under its bound
+            queued.append(_metric(live.url, "pd_server_queued_token_bytes") or 0.0)
+            time.sleep(0.2)
+        assert 0 < max(queued) <= STREAM_BUFFER + (8 << 10), queued
+        assert _complete(live.url)[1] == want  # the node serves others meanwhile
+        _wait_for("stall", lambda: (_metric(live.url, "pd_server_stalled_streams") or 0) >= 1)
+        wait_idle_and_check(live)  # its KV freed, its client still connected
+        events = _read_rest(sock)
+    finally:
+        sock.close()
+    assert _metric(live.url, "pd_server_queued_token_bytes") == 0
+    assert events and events[-1]["error"]["code"] == "client_too_slow", events[-1:]
+    assert "did not catch up" in events[-1]["error"]["message"]
+
+
+def test_a_paused_stream_that_catches_up_gets_the_answer_of_an_undisturbed_run(
+    live: LiveCluster,
+) -> None:
+    body = {**_LOGPROBS_CHAT, "max_tokens": 400}
+    resp = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    want = [
+        (c["message"]["content"], [t["token"] for t in c["logprobs"]["content"]])
+        for c in resp.json()["choices"]
+    ]
+    pauses = _decode_pauses(live.url)
+    stalled = _metric(live.url, "pd_server_stalled_streams")
+    sock = _open_stalled(live.url, body)
+    try:
+        _wait_for("pause", lambda: _decode_pauses(live.url) > pauses)
+        events = _read_rest(sock)  # it catches up: resumed
+    finally:
+        sock.close()
+    assert _texts(events, 2) == want
+    assert _metric(live.url, "pd_server_stalled_streams") == stalled
     wait_idle_and_check(live)

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from pd.core.backlog import Backlog, ReaderStalled
 from pd.core.sampling_params import SamplingParams
 from pd.engine.async_engine import AsyncEngine
 from pd.engine.engine import Engine
@@ -148,3 +149,37 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_llama_dir):
         assert built_on[0] is not threading.main_thread()
     finally:
         client.shutdown()
+
+
+def test_a_stream_read_too_slowly_is_paused_resumed_exactly_and_ended_when_stalled(client):
+    """A stream's ``Backlog`` (what waits for its reader): a caller that stops reading gets its
+    request paused on the engine (its queued bytes stay near the mark, the engine idle, its KV
+    kept); read again, it resumes with the tokens of an undisturbed run; a caller that never
+    reads again has it ended past ``max_pause_s`` (``ReaderStalled``, its KV freed)."""
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=20)
+    high = 4096  # ~10 tokens' messages with 20 alternatives each
+
+    async def run(rid: str, backlog: Backlog | None, stall_s: float) -> list[int]:
+        tokens: list[int] = []
+        async for out in client.generate(rid, PROMPT, params, backlog=backlog):
+            tokens += out.new_token_ids
+            if len(tokens) == 1 and backlog is not None:  # the caller stops reading
+                deadline = time.monotonic() + 30
+                while not backlog.is_paused:
+                    assert time.monotonic() < deadline, "never paused"
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.3)  # the engine has stopped: nothing more is queued
+                queued = backlog.num_bytes
+                await asyncio.sleep(stall_s)
+                assert backlog.num_bytes == queued <= high + 2 * 1024, (queued, high)
+        return tokens
+
+    want = asyncio.run(run("plain", None, 0))
+    pauses = client.call(lambda e: e.stats().num_pauses)
+    assert asyncio.run(run("resumed", Backlog(high, max_pause_s=30), 0.5)) == want
+    assert client.call(lambda e: e.stats().num_pauses) == pauses + 1
+    _idle(client)
+
+    with pytest.raises(ReaderStalled, match="did not catch up"):
+        asyncio.run(run("stalled", Backlog(high, max_pause_s=1.0), 1.5))
+    _idle(client)

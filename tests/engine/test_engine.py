@@ -250,3 +250,42 @@ def test_retracted_requests_resume_with_the_same_greedy_tokens(tiny_llama_dir, p
     assert tight.stats().num_retracted == tight.scheduler.stats().num_retracted
     tight.check_integrity()
     assert tight.allocator.num_free_slots + tight.cache.num_cached_tokens == 192
+
+
+def test_a_paused_request_resumes_with_the_same_tokens_and_others_run_on(tiny_llama_dir):
+    """``set_paused`` (its client fell behind): the request is left out of steps, its KV kept,
+    while another runs on; resumed, both have the very tokens they have undisturbed, greedy and
+    seeded, and an engine with only paused requests has nothing to run."""
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((11, 30))]
+    alone = _make_engine(tiny_llama_dir)
+    want = [r.token_ids for r in alone.generate(prompts, [GREEDY, sampled])]
+
+    engine = _make_engine(tiny_llama_dir)
+    paused = engine.add_request(prompts[0], GREEDY)
+    other = engine.add_request(prompts[1], sampled)
+    got: dict[str, list[int]] = {paused: [], other: []}
+
+    def step() -> None:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+
+    while len(got[paused]) < 5:
+        step()
+    engine.set_paused(paused, True)
+    num_paused_at = len(got[paused])
+    for _ in range(8):
+        step()
+    assert len(got[paused]) == num_paused_at, "a paused request made tokens"
+    assert len(got[other]) >= 8 + num_paused_at - 1, "the other request did not run on"
+    while engine.has_unfinished and got[other] != want[1]:
+        step()
+    assert engine.has_unfinished and not engine.has_runnable  # only the paused one is left
+    held = engine.allocator.num_slots - engine.allocator.num_free_slots
+    assert engine.step() == [] and held >= len(prompts[0]) + num_paused_at - 1  # its KV kept
+    assert engine.stats().num_pauses == 1
+    engine.set_paused(paused, False)
+    while engine.has_unfinished:
+        step()
+    assert [got[paused], got[other]] == want
+    _assert_no_leak(engine)

@@ -399,7 +399,7 @@ def test_a_request_sharing_an_uncached_prefix_waits_for_it_and_others_go_first()
     s.add(leader)
     s.add(_sharing("b", leader, 80, 20))  # 80 shared tokens, none cached yet
     s.add(_req("c", 30, base=5000))  # unrelated: goes ahead of b
-    s.add(_sharing("short", leader, 31, 20))  # one token short of MIN_DEFERRED_SHARED_TOKENS
+    s.add(_sharing("short", leader, 31, 20))  # one token short of deferral.MIN_DEFERRED_SHARED_TOKENS
     batch, _ = _run(s)
     assert [r.request_id for r in batch.reqs] == ["a", "c", "short"]
     assert [r.request_id for r in s.waiting] == ["b"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+from pd.core.backlog import Backlog
 from pd.core.outputs import RequestOutput
 from pd.core.sampling_params import SamplingParams
 
@@ -53,7 +54,12 @@ class FakeEngineClient:
         self.aborted.append(request_id)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        backlog: Backlog | None = None,  # nothing waits here: it makes an output when read
     ) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_ids), params))
         self.loop = asyncio.get_running_loop()

@@ -58,6 +58,11 @@ def rate_limited(message: str, code: str, retry_after_s: int) -> APIError:
     )
 
 
+def stalled_error(e: BaseException) -> APIError:
+    """A stream ended because its client did not catch up with it (``ReaderStalled``)."""
+    return APIError(str(e), status_code=408, type="timeout_error", code="client_too_slow")
+
+
 def internal_error(e: BaseException) -> APIError:
     return APIError(f"internal error: {e!r}", status_code=500, type="server_error")
 

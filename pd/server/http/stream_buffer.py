@@ -15,6 +15,8 @@ its request generates, not while it reads, and the bytes the server holds for sl
 are bounded: ``max_inflight_requests`` x (``max_stream_buffer_bytes`` + one event) for the
 requests that hold a place, plus ``max_released_stream_bytes`` for those that gave it back
 (plus per connection what uvicorn's transport and the kernel buffer: ~64 KiB + the socket's).
+Behind a pipe that waits, its request's token messages queue up to ``max_stream_buffer_bytes``
+too, and its nodes pause it there (``pd.core.backlog``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ cut off by ``pd.server.http.middleware.WriteTimeoutMiddleware``) closes its gene
 which aborts the request on the engine (in ``Generation``); a plain handler is not cancelled by
 the server, so ``cancel_on_disconnect`` watches for its client leaving (and for one leaving the
 admission queue). A request past its deadline is cancelled the same way (so aborted on the
-engine) and answered with a timeout error (an error event, then ``[DONE]``, on a stream).
+engine) and answered with a timeout error (an error event, then ``[DONE]``, on a stream); so
+is one its engine ended because its client, paused behind, did not catch up
+(``ReaderStalled``, ``pd.core.backlog``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
+from pd.core.backlog import ReaderStalled
 from pd.server.generation import Choices, Step
-from pd.server.http.errors import APIError, internal_error
+from pd.server.http.errors import APIError, internal_error, stalled_error
 from pd.server.http.stream_buffer import StreamBytes, StreamPipe
 
 logger = logging.getLogger(__name__)
@@ -188,6 +191,8 @@ async def sse_steps(
             yield sse_event(usage)
     except DeadlineExceeded:
         yield sse_event(on_timeout().to_dict())
+    except ReaderStalled as e:  # its client fell behind and did not catch up: it was ended
+        yield sse_event(stalled_error(e).to_dict())
     except ValueError as e:  # the engine refused the request for its own fault (its grammar)
         yield sse_event(APIError(str(e)).to_dict())
     except Exception as e:
