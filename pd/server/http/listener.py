@@ -14,7 +14,8 @@ open-file limit of 1,024. Here:
   protocol only once the handshake is done, and tells it nothing of one that fails or never
   ends. Here a TCP connection counts from its accept, its handshake runs on the head's
   deadline (one that is not done by then is closed without an answer: there is no channel
-  to write one on; one over the limit likewise), and it is released when the socket closes.
+  to write one on; one over the limit likewise), and it is released when the socket closes
+  (a close waits for the client's close_notify at most the header deadline).
 
 uvicorn's ``limit_concurrency`` would not do: it answers 503 only once a head is in, so the
 silent connections it should bound are never counted against it.
@@ -142,12 +143,13 @@ class Listener:
             transport.write(self._too_many)
         transport.close()
 
-    def time_out(self, transport: asyncio.Transport, can_answer: bool) -> None:
-        """A head (or a TLS handshake) not in by its deadline: 408 where ``can_answer``,
-        closed."""
+    def time_out(self, transport: asyncio.Transport, answer_on: asyncio.Transport | None) -> None:
+        """A head (or a TLS handshake) not in by its deadline: 408 on ``answer_on`` (the
+        socket's ``transport``, or TLS over it; none before a handshake), and the socket
+        closed (over TLS without waiting for the client's close_notify)."""
         self._metrics.rejected.labels(reason="header_timeout").inc()
-        if can_answer:
-            transport.write(self._too_slow)
+        if answer_on is not None:
+            answer_on.write(self._too_slow)
         transport.close()
 
 
@@ -182,7 +184,11 @@ class _GuardedConnection(asyncio.Protocol):
             self._inner = self._h11
         else:
             loop = asyncio.get_running_loop()
-            self._inner = sslproto.SSLProtocol(loop, self._h11, ctx, None, server_side=True)
+            # a close waits for the client's close_notify no longer than a head may take
+            timeout = self._listener.header_timeout_s
+            self._inner = sslproto.SSLProtocol(
+                loop, self._h11, ctx, None, server_side=True, ssl_shutdown_timeout=timeout
+            )
         self._inner.connection_made(transport)
         self._start_timer()
 
@@ -231,12 +237,8 @@ class _GuardedConnection(asyncio.Protocol):
         assert self._transport is not None and self._h11 is not None
         if self._transport.is_closing():
             return
-        if self._inner is self._h11:
-            self._listener.time_out(self._transport, can_answer=True)
-        elif self._h11.transport is not None:  # TLS: the handshake is done
-            self._listener.time_out(self._h11.transport, can_answer=True)
-        else:
-            self._listener.time_out(self._transport, can_answer=False)
+        # TLS: the h11 protocol has a transport once the handshake is done
+        self._listener.time_out(self._transport, self._h11.transport)
 
 
 def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
