@@ -185,8 +185,8 @@ class SealedReader:
                 if self._opener.drops.num_before_epoch == before:
                     self._rejects.add(_peer(frame))
                 continue
-            if self._cap is not None:
-                self._cap.vouch(frame.get(zmq.SRCFD))
+            if self._cap is not None and (fd := _source_fd(frame)) >= 0:
+                self._cap.vouch(fd)
             out.append(Received(payload, parts[0].bytes if self._is_router else None))
         self._num_refused_last, self._num_opened_last = num_frames - len(out), len(out)
         return out
@@ -197,3 +197,11 @@ def _peer(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address")  # type: ignore[no-any-return]
     except zmq.ZMQError:  # not a TCP connection (inproc, ipc)
         return "?"
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection ``frame`` came on; -1 for none (inproc, ipc)."""
+    try:
+        return frame.get(zmq.SRCFD)  # type: ignore[no-any-return]
+    except zmq.ZMQError:
+        return -1
