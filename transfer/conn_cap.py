@@ -12,21 +12,25 @@ one:
 2. ``start(port)`` after the bind: a thread reads those reports. A connection is a stranger's
    until it proves membership: the socket's ``SealedReader`` ``vouch``es for the descriptor
    (libzmq's ``SRCFD``) of each connection that delivered a frame sealed under the cluster
-   secret. Past ``max_conns`` open, a stranger is cut, never a member: the oldest, or the
-   newcomer itself while ``max_conns`` cut ones still hold their frames. A cut is
-   ``shutdown(2)`` on (a duplicate of) the descriptor, after checking it is a TCP connection
-   to ``port`` (a descriptor libzmq closed meanwhile may have been reused). libzmq hands the
-   reader what the connection queued, then sees the peer gone and drops it: a cut one holds
-   its frames until then, so it counts until libzmq reports it closed.
+   secret. Past ``max_conns`` open, a stranger's connection is cut, never a member's: the
+   oldest of the peer host that holds the most strangers' connections, or the newcomer itself
+   while ``max_conns`` cut ones still hold their frames. A cut is ``shutdown(2)`` on (a
+   duplicate of) the descriptor, after checking it is a TCP connection to ``port`` (a
+   descriptor libzmq closed meanwhile may have been reused). libzmq hands the reader what the
+   connection queued, then sees the peer gone and drops it: a cut one holds its frames until
+   then, so it counts until libzmq reports it closed.
 3. ``close()`` before the socket closes.
 
 So the socket holds at most ``2 * max_conns * (RCVHWM_FRAMES + 1)`` frames
 (``max_queued_bytes``: the open connections' and the cut ones' not yet read), plus what a
 newcomer cut at once sends in the moment before (the thread cuts it within milliseconds).
 Strangers holding every place cannot keep a member out nor cut it: a member that joins (a
-replacement node, a reconnect) pushes out the oldest stranger, and its first sealed frame
-makes it a member. (A member's frame read after its connection closed and its descriptor went
-to a new connection vouches for that one: a place held, not a member cut.)
+replacement node, a reconnect) pushes out a stranger, and its first sealed frame makes it a
+member. Until that frame is read it is a stranger to the cap: strangers on other hosts cannot
+have it cut (their host holds more strangers' connections: theirs go first), strangers on its
+own host can, by opening ``max_conns`` connections before it is read. A member's frame read after
+its connection closed and its descriptor went to a new connection vouches for that one: a
+place held, not a member cut.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 import socket
 import threading
 import uuid
+from collections import Counter
 from typing import Any
 
 import zmq
@@ -86,6 +91,7 @@ class ConnectionCap:
         self._events.connect(addr)
         # the connections libzmq holds, by descriptor, oldest first
         self._open: dict[int, _Conn] = {}
+        self._hosts: dict[int, str] = {}  # their peers' addresses, by descriptor
         self._lock = threading.Lock()  # ``_open``: the cap's thread and the reader's
         self._port = 0
         self._stop = threading.Event()
@@ -132,20 +138,34 @@ class ConnectionCap:
                 self._cut(fd)
 
     def _admit(self, events: list[dict[str, Any]]) -> list[int]:
-        """Applies the monitor's reports; the connections to cut, past ``max_conns`` open: the
-        oldest strangers', or the newest while ``max_conns`` cut ones are not closed yet."""
+        """Applies the monitor's reports; the connections to cut, past ``max_conns`` open:
+        strangers', from the host that holds the most of them, its oldest first; the newest
+        while ``max_conns`` cut ones are not closed yet."""
         with self._lock:
+            accepted = []
             for event in events:
                 fd = int(event["value"])
                 self._open.pop(fd, None)  # an accepted one is re-added as the newest
+                self._hosts.pop(fd, None)
                 if event["event"] == zmq.EVENT_ACCEPTED:
                     self._open[fd] = _Conn.STRANGER
+                    accepted.append(fd)
+            for fd in accepted:
+                if fd in self._open:
+                    self._hosts[fd] = _peer_host(fd)
             num_cut = sum(state is _Conn.CUT for state in self._open.values())
             over = len(self._open) - num_cut - self.max_conns
             strangers = [fd for fd, state in self._open.items() if state is _Conn.STRANGER]
             victims = []
             while over > 0 and strangers:
-                victims.append(strangers.pop(0 if num_cut < self.max_conns else -1))
+                if num_cut < self.max_conns:
+                    per_host = Counter(self._hosts[fd] for fd in strangers)
+                    most = max(per_host.values())
+                    victim = next(fd for fd in strangers if per_host[self._hosts[fd]] == most)
+                else:
+                    victim = strangers[-1]
+                strangers.remove(victim)
+                victims.append(victim)
                 num_cut += 1
                 over -= 1
             for fd in victims:
@@ -185,3 +205,21 @@ class ConnectionCap:
             self._thread.join()
         self._sock.disable_monitor()
         self._events.close(linger=0)
+
+
+def _peer_host(fd: int) -> str:
+    """The address of the peer of the TCP connection on descriptor ``fd`` ("" when unknown)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:  # closed meanwhile
+        return ""
+    try:
+        conn = socket.socket(fileno=dup)  # owns the duplicate only
+    except OSError:  # not a socket (any more)
+        os.close(dup)
+        return ""
+    with conn:
+        try:
+            return str(conn.getpeername()[0])
+        except (OSError, IndexError, TypeError):
+            return ""
