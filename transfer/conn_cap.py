@@ -28,9 +28,9 @@ Strangers holding every place cannot keep a member out nor cut it: a member that
 replacement node, a reconnect) pushes out a stranger, and its first sealed frame makes it a
 member. Until that frame is read it is a stranger to the cap: strangers on other hosts cannot
 have it cut (their host holds more strangers' connections: theirs go first), strangers on its
-own host can, by opening ``max_conns`` connections before it is read. A member's frame read after
-its connection closed and its descriptor went to a new connection vouches for that one: a
-place held, not a member cut.
+own host can, by opening ``max_conns`` connections before it is read. A member's frame read
+after its connection closed and its descriptor went to a new connection vouches for that one:
+a place held, not a member cut.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ConnectionCap:
         if max_conns < 1:
             raise ValueError(f"max_conns must be >= 1, got {max_conns}")
         sock.setsockopt(zmq.RCVHWM, RCVHWM_FRAMES)
-        sock.setsockopt(zmq.LINGER, 0)  # a cut connection's queued frames go with it
+        sock.setsockopt(zmq.LINGER, 0)  # closing the socket drops what it queued
         self.max_conns = max_conns
         self.what = what  # the socket, for the log
         self.num_cut = 0  # strangers' connections cut (over the cap)

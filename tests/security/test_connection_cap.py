@@ -128,7 +128,8 @@ def test_64_stranger_connections_hold_at_most_the_caps_bound(
         stranger.join()
         assert result[0]["num_sent"] == [NUM_CONNS * frames_each]
 
-        # the cap's bound: MAX_CONNS connections' queues and as many cut ones', whatever the strangers opened
+        # the cap's bound: MAX_CONNS connections' queues and as many cut ones', whatever the
+        # strangers opened
         bound = (
             max_queued_bytes(MAX_CONNS, recv.frame_limit)
             + NUM_CUT_IN_FLIGHT * (RCVHWM_FRAMES + 1) * recv.frame_limit
