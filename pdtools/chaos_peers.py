@@ -7,8 +7,11 @@ them in a thread) and are bounded.
 from __future__ import annotations
 
 import random
+import selectors
 import socket
 import time
+
+CONNECT_WAIT_S = 2.0  # for all of ``hold_strangers``' connects together
 
 
 def junk_frames(
@@ -54,30 +57,45 @@ def hold_strangers(
 ) -> tuple[set[int], int, int]:
     """``num`` TCP connections to 127.0.0.1's ``ports`` in turn, every third sending junk (a
     ZMTP greeting's start, HTTP, random bytes), held ``hold_s``, then closed. Blocking,
-    bounded (each connect waits 2 s at most). Returns (the connections' own ports, how many
-    sent junk, how many were refused)."""
+    bounded (the connects wait ``CONNECT_WAIT_S`` at most, together: a port that drops them, a
+    gloo pair's listener once connected, costs no more). Returns (the connections' own ports,
+    how many sent junk, how many were refused or not accepted in time)."""
     rng = random.Random(seed)
     junk = [b"\xff" + bytes(8) + b"\x7f\x03", b"GET / HTTP/1.1\r\n\r\n", rng.randbytes(512)]
+    pending: dict[socket.socket, int] = {}  # connecting, by their index
     socks: list[socket.socket] = []
     mine: set[int] = set()
-    num_junk = num_refused = 0
+    num_junk = 0
+    sel = selectors.DefaultSelector()
     try:
         for i in range(num):
-            try:
-                sock = socket.create_connection(("127.0.0.1", ports[i % len(ports)]), timeout=2)
-            except OSError:
-                num_refused += 1
-                continue
-            socks.append(sock)
-            mine.add(sock.getsockname()[1])
-            if i % 3 == 0:
-                try:
-                    sock.sendall(junk[(i // 3) % len(junk)])
-                    num_junk += 1
-                except OSError:
-                    pass
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", ports[i % len(ports)]))
+            pending[sock] = i
+            sel.register(sock, selectors.EVENT_WRITE)
+        end = time.monotonic() + CONNECT_WAIT_S
+        while pending and (left := end - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                sock = key.fileobj  # type: ignore[assignment]
+                i = pending.pop(sock)
+                sel.unregister(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+                    sock.close()
+                    continue
+                sock.setblocking(True)
+                socks.append(sock)
+                mine.add(sock.getsockname()[1])
+                if i % 3 == 0:
+                    try:
+                        sock.sendall(junk[(i // 3) % len(junk)])
+                        num_junk += 1
+                    except OSError:
+                        pass
+        num_refused = num - len(socks)
         time.sleep(hold_s)
     finally:
-        for sock in socks:
+        sel.close()
+        for sock in [*pending, *socks]:
             sock.close()
     return mine, num_junk, num_refused

@@ -84,7 +84,9 @@ class ControlPlane:
         self._max_frame_size = max_frame_size
         self.rejects = RejectsByPeer(f"transfer {self.endpoint}")
         self._opener = Opener(secret, self.endpoint, max_msg_age_s)
-        self._reader = SealedReader(self._router, self._opener, self.rejects, CONTROL_BUDGET)
+        self._reader = SealedReader(
+            self._router, self._opener, self.rejects, CONTROL_BUDGET, self._cap
+        )
         self._reply_sealers: dict[bytes, Sealer] = {}  # by the routing id of the dealer
         self._dealers: dict[str, _Dealer] = {}
         self._max_queued = max_queued

@@ -14,7 +14,9 @@ ROUTER and its DEALERs) reads through a ``SealedReader``:
   (``RejectsByPeer``: the ``max_peers`` addresses with the most, in bounded memory).
 
 - **connections**: a bound socket takes at most ``max_conns`` connections at once, each
-  queueing at most ``RCVHWM_FRAMES`` frames (``conn_cap.py``).
+  queueing at most ``RCVHWM_FRAMES`` frames (``conn_cap.py``); the reader vouches to the cap
+  for each connection that delivered an authentic frame (its descriptor, libzmq's ``SRCFD``),
+  which the cap never cuts.
 - **a short queue, read at speed**: once ``read()`` took a frame, it waits up to
   ``REFILL_WAIT_MS`` for the next one before it returns: libzmq refills a connection's short
   queue while we read, and a burst of a peer's messages is read in one call, not a few frames
@@ -40,6 +42,7 @@ from typing import Any, NamedTuple
 import zmq
 
 from transfer.auth import OVERHEAD_BYTES, Opener
+from transfer.conn_cap import ConnectionCap
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +118,20 @@ class Received(NamedTuple):
 
 class SealedReader:
     """Reads ``sock`` (a PULL or DEALER: one part per message; a ROUTER: identity + frame),
-    opening each frame with ``opener``. Not thread-safe (nor is the socket)."""
+    opening each frame with ``opener``, and vouching to ``cap`` (the socket's, where it binds
+    one) for each connection that delivered an authentic frame. Not thread-safe (nor is the
+    socket)."""
 
     def __init__(
-        self, sock: zmq.Socket[Any], opener: Opener, rejects: RejectsByPeer, budget: ReadBudget
+        self,
+        sock: zmq.Socket[Any],
+        opener: Opener,
+        rejects: RejectsByPeer,
+        budget: ReadBudget,
+        cap: ConnectionCap | None = None,
     ) -> None:
         self._sock = sock
+        self._cap = cap
         self._opener = opener
         self._rejects = rejects
         self._budget = budget
@@ -174,6 +185,8 @@ class SealedReader:
                 if self._opener.drops.num_before_epoch == before:
                     self._rejects.add(_peer(frame))
                 continue
+            if self._cap is not None and (fd := _source_fd(frame)) >= 0:
+                self._cap.vouch(fd)
             out.append(Received(payload, parts[0].bytes if self._is_router else None))
         self._num_refused_last, self._num_opened_last = num_frames - len(out), len(out)
         return out
@@ -184,3 +197,11 @@ def _peer(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address")  # type: ignore[no-any-return]
     except zmq.ZMQError:  # not a TCP connection (inproc, ipc)
         return "?"
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection ``frame`` came on; -1 for none (inproc, ipc)."""
+    try:
+        return frame.get(zmq.SRCFD)  # type: ignore[no-any-return]
+    except zmq.ZMQError:
+        return -1

@@ -215,7 +215,18 @@ def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None
     scheme = "https" if cfg.ssl_certfile else "http"
     url = f"{scheme}://{args.host}:{args.port}"
     max_connections = max_connections_for(cfg.max_connections, raise_fd_limit())
-    listener = Listener(max_connections, cfg.header_timeout_s, state.metrics)
+    ssl_context = None
+    if cfg.ssl_certfile:  # TLS inside the listener's guard, not under uvicorn: see there
+        ssl_context = uvicorn.config.create_ssl_context(
+            cfg.ssl_certfile,
+            cfg.ssl_keyfile,
+            None,
+            uvicorn.config.SSL_PROTOCOL_VERSION,
+            ssl.CERT_NONE,
+            None,
+            "TLSv1",  # uvicorn's default ciphers
+        )
+    listener = Listener(max_connections, cfg.header_timeout_s, state.metrics, ssl_context)
     logger.info(
         "HTTP: at most %d connections, each request's head within %g s, %d MiB of bodies "
         "being received",
@@ -232,8 +243,6 @@ def _run_http(app: FastAPI, args: argparse.Namespace, on_exit: Callable[[], None
         http=listener.protocol,  # type: ignore[arg-type]  # a factory of protocols
         ws="none",  # no websocket routes: an upgrade would leave the listener's count
         log_level="warning",
-        ssl_certfile=cfg.ssl_certfile,
-        ssl_keyfile=cfg.ssl_keyfile,
     )
     try:
         _GracefulServer(config, state, cfg.shutdown_grace_s).run()

@@ -123,7 +123,9 @@ class NodeSockets:
         self._cap.start(int(self._pull.last_endpoint.rsplit(b":", 1)[1]))
         # the reader reads through a plain (blocking-API) socket sharing the same libzmq one
         shadow = zmq.Socket.shadow(self._pull.underlying)
-        self._reader = inbound.SealedReader(shadow, self._opener, self.rejects, READ_BUDGET)
+        self._reader = inbound.SealedReader(
+            shadow, self._opener, self.rejects, READ_BUDGET, self._cap
+        )
 
     async def read_forever(self) -> None:
         """Read node messages until cancelled, restarting the reader when it dies."""

@@ -53,7 +53,7 @@ class Inbox:
         self.addr = f"tcp://{host}:{port}"
         self._opener = Opener(secret, self.addr, max_msg_age_s)
         self.rejects = RejectsByPeer(f"{node_id} inbox")
-        self._reader = SealedReader(self._pull, self._opener, self.rejects, INBOX_BUDGET)
+        self._reader = SealedReader(self._pull, self._opener, self.rejects, INBOX_BUDGET, self._cap)
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
         self._node_id = node_id
         self.num_bad_msgs = 0  # authentic frames that held no valid message

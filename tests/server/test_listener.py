@@ -138,3 +138,43 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
     assert max_connections_for(0, 1024) == 512  # half the descriptors
     assert max_connections_for(0, 1 << 20) == 10_000
     assert max_connections_for(64, 1024) == 64  # as configured
+
+
+def test_over_tls_a_handshake_counts_and_runs_on_the_head_deadline(
+    make_app: MakeApp, tmp_path: Any
+) -> None:
+    """TLS inside the guard: a TCP connection that sends no ClientHello holds a place from
+    its accept and is closed at the head's deadline; one more TLS client is closed at once;
+    a TLS client is served, and half a head after its answer is 408 (over TLS) at the
+    deadline; every place is given back."""
+    pytest.importorskip("cryptography", reason="the dev extra's cryptography makes the cert")
+    import ssl
+
+    from tests.cluster.test_serve_tls import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    trust = ssl.create_default_context(cafile=str(cert))
+    app, _ = make_app()
+    metrics: ServerMetrics = app.state.server.metrics
+    listener = Listener(2, HEADER_TIMEOUT_S, metrics, server_ctx)
+    body = json.dumps({**NORMAL, "max_tokens": 2}).encode()
+    with serve(app, listener=listener) as url:
+        start = time.monotonic()
+        silent = connect(url)  # no ClientHello
+        client = trust.wrap_socket(connect(url), server_hostname="localhost")
+        wait_for(lambda: listener.num_open == 2)
+        with pytest.raises((ssl.SSLError, OSError)):  # one more: closed before its handshake
+            trust.wrap_socket(connect(url), server_hostname="localhost").sendall(b"GET")
+        client.sendall(request_head("/v1/completions", len(body)) + body)
+        assert _read_answer(client).startswith(b"HTTP/1.1 200 ")
+        client.sendall(_HEAD)  # half of the next head
+        assert read_to_end(silent) == b""  # closed, no answer: there is no channel for one
+        assert time.monotonic() - start >= HEADER_TIMEOUT_S - 0.05
+        _assert_408(read_to_end(client))
+        wait_for(lambda: listener.num_open == 0)
+        close_all([silent, client])
+    text = metrics.render().decode()
+    assert 'pd_server_rejected_requests_total{reason="header_timeout"} 2.0' in text
+    assert 'pd_server_rejected_requests_total{reason="too_many_connections"} 1.0' in text

@@ -10,6 +10,12 @@ open-file limit of 1,024. Here:
   at once); a request's head due within ``header_timeout_s`` of the connection's opening, or
   of the first byte after its previous answer (slower: 408 and closed). Until its head is in,
   a connection holds at most h11's 16 KiB of head and one read of the socket (256 KiB).
+- TLS (``ssl_context``) runs inside the guard, not under uvicorn: asyncio's own TLS makes the
+  protocol only once the handshake is done, and tells it nothing of one that fails or never
+  ends. Here a TCP connection counts from its accept, its handshake runs on the head's
+  deadline (one that is not done by then is closed without an answer: there is no channel
+  to write one on; one over the limit likewise), and it is released when the socket closes
+  (a close waits for the client's close_notify at most the header deadline).
 
 uvicorn's ``limit_concurrency`` would not do: it answers 503 only once a head is in, so the
 silent connections it should bound are never counted against it.
@@ -22,6 +28,8 @@ import http
 import json
 import logging
 import resource
+import ssl
+from asyncio import sslproto
 from collections.abc import Callable
 from typing import Any
 
@@ -82,11 +90,16 @@ class Listener:
     ``_GuardedConnection`` around uvicorn's own h11 protocol."""
 
     def __init__(
-        self, max_connections: int, header_timeout_s: float, metrics: ServerMetrics
+        self,
+        max_connections: int,
+        header_timeout_s: float,
+        metrics: ServerMetrics,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         assert max_connections >= 1 and header_timeout_s > 0, (max_connections, header_timeout_s)
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.ssl_context = ssl_context  # TLS inside each guarded connection (module docstring)
         self.num_open = 0
         self._metrics = metrics
         self._too_many = _raw_answer(
@@ -124,29 +137,36 @@ class Listener:
         self.num_open -= 1
 
     def refuse(self, transport: asyncio.Transport) -> None:
-        """One connection too many: 503, closed."""
+        """One connection too many: 503 (over TLS, before a handshake: nothing), closed."""
         self._metrics.rejected.labels(reason="too_many_connections").inc()
-        transport.write(self._too_many)
+        if self.ssl_context is None:
+            transport.write(self._too_many)
         transport.close()
 
-    def time_out(self, transport: asyncio.Transport) -> None:
-        """A head not in by its deadline: 408, closed."""
+    def time_out(self, transport: asyncio.Transport, answer_on: asyncio.Transport | None) -> None:
+        """A head (or a TLS handshake) not in by its deadline: 408 on ``answer_on`` (the
+        socket's ``transport``, or TLS over it; none before a handshake), and the socket
+        closed (over TLS without waiting for the client's close_notify)."""
         self._metrics.rejected.labels(reason="header_timeout").inc()
-        transport.write(self._too_slow)
+        if answer_on is not None:
+            answer_on.write(self._too_slow)
         transport.close()
 
 
 class _GuardedConnection(asyncio.Protocol):
-    """One connection: counted by its listener, uvicorn's h11 protocol inside (made only once
-    the connection is admitted), and a timer on each request head. The timer runs while no
-    request is in progress and something is awaited: from the opening, and from the first
-    byte after a response; a head that comes in (a new request of the h11 protocol) stops it.
+    """One TCP connection: counted by its listener, uvicorn's h11 protocol inside (made only
+    once the connection is admitted; over TLS, behind asyncio's ``SSLProtocol``), and a timer
+    on each request head. The timer runs while no request is in progress and something is
+    awaited: from the opening (a TLS handshake included), and from the first byte after a
+    response; a head that comes in (a new request of the h11 protocol) stops it.
     """
 
     def __init__(self, listener: Listener, make_inner: Callable[[], H11Protocol]) -> None:
         self._listener = listener
         self._make_inner = make_inner
-        self._inner: H11Protocol | None = None
+        self._h11: H11Protocol | None = None
+        # what reads the socket: the h11 protocol, or TLS around it; None: refused
+        self._inner: H11Protocol | sslproto.SSLProtocol | None = None
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._request: object | None = None  # the last request whose head came in
@@ -158,15 +178,28 @@ class _GuardedConnection(asyncio.Protocol):
             self._listener.refuse(transport)
             return
         self._listener.open()
-        self._inner = self._make_inner()
+        self._h11 = self._make_inner()
+        ctx = self._listener.ssl_context
+        if ctx is None:
+            self._inner = self._h11
+        else:
+            loop = asyncio.get_running_loop()
+            # a close waits for the client's close_notify no longer than a head may take
+            timeout = self._listener.header_timeout_s
+            self._inner = sslproto.SSLProtocol(
+                loop, self._h11, ctx, None, server_side=True, ssl_shutdown_timeout=timeout
+            )
         self._inner.connection_made(transport)
         self._start_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._inner is None:  # refused: closing
+        if self._inner is None or self._h11 is None:  # refused: closing
             return
-        self._inner.data_received(data)
-        request = self._inner.cycle
+        if isinstance(self._inner, sslproto.SSLProtocol):
+            _feed(self._inner, data)  # decrypted, it reaches the h11 protocol before this returns
+        else:
+            self._inner.data_received(data)
+        request = self._h11.cycle
         if request is not self._request:  # a head came in
             self._request = request
             self._stop_timer()
@@ -201,6 +234,19 @@ class _GuardedConnection(asyncio.Protocol):
 
     def _on_deadline(self) -> None:
         self._timer = None
-        assert self._transport is not None
-        if not self._transport.is_closing():
-            self._listener.time_out(self._transport)
+        assert self._transport is not None and self._h11 is not None
+        if self._transport.is_closing():
+            return
+        # TLS: the h11 protocol has a transport once the handshake is done
+        self._listener.time_out(self._transport, self._h11.transport)
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+    """``data`` into a buffered protocol, through the buffers it hands out."""
+    view = memoryview(data)
+    while view:
+        buf = memoryview(protocol.get_buffer(len(view)))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        protocol.buffer_updated(n)
+        view = view[n:]
