@@ -182,7 +182,7 @@ class Run(NamedTuple):
     routes: dict[str, list[dict[str, Any]]] = {}  # noqa: RUF012 - never mutated
     # each node's RSS (MiB) over time, by node id
     node_rss: dict[str, list[tuple[float, float]]] = {}  # noqa: RUF012 - never mutated
-    health: list[tuple[float, float]] = []  # noqa: RUF012 - GET /health: (when, seconds)
+    health: list[tuple[float, float]] = []  # noqa: RUF012 - GET /health: (t from the start, seconds)
     max_health_p99_ms: float = 250.0
 
 
@@ -298,8 +298,10 @@ def health_check(samples: list[tuple[float, float]], bound_ms: float) -> Check:
     """``GET /health``'s latency over the soak (probes unanswered count as their timeout)."""
     took = [1000 * s for _, s in samples]
     p99 = percentile(took, 0.99)
+    slowest = sorted(samples, key=lambda s: -s[1])[:3]
     measured = (
-        f"p99 {p99:.0f}, p50 {percentile(took, 0.5):.0f}, max {max(took):.0f} ({len(took)} probes)"
+        f"p99 {p99:.0f}, p50 {percentile(took, 0.5):.0f}, max {max(took):.0f} ({len(took)} probes; "
+        f"slowest at t = {', '.join(f'{t:.0f} s' for t, _ in slowest)})"
         if took
         else "no probe"
     )

@@ -6,8 +6,10 @@ leak checks polled until they settle.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import time
+from typing import Any
 
 import httpx
 
@@ -80,6 +82,43 @@ async def probe_health(url: str, samples: list[tuple[float, float]]) -> None:
                 took = HEALTH_TIMEOUT_S
             samples.append((start, took))
             await asyncio.sleep(max(0.0, HEALTH_EVERY_S - (time.monotonic() - start)))
+
+
+def _probe_health_process(url: str, out: Any) -> None:
+    """A process's whole job: ``probe_health``, each sample sent on ``out`` (a pipe's end)."""
+
+    class Sink(list):  # type: ignore[type-arg]
+        def append(self, sample: tuple[float, float]) -> None:
+            out.send(sample)
+
+    asyncio.run(probe_health(url, Sink()))
+
+
+class HealthProber:
+    """``probe_health`` in a process of its own, as a load balancer probes from outside: the
+    soak's own loop (its floods, its junk frames, its thousands of requests) never delays a
+    probe, so a slow probe is the server's. Times are ``time.monotonic()``, one clock for
+    every process of the machine."""
+
+    def __init__(self, url: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_probe_health_process, args=(url, send), daemon=True)
+        self._proc.start()
+        send.close()
+        self.samples: list[tuple[float, float]] = []
+
+    def stop(self) -> list[tuple[float, float]]:
+        """End the process; every sample it took."""
+        self._proc.terminate()
+        self._proc.join(timeout=10)
+        while self._recv.poll():
+            try:
+                self.samples.append(self._recv.recv())
+            except (EOFError, OSError):
+                break
+        self._recv.close()
+        return self.samples
 
 
 async def sample_node_rss(

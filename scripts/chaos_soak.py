@@ -49,7 +49,7 @@ from pdtools.chaos_load import Outcome, long_spec, make_specs, references
 from pdtools.chaos_report import Run, render, summarize, wrong_outcomes
 from pdtools.chaos_tenant_http import TENANT_FLAGS, TOKENS_PER_MINUTE
 from pdtools.chaos_watch import (
-    probe_health,
+    HealthProber,
     sample_node_rss,
     sample_rss,
     settle,
@@ -311,8 +311,7 @@ async def _soak(
         sample_rss(server.pid if server else args.server_pid, rss)
     )
     node_sampler = asyncio.get_running_loop().create_task(sample_node_rss(monitor, tree, node_rss))
-    health: list[tuple[float, float]] = []
-    prober = asyncio.get_running_loop().create_task(probe_health(api.url, health))
+    prober = HealthProber(api.url)
     has_tpm = bool(args.tokens_per_minute)
     faults = lanes(args.tp, args.disk_cache_dir is not None, args.faults, tpm=has_tpm)
     await asyncio.gather(
@@ -329,8 +328,9 @@ async def _soak(
     metrics1 = await api.metrics()
     await monitor.poll()
     await monitor.stop()
-    for task in (sampler, node_sampler, prober):
+    for task in (sampler, node_sampler):
         task.cancel()
+    health = [(when - origin, took) for when, took in prober.stop()]
     engine = (" ".join(engine_args(args)) or "defaults") if server is not None else ""
     run = Run(
         args.minutes, args.seed, model["id"], sizes, chaos, monitor, refs, outcomes, checks,

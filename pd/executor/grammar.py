@@ -165,8 +165,11 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self.max_chars = max_chars
         self.timeout_s = timeout_s
-        self._num_threads = num_threads
-        self._pool: ThreadPoolExecutor | None = None  # started with the first compile
+        # the workers start now, with the engine, so that a node's threads are as many before
+        # its first grammar as after (the chaos soak counts them against the idle node's)
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        for _ in range(num_threads):
+            self._pool.submit(time.sleep, 0.05)  # each submit while none is idle starts one
         self._cache_size = cache_size
         self._done: OrderedDict[str, llguidance.LLMatcher | GrammarRefused] = OrderedDict()
         self._compiling: dict[str, _Compile] = {}
@@ -244,8 +247,6 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _start(self, grammar: str, job: _Compile) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="grammar")
         self.num_compiled += 1
 
         def compile_() -> None:
