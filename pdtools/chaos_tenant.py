@@ -104,11 +104,15 @@ async def big_schema_n16(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> 
 
 
 def _judged(chaos: Chaos, rec: FaultRecord, reply: Reply, why: str, want: str) -> None:
-    """A failure ``want, why`` unless ``why`` is empty or the reply's error names a node the
-    soak killed or froze before it ended (noted: its node was the soak's to kill)."""
+    """A failure ``want, why`` unless ``why`` is empty, the reply's error names a node the
+    soak killed or froze before it ended (noted: its node was the soak's to kill), or it is the
+    429 of a server whose admission places are all taken (noted: the answer any request gets
+    then, the floods' and the stopped readers' places being the soak's own doing)."""
     failed = NODE_FAILED.search(reply.error)
     if why and failed and chaos.doomed.get(failed[1], float("inf")) <= time.monotonic():
         rec.notes.append(f"{want}: its node {failed[1]} was killed or frozen by the soak")
+    elif why and reply.status == 429 and reply.code == "server_overloaded":
+        rec.notes.append(f"{want}: refused while admission was full ({reply})")
     elif why:
         rec.failures.append(f"{want}, {why}")
 

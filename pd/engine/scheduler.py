@@ -214,7 +214,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self._admit()
-        self._retract_until_decodes_fit()
+        # retract the newest running requests until every decoding one can take a token
+        while self.running and not self.slots.can_decode(
+            [r for r in self.running if not r.is_paused]
+        ):
+            self._retract(self.running[-1])
         decoding = [
             r for r in self.running if not r.is_prefilling and not r.is_paused and self._is_ready(r)
         ]
@@ -256,7 +260,7 @@ class Scheduler:
             if (
                 req.is_paused
                 or not self._is_ready(req)
-                or shares_pending_prompt(req, pending_prompts(self.running), self.cache)
+                or shares_pending_prompt(req, self._pending_prompts(), self.cache)
             ):
                 deferred.append(self.waiting.popleft())
                 continue
@@ -286,12 +290,10 @@ class Scheduler:
             self._num_admitted_cached_tokens += match.num_tokens
         return True
 
-    def _retract_until_decodes_fit(self) -> None:
-        """Retract the newest running requests until every decoding one can take a token."""
-        while self.running and not self.slots.can_decode(
-            [r for r in self.running if not r.is_paused]
-        ):
-            self._retract(self.running[-1])
+    def _pending_prompts(self) -> list[tuple[str, list[int]]]:
+        """(namespace, tokens) of prompts computed here that the cache will hold soon (a role
+        adds its own)."""
+        return pending_prompts(self.running)
 
     def _retract_stalled(self) -> None:
         """Nothing could run: requests are waiting on slots that only retraction frees."""

@@ -58,4 +58,22 @@ def test_a_hostile_request_failed_only_by_a_node_the_soak_killed_is_not_a_failur
         reply.status, reply.error = 500, f"internal error: ClusterError('node {node} failed: x')"
         _judged(chaos, rec, reply, "got 500", "want the whole answer")  # type: ignore[arg-type]
     assert rec.failures == ["want the whole answer, got 500"]
-    assert rec.notes == ["want the whole answer: its node decode-0 was killed or frozen by the soak"]
+    assert rec.notes == [
+        "want the whole answer: its node decode-0 was killed or frozen by the soak"
+    ]
+
+
+def test_a_hostile_request_refused_while_admission_is_full_is_noted_not_failed() -> None:
+    from types import SimpleNamespace
+
+    from pdtools.chaos_faults import FaultRecord
+    from pdtools.chaos_tenant import _judged
+    from pdtools.chaos_tenant_http import Reply
+
+    rec = FaultRecord("logprobs-answer", 0.0)
+    for status, code in ((429, "server_overloaded"), (429, "rate_limit_exceeded")):
+        reply = Reply()
+        reply.status, reply.code, reply.error = status, code, "server overloaded"
+        _judged(SimpleNamespace(doomed={}), rec, reply, f"got {status}", "want it")  # type: ignore[arg-type]
+    assert rec.failures == ["want it, got 429"]  # a key's own limit is no excuse
+    assert len(rec.notes) == 1 and "admission was full" in rec.notes[0], rec.notes
