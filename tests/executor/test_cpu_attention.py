@@ -106,9 +106,14 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
     q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8)
     with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], idx"):
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
-    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Float, keys BFloat16"):
+    with pytest.raises(
+        ValueError,
+        match="bf16 or fp32 alike, its KV in q.s dtype or int8, got q Float, keys BFloat16",
+    ):
         torch.ops.pd.paged_decode_attention(q.float(), k_cache, v_cache, idx, mask)
-    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Half"):
+    with pytest.raises(
+        ValueError, match="runs on bf16 or fp32 alike, its KV in q.s dtype or int8, got q Half"
+    ):
         torch.ops.pd.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), idx, mask)
     with pytest.raises(ValueError, match=r"attention shapes: .* keys \[512, 0, 64\]"):
         no_heads = k_cache[:, :0]  # no KV head: refused, not divided by
