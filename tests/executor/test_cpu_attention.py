@@ -213,6 +213,9 @@ for dtype in (torch.float32, torch.bfloat16):
         slots = torch.randperm(600, generator=g)[:300]
         lens = torch.arange(251, 301)
         out.append(torch.ops.pd.paged_attention(q, k, v, slots, torch.zeros(50, dtype=torch.long), lens))
+        # int8 KV: the quantizer's bytes, and attention over them
+        k8, v8 = cpu_attention.quantize(k), cpu_attention.quantize(v)
+        out += [k8, v8, torch.ops.pd.paged_attention(q, k8, v8, slots, torch.zeros(50, dtype=torch.long), lens)]
 torch.save(out, sys.argv[1])
 """
 
@@ -220,7 +223,8 @@ torch.save(out, sys.argv[1])
 @pytest.mark.slow
 def test_an_avx2_build_gives_the_bits_of_this_machines_build(tmp_path):
     """Nodes on CPUs with and without AVX-512 compute the same attention (each of its steps is
-    spelled out: no reduction left to the compiler's vector width)."""
+    spelled out: no reduction left to the compiler's vector width), and quantize KV to int8 the
+    same (bytes a node of either kind may send the other)."""
     import subprocess
     import sys
 
