@@ -103,8 +103,8 @@ class EngineConfig:
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
     host_cache_tokens: int | None = option(
         None,
-        "KV slots of the host tier below each pool (what it evicts); default: 4 x "
-        "max_total_tokens, at most 1/8 of the node's share of the machine's memory (physical, "
+        "KV slots of the host tier below each pool (what it evicts); default: 4 x the "
+        "pool's slots, at most 1/8 of the node's share of the machine's memory (physical, "
         "or the cgroup's limit where lower, over the nodes that may share the machine); 0: off",
     )
     disk_cache_dir: str | None = option(
