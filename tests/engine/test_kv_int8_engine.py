@@ -12,6 +12,7 @@ import torch
 
 from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
+from pd.executor.attention import KernelAttentionBackend
 from pd.executor.config import DEFAULT_KV_TOKENS, EngineConfig
 from tests.families import FAMILIES
 
@@ -57,6 +58,17 @@ def test_int8_kv_answers_alike_alone_and_among_sixteen_cold_and_warm(tiny_llama_
     want = [r.token_ids for r in engine.generate(prompts, GREEDY)]
     assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == want
     assert [spec.generate([p], GREEDY)[0].token_ids for p in prompts] == want
+
+
+@pytest.mark.timeout(120)
+def test_without_determinism_int8_kv_is_still_read_by_the_kernel_alone(tiny_llama_dir):
+    """``--no-deterministic`` runs library matmuls, but every attention row stays on the
+    kernel (SDPA cannot read the codes), and the engine answers."""
+    engine = _engine(tiny_llama_dir, max_total_tokens=1024, deterministic=False)
+    assert isinstance(engine.runner.attn, KernelAttentionBackend)
+    results = engine.generate(_prompts(engine.runner.model_config.vocab_size, num=3), GREEDY)
+    assert all(len(r.token_ids) == GREEDY.max_tokens for r in results)
+    engine.check_integrity()
 
 
 @pytest.mark.slow
