@@ -14,7 +14,11 @@ the ack. Slot cases (source -> destination):
 The TCP baseline sends the same bytes with sendall into recv_into and counts until a one-byte
 ack comes back. The components line times one thread gathering / scattering the same bytes.
 
+``--kv-cache-dtype int8`` moves the pool of an int8 node instead (codes and a scale per token
+and head: 68 bytes a head's row where fp32 takes 256).
+
     python scripts/bench_transfer.py [--tokens 2048] [--iters 5] [--backend gloo]
+        [--kv-cache-dtype auto|int8]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 from pd.core.kv_pool import KVPool, SlotAllocator
+from pd.executor import cpu_attention
 from transfer.agent import TransferAgent
 from transfer.layout import KVLayout
 from transfer.state import CallbackSlotOwner, KVPoll, TransferConfig
@@ -41,11 +46,14 @@ CASES = {  # name -> (source scattered, destination scattered)
 
 
 def _pool(args: argparse.Namespace, seed: int | None) -> KVPool:
-    pool = KVPool(args.layers, 2 * args.tokens, args.heads, args.head_dim)
+    int8 = args.kv_cache_dtype == "int8"  # the layout alone: rows are filled here, not quantized
+    quantize = cpu_attention.quantize if int8 else None
+    pool = KVPool(args.layers, 2 * args.tokens, args.heads, args.head_dim, quantize=quantize)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         for t in pool.k + pool.v:
-            t.copy_(torch.randn(t.shape, generator=gen))
+            noise = torch.randint(-128, 128, t.shape, generator=gen) if int8 else None
+            t.copy_(noise if noise is not None else torch.randn(t.shape, generator=gen))
     return pool
 
 
@@ -182,6 +190,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--poll-ms", type=float, default=1.0, help="node loop sleep between polls")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     runs = {name: bench_transfer(args, *flags) for name, flags in CASES.items()}
@@ -191,7 +200,8 @@ def main() -> None:
     gather_s, scatter_s = bench_copies(args)
     print(
         f"\nKV of {args.tokens} tokens: {args.layers} layers x {args.heads} KV heads x "
-        f"{args.head_dim} dims, fp32, K+V = {mb:.1f} MB; median of {args.iters} after a "
+        f"{args.head_dim} dims, {'int8 + scales' if args.kv_cache_dtype == 'int8' else 'fp32'}, "
+        f"K+V = {mb:.1f} MB; median of {args.iters} after a "
         f"warm-up; one thread gathers all of it in {1e3 * gather_s:.1f} ms, scatters it in "
         f"{1e3 * scatter_s:.1f} ms (random slots)\n"
     )
@@ -219,7 +229,7 @@ def bench_copies(args: argparse.Namespace) -> tuple[float, float]:
     pool = _pool(args, seed=0)
     lo = KVLayout(pool.k + pool.v, pool.num_layers)
     idx = torch.randperm(pool.num_slots)[: args.tokens]
-    buf = torch.empty(args.tokens * lo.elems_per_token)
+    buf = torch.empty(args.tokens * lo.elems_per_token, dtype=lo.dtype)
     times: dict[str, list[float]] = {"gather": [], "scatter": []}
     for _ in range(args.iters):
         for name, op in (("gather", lo.gather), ("scatter", lo.scatter)):

@@ -16,7 +16,7 @@ page-aligned, so the pages after it belong to the request alone).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -137,8 +137,16 @@ class SlotAllocator:
         )
 
 
+KV_SCALE_BYTES = 4  # an int8 pool's row of a head: its codes, then this many bytes of fp32 scale
+
+
 class KVPool:
-    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, row_dim]``: ``row_dim`` is
+    ``head_dim`` in ``dtype``, or with ``quantize`` (``--kv-cache-dtype int8``) ``head_dim +
+    KV_SCALE_BYTES`` int8: each token's K or V of one head as int8 codes, then its fp32 scale's
+    bytes. Whatever copies rows (the host and disk tiers, transfers, pulls, a tensor-parallel
+    node's ranks) carries the codes and scales together, and a row's bytes are the same
+    wherever it was computed (``quantize`` depends on the row's values alone)."""
 
     def __init__(
         self,
@@ -149,26 +157,45 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         zeroed: bool = True,
+        quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         # ``zeroed`` False: torch.empty, whose pages become resident only as slots are written
-        # (a pool nothing reads before writing, like a TP node's staging pool)
-        shape = (num_slots, num_kv_heads, head_dim)
+        # (a pool nothing reads before writing, like a TP node's staging pool).
+        # ``quantize``: [n, num_kv_heads, head_dim] in ``dtype`` -> int8 rows [n,
+        # num_kv_heads, head_dim + KV_SCALE_BYTES] (pd.executor.cpu_attention.quantize)
+        self.quantize = quantize
+        self.compute_dtype = dtype  # what the model writes and attention returns
+        self.dtype = torch.int8 if quantize is not None else dtype  # what the pool holds
+        self.row_dim = head_dim + KV_SCALE_BYTES if quantize is not None else head_dim
+        shape = (num_slots, num_kv_heads, self.row_dim)
         new = torch.zeros if zeroed else torch.empty
-        self.k = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [new(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.v = [new(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
         self.device = torch.device(device)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantize is not None
+
+    @property
+    def kv_format(self) -> str:
+        """What a row's bytes mean: the dtype, or ``int8/`` and the dtype its codes came from
+        (a disk chunk's key and a transfer's check name it)."""
+        name = str(self.compute_dtype).removeprefix("torch.")
+        return f"int8/{name}" if self.is_quantized else name
 
     @property
     def num_bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.row_dim * elem
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots: [n] int64; k, v: [n, num_kv_heads, head_dim]
+        # slots: [n] int64; k, v: [n, num_kv_heads, head_dim] in compute_dtype
+        if self.quantize is not None:
+            k, v = self.quantize(k), self.quantize(v)
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)

@@ -83,7 +83,7 @@ class EngineCore:
         self.runner = ModelRunner(cfg, machine_nodes=machine_nodes, ranks=self.ranks)
         # set when a rank of this tensor-parallel node is gone: every later step raises it
         self.fatal_error: str | None = None
-        self.allocator = SlotAllocator(cfg.max_total_tokens, cfg.page_size)
+        self.allocator = SlotAllocator(self.runner.num_slots, cfg.page_size)
         host = self.runner.make_host_pool()
         runner = self.runner
         disk = (

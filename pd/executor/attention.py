@@ -75,7 +75,8 @@ _FULL = AttentionSpec(0.0)  # the op's defaults: 1 / sqrt(head dim), no cap, eve
 
 class KernelAttentionBackend(BaseAttentionBackend):
     """Every row of a batch, prefill and decode alike, by ``pd.executor.cpu_attention``'s ragged
-    op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32).
+    op, each row computed as it would be alone: the deterministic path (CPU, bf16 or fp32), and
+    the one reader of an int8 pool's codes and scales (``--kv-cache-dtype int8``).
     ``specs``: each layer's scale, score cap and window (none: every layer the defaults)."""
 
     def __init__(self, specs: Sequence[AttentionSpec] = ()) -> None:

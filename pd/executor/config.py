@@ -8,11 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from pd.cache.tenants import TenantShares
+from pd.core.kv_pool import KV_SCALE_BYTES
 from pd.core.options import option
 from pd.executor.graphs import parse_buckets
 from pd.model.quant import INT4_GROUP_SIZE, check_quantization, resolve_linear_backend
 
 AUTO_CPU_BUCKETS = (1, 2, 4)  # ``compile_buckets="auto"`` on a CPU
+DEFAULT_KV_TOKENS = 32768  # a pool's default bytes: this many tokens of KV in the model's dtype
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,14 @@ class EngineConfig:
     device: str = option("auto", "cpu, cuda, cuda:N; auto: cuda if available")
     dtype: str = option(
         "auto", "float32 | bfloat16 | float16; auto: float32 on cpu, bfloat16 on cuda"
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV as stored in the pools, tiers and transfers: auto (the model's dtype) | int8 (cpu: "
+        "int8 codes and an fp32 scale per token and head, about 2-4x the tokens in the same "
+        "bytes, the same answer alone or batched, cold or warm) | fp8, fp8_e4m3 (reserved for "
+        "a CUDA kernel pd does not have yet: refused)",
+        choices=KV_CACHE_DTYPES,
     )
     quantization: str = option(
         "none",
@@ -70,7 +81,11 @@ class EngineConfig:
         "refused with a 400",
     )
     page_size: int = option(1, "tokens per KV page (1: token-level prefix reuse)")
-    max_total_tokens: int = option(32768, "KV slots in each pool")
+    max_total_tokens: int | None = option(
+        None,
+        f"KV slots in each pool; default: what {DEFAULT_KV_TOKENS} tokens of KV in the model's "
+        "dtype take, in slots of --kv-cache-dtype (int8: 2-4x as many)",
+    )
     max_running_requests: int = option(64, "requests in one running batch")
     max_prefill_tokens: int = option(
         2048, "token budget of a prefill batch; longer prompts are chunked"
@@ -88,8 +103,8 @@ class EngineConfig:
     enable_prefix_cache: bool = option(True, "RadixCache prefix reuse")
     host_cache_tokens: int | None = option(
         None,
-        "KV slots of the host tier below each pool (what it evicts); default: 4 x "
-        "max_total_tokens, at most 1/8 of the node's share of the machine's memory (physical, "
+        "KV slots of the host tier below each pool (what it evicts); default: 4 x the "
+        "pool's slots, at most 1/8 of the node's share of the machine's memory (physical, "
         "or the cgroup's limit where lower, over the nodes that may share the machine); 0: off",
     )
     disk_cache_dir: str | None = option(
@@ -139,7 +154,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(
                 f"max_total_tokens ({self.max_total_tokens}) must hold one page ({self.page_size})"
             )
@@ -190,6 +205,7 @@ class EngineConfig:
                 f"attention_backend must be auto or torch, got {self.attention_backend!r}"
             )
         self.buckets  # noqa: B018 (parses the spec: a bad one raises here)
+        self._check_kv_cache_dtype()
         if self.speculative_tokens < 0 or self.speculative_max_batch < 1:
             raise ValueError(
                 f"speculative_tokens must be >= 0 and speculative_max_batch >= 1, got "
@@ -208,6 +224,39 @@ class EngineConfig:
                 f"tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
                 f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        """Raise, saying why, for a KV dtype this build cannot hold or read."""
+        kv = self.kv_cache_dtype
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv!r}")
+        if kv.startswith("fp8"):
+            raise ValueError(
+                f"kv_cache_dtype {kv} is reserved for a CUDA attention kernel that pd does not "
+                "have yet, and a cpu has no fp8 arithmetic: use int8 (cpu) or auto"
+            )
+        if kv == "int8" and self.torch_device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype int8 is read by pd's C++ attention kernel, which runs on a cpu; "
+                f"device is {self.torch_device}: use auto"
+            )
+        if kv == "int8" and self.attention_backend != "auto":
+            raise ValueError(
+                "kv_cache_dtype int8 is read by pd's C++ attention kernel (attention backend "
+                f"auto), not by {self.attention_backend!r}"
+            )
+
+    def pool_slots(self, head_dim: int) -> int:
+        """The KV slots of each pool of a model of ``head_dim``: ``max_total_tokens`` as set,
+        else the bytes of ``DEFAULT_KV_TOKENS`` tokens of KV in the model's dtype, in slots of
+        ``kv_cache_dtype`` (an int8 row of a head takes ``head_dim + KV_SCALE_BYTES`` bytes: 3.8x
+        fp32's slots at head dim 64, 1.9x bf16's)."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        if self.kv_cache_dtype != "int8":
+            return DEFAULT_KV_TOKENS
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return DEFAULT_KV_TOKENS * head_dim * elem // (head_dim + KV_SCALE_BYTES)
 
     def cache_shares(self) -> TenantShares | None:
         """The tenants' weights for fair eviction; None: global LRU."""

@@ -22,6 +22,16 @@ static inline float to_float(uint16_t x) {  // bf16 -> fp32: the high half of th
 }
 static inline float to_float(float x) { return x; }
 
+// int8 KV (--kv-cache-dtype int8): each row of a head (one token's K or V of one KV head) is D
+// int8 codes then its fp32 scale, kScaleBytes more bytes: the row's value d is code[d] * scale,
+// one rounding, the same in every lane and every build.
+static constexpr int64_t kScaleBytes = 4;
+static inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
 // exp(x) for x <= 0 (a score minus the row's best), vectorizable: 2^n * 2^f with f in
 // [-0.5, 0.5] and a degree-6 polynomial for 2^f (relative error < 2e-7); 0 below -87 and
 // for -inf (a key that is not there). Every step is spelled out (fma, not a * b + c left to the
@@ -94,12 +104,13 @@ static inline float lane_sum(const float* x, int64_t n16) {
   return lanes[0];
 }
 
-// What every task reads: the caches and the heads' shape.
+// What every task reads: the caches and the heads' shape (R: a head's row in the caches, in
+// elements: D, or D + kScaleBytes for int8 codes and their scale).
 template <typename T>
 struct Heads {
   const T* kc;
   const T* vc;
-  int64_t KVH, S, G, D;
+  int64_t KVH, S, G, D, R;
   float scale;
   float softcap;  // > 0: scores -> tanh(s / softcap) * softcap
   int64_t window;  // > 0: a row sees its last this many keys only
@@ -123,7 +134,7 @@ static inline void block_rows(const Heads<T>& a, const Block& b, int64_t h, int6
     const int64_t l = l0 + j;
     const int64_t slot = l < n ? b.slots[l] : -1;
     valid[j] = l < n && (b.mask == nullptr || b.mask[l]) && slot >= 0 && slot < a.S;
-    offsets[j] = valid[j] ? (slot * a.KVH + h) * a.D : 0;
+    offsets[j] = valid[j] ? (slot * a.KVH + h) * a.R : 0;
   }
 }
 
@@ -160,7 +171,52 @@ static inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+// 16 int8 codes times their row's scale
+static inline __m512 load16(const int8_t* p, float scale) {
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  return _mm512_mul_ps(c, _mm512_set1_ps(scale));
+}
 #endif
+
+// The int8 rows of a block's keys as fp32 columns, like load_keys: code times the row's scale.
+static inline void load_keys(const Heads<int8_t>& a, const int64_t* offsets, const uint8_t* valid,
+                             float* kt) {
+  const int64_t D = a.D;
+  float scales[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) scales[j] = valid[j] ? row_scale(a.kc + offsets[j], D) : 0;
+  int64_t d0 = 0;
+#if defined(__AVX512F__)
+  for (; d0 + 16 <= D; d0 += 16) {
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j)
+      r[j] = valid[j] ? load16(a.kc + offsets[j] + d0, scales[j]) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (d0 + d) * kLanes, r[d]);
+  }
+#endif
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const int8_t* src = a.kc + offsets[j];
+    for (int64_t d = d0; d < D; ++d)
+      kt[d * kLanes + j] = valid[j] ? static_cast<float>(src[d]) * scales[j] : 0.0f;
+  }
+}
+
+// The int8 rows of a block's values as fp32 rows, like load_values.
+static inline void load_values(const Heads<int8_t>& a, const int64_t* offsets,
+                               const uint8_t* valid, float* vt) {
+  const int64_t D = a.D;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const int8_t* src = a.vc + offsets[j];
+    float* vr = vt + j * D;
+    if (!valid[j]) {
+      std::fill(vr, vr + D, 0.0f);
+      continue;
+    }
+    const float scale = row_scale(src, D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) vr[d] = static_cast<float>(src[d]) * scale;
+  }
+}
 
 // The keys of one block as fp32 columns: kt[d * kLanes + j] = key j, dim d (0 for a key that is
 // not there). With AVX-512, 16 dims of the 16 rows at a time, transposed in registers.
@@ -275,8 +331,8 @@ static inline void block_values(float* const* accs, const float* const* ps, cons
 // same bits alone or in any batch or block, padded or not, as a decode row or a prefill row, on
 // any thread and any x86 CPU. Returns the number of slots outside [0, S) that a row should have
 // read.
-template <typename T>
-static int64_t attend(const Heads<T>& a, const T* q, const Block& b, int64_t h, float* out,
+template <typename T, typename KV>
+static int64_t attend(const Heads<KV>& a, const T* q, const Block& b, int64_t h, float* out,
                       std::vector<float>& buf) {
   const int64_t D = a.D, G = a.G, KVH = a.KVH, H = KVH * G, R = b.r1 - b.r0, RG = R * G;
   const int64_t n_max = b.lens[R - 1];
@@ -311,7 +367,7 @@ static int64_t attend(const Heads<T>& a, const T* q, const Block& b, int64_t h, 
     if (l0 + kLanes < n_max)  // the next block's first rows
       for (int64_t j = 0; j < 4 && l0 + kLanes + j < n_max; ++j) {
         const int64_t slot = b.slots[l0 + kLanes + j];
-        if (slot >= 0 && slot < a.S) __builtin_prefetch(a.kc + (slot * KVH + h) * D);
+        if (slot >= 0 && slot < a.S) __builtin_prefetch(a.kc + (slot * KVH + h) * a.R);
       }
     load_keys(a, offsets, valid + l0, kt);
 #if defined(__AVX512F__)
@@ -399,8 +455,8 @@ static constexpr int64_t kParallelMinRows = 1024;
 
 // Tasks are (block, KV head) pairs, handed out in small chunks so that a causal prefill's long
 // rows and short rows spread over the threads.
-template <typename T>
-static int64_t attention(const Heads<T>& a, const T* q, float* out,
+template <typename T, typename KV>
+static int64_t attention(const Heads<KV>& a, const T* q, float* out,
                          const std::vector<Block>& blocks, int64_t total_keys) {
   const int threads = total_keys * a.KVH >= kParallelMinRows ? at::get_num_threads() : 1;
   const int64_t num_tasks = static_cast<int64_t>(blocks.size()) * a.KVH;
@@ -417,18 +473,33 @@ static int64_t attention(const Heads<T>& a, const T* q, float* out,
 
 static void check_common(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache) {
+  const bool codes = k_cache.scalar_type() == at::kChar;  // int8 codes and their scales
   TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
-                        k_cache.size(2) == q.size(2) && k_cache.size(1) > 0 &&
-                        q.size(1) % k_cache.size(1) == 0 && q.size(2) > 0,
+                        k_cache.size(2) == q.size(2) + (codes ? kScaleBytes : 0) &&
+                        k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0 && q.size(2) > 0,
                     "attention shapes: q ", q.sizes(), ", keys ", k_cache.sizes(), ", values ",
-                    v_cache.sizes());
+                    v_cache.sizes(), codes ? " (int8 rows: head dim + 4 scale bytes)" : "");
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kBFloat16 || dtype == at::kFloat) &&
-                        k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-                    "attention runs on bf16 or fp32 alike, got q ", dtype, ", keys ",
-                    k_cache.scalar_type(), ", values ", v_cache.scalar_type());
+                        (k_cache.scalar_type() == dtype || codes) &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    "attention runs on bf16 or fp32 alike, its KV in q's dtype or int8, got q ",
+                    dtype, ", keys ", k_cache.scalar_type(), ", values ", v_cache.scalar_type());
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
                     "attention needs contiguous K/V caches");
+}
+
+// ``attention`` with q as T, the caches as KV (q's dtype, or int8 codes and scales).
+template <typename T, typename KV>
+static int64_t run_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         at::Tensor& out, const std::vector<Block>& blocks, int64_t total_keys,
+                         float scale, float softcap, int64_t window) {
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  Heads<KV> a{reinterpret_cast<const KV*>(k_cache.data_ptr()),
+              reinterpret_cast<const KV*>(v_cache.data_ptr()),
+              KVH, k_cache.size(0), H / KVH, D, k_cache.size(2), scale, softcap, window};
+  return attention(a, reinterpret_cast<const T*>(q.data_ptr()), out.data_ptr<float>(), blocks,
+                   total_keys);
 }
 
 // Runs ``attention`` over ``blocks`` in q's dtype -> [T, H, D] in q's dtype.
@@ -436,7 +507,7 @@ static at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const a
                       const std::vector<Block>& blocks, int64_t total_keys, double scale_in,
                       double softcap_in, int64_t window) {
   const at::Tensor q = q_in.contiguous();
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor out = at::empty({T_, H, D}, q.options().dtype(at::kFloat));
   TORCH_CHECK_VALUE(scale_in >= 0 && softcap_in >= 0 && window >= 0, "attention: scale ",
                     scale_in, ", softcap ", softcap_in, " and window ", window,
@@ -444,20 +515,52 @@ static at::Tensor run(const at::Tensor& q_in, const at::Tensor& k_cache, const a
   const float scale = scale_in > 0 ? static_cast<float>(scale_in)
                                    : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const float softcap = static_cast<float>(softcap_in);
+  const bool fp32 = q.scalar_type() == at::kFloat, codes = k_cache.scalar_type() == at::kChar;
+  const auto go = [&](auto q_tag, auto kv_tag) {
+    using T = decltype(q_tag);
+    using KV = decltype(kv_tag);
+    return run_typed<T, KV>(q, k_cache, v_cache, out, blocks, total_keys, scale, softcap, window);
+  };
   int64_t bad;
-  if (q.scalar_type() == at::kFloat) {
-    Heads<float> a{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), KVH, k_cache.size(0),
-                   H / KVH, D, scale, softcap, window};
-    bad = attention(a, q.data_ptr<float>(), out.data_ptr<float>(), blocks, total_keys);
-  } else {
-    Heads<uint16_t> a{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), KVH,
-                      k_cache.size(0), H / KVH, D, scale, softcap, window};
-    bad = attention(a, reinterpret_cast<const uint16_t*>(q.data_ptr()), out.data_ptr<float>(),
-                    blocks, total_keys);
-  }
+  if (codes)
+    bad = fp32 ? go(float{}, int8_t{}) : go(uint16_t{}, int8_t{});
+  else
+    bad = fp32 ? go(float{}, float{}) : go(uint16_t{}, uint16_t{});
   TORCH_CHECK_INDEX(bad == 0, bad, " key slots outside the pool's ", k_cache.size(0));
   return out.to(q.scalar_type());  // fp32: the same tensor
+}
+
+// x: [N, KVH, D] fp32 or bf16 (new tokens' K or V) -> [N, KVH, D + kScaleBytes] int8: each
+// row's codes, then its scale as fp32 bytes. A row depends on its own values alone, in a fixed
+// order: absmax = the largest |x|, scale = absmax / 127, code = round-to-even(x * (127 /
+// absmax)) (0 where absmax is 0), so a token's KV has the same bytes however it was batched or
+// chunked and on whichever node computed it.
+static at::Tensor kv_quantize_cpu(const at::Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.size(2) > 0 &&
+                        (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+                    "kv_quantize takes [tokens, heads, head dim] in fp32 or bf16, got ",
+                    x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0) * x.size(1), D = x.size(2);
+  at::Tensor out = at::empty({x.size(0), x.size(1), D + kScaleBytes}, x.options().dtype(at::kChar));
+  const float* xp = x.data_ptr<float>();
+  auto* op = reinterpret_cast<int8_t*>(out.data_ptr());
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xp + r * D;
+      int8_t* dst = op + r * (D + kScaleBytes);
+      float absmax = 0.0f;
+      for (int64_t d = 0; d < D; ++d) absmax = std::max(absmax, std::fabs(src[d]));
+      const float scale = absmax / 127.0f;
+      const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float c = std::nearbyint(src[d] * inv);
+        dst[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+      }
+      std::memcpy(dst + D, &scale, sizeof scale);
+    }
+  });
+  return out;
 }
 
 // q: [B, H, D]; k_cache, v_cache: [S, KVH, D]; idx: [B, L] slots; mask: [B, L] bool, True
@@ -531,10 +634,12 @@ TORCH_LIBRARY_FRAGMENT(pd, m) {
         "Tensor mask, float scale=0., float softcap=0., int window=0) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor starts, Tensor lens, float scale=0., float softcap=0., int window=0) -> Tensor");
+  m.def("kv_quantize(Tensor x) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pd, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("kv_quantize", &kv_quantize_cpu);
 }
 
 extern "C" int pd_attention_loaded() { return 1; }

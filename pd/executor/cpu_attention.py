@@ -17,8 +17,9 @@ are intrinsics; elsewhere plain loops the compiler vectorizes, with the same ari
 AVX2 build gives the AVX-512 build's bits (tests/executor/test_cpu_attention.py). Speed beside
 SDPA and the kernel it replaced: BENCHMARKS.md, "Deterministic inference".
 
-bf16 and fp32 pools alike (scores and sums in fp32); any head dim, any number of query heads
-per KV head. Built from cpu_attention.cpp (beside this module) on first use with the machine's C++ compiler (cached
+bf16 and fp32 pools alike (scores and sums in fp32), and int8 pools (``--kv-cache-dtype
+int8``: each row of a head is its int8 codes then its fp32 scale, dequantized as it is loaded,
+code times scale, one rounding); any head dim, any number of query heads per KV head. Built from cpu_attention.cpp (beside this module) on first use with the machine's C++ compiler (cached
 under ``PD_CACHE_DIR/kernels``, ``pd.core.cpp``); it registers two torch operators, which a
 compiled graph calls through torch's dispatcher:
 
@@ -28,6 +29,10 @@ compiled graph calls through torch's dispatcher:
 - ``torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask)``: q [B, H, D]; idx
   [B, L] slots; mask [B, L], True where the key is the row's (a compiled decode step's padded
   rows; a row with no key gives zeros).
+- ``torch.ops.pd.kv_quantize(x)``: x [N, KVH, D] fp32 or bf16 -> [N, KVH, D + 4] int8, each
+  row's codes then its scale's bytes (``quantize``): a row's bytes depend on its values alone.
+
+Each cache is [num_slots, KVH, D] in q's dtype or [num_slots, KVH, D + 4] int8.
 
 Shapes and dtypes it does not take raise ``ValueError`` with the numbers; a slot outside the
 pool raises ``IndexError`` (the kernel skips it rather than read out of bounds). Without a
@@ -43,6 +48,7 @@ from pathlib import Path
 import torch
 
 from pd.core import cpp
+from pd.core.kv_pool import KV_SCALE_BYTES as SCALE_BYTES
 
 _SOURCE = Path(__file__).with_suffix(".cpp").read_text()  # the C++ beside this module
 
@@ -53,7 +59,11 @@ _DTYPES = (torch.bfloat16, torch.float32)
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, its ops registered, or None where it cannot be built (logged once)."""
-    fakes = {"pd::paged_decode_attention": _fake_attention, "pd::paged_attention": _fake_attention}
+    fakes = {
+        "pd::paged_decode_attention": _fake_attention,
+        "pd::paged_attention": _fake_attention,
+        "pd::kv_quantize": _fake_quantize,
+    }
     return cpp.load_torch_ops("attention", _SOURCE, fakes)
 
 
@@ -69,3 +79,22 @@ def available(
 
 def _fake_attention(q: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)  # the output's shape, for tracing
+
+
+def _fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=torch.int8)
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, KVH, D] (fp32 or bf16) as int8 rows [N, KVH, D + 4]: per token and head,
+    scale = absmax / 127 and code = round-half-even(x * (127 / absmax)), then the scale's
+    bytes. The op is there once ``available`` said True (what a compiled graph calls)."""
+    return torch.ops.pd.kv_quantize(x)
+
+
+def dequantize(rows: torch.Tensor) -> torch.Tensor:
+    """``quantize``'s rows [..., D + 4] back to fp32 [..., D]: code times scale (the kernel's
+    arithmetic)."""
+    codes = rows[..., :-SCALE_BYTES].float()
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return codes * scale

@@ -87,10 +87,12 @@ class DecodeGraphs:
         self.attn = PagedDecodeAttention(
             kernel=kernel
             and cpu_attention.available(
-                pool.dtype, pool.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+                pool.compute_dtype, pool.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             ),
             specs=cfg.attention_specs(),
         )
+        if pool.is_quantized and not self.attn.kernel:  # the traced torch ops read no codes
+            raise ValueError("an int8 KV pool's decode steps need pd's C++ attention kernel")
         # fp16 weights are packed in an object the tracer cannot enter: such a head (every
         # quantized format has one) runs eagerly after the graph
         self.head_in_graph = head and not isinstance(model.lm_head, Fp16Linear)

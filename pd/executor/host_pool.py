@@ -2,11 +2,11 @@
 pool, and the copies between them.
 
 The host pool has the device pool's layout (per layer K and V, ``[num_slots, num_kv_heads,
-head_dim]``, the same dtype), allocated with ``torch.empty``: its pages become resident only as
-the tier fills them, so a large tier costs memory only when used. It is never pinned as a whole
-(pinned pages are resident and locked from the start): on CUDA each copy goes through a pinned
-staging buffer of that copy's size, pinned when first used and reused after (torch's caching
-host allocator), so the copies are DMA.
+row_dim]``, the same dtype: an int8 pool's codes and scales), allocated with ``torch.empty``:
+its pages become resident only as the tier fills them, so a large tier costs memory only when
+used. It is never pinned as a whole (pinned pages are resident and locked from the start): on
+CUDA each copy goes through a pinned staging buffer of that copy's size, pinned when first used
+and reused after (torch's caching host allocator), so the copies are DMA.
 
 Its default size (``host_tier_slots``): ``DEFAULT_POOL_MULTIPLE`` device pools, at most
 1/``DEFAULT_MEMORY_SHARE`` of this node's share of the machine's memory, that is of the
@@ -28,7 +28,7 @@ from pd.cache.chunk_file import model_key
 from pd.cache.disk_tier import DiskTier
 from pd.cache.host_tier import BaseKVMover
 from pd.core.kv_pool import KVPool
-from pd.executor.config import EngineConfig
+from pd.executor.config import DEFAULT_KV_TOKENS, EngineConfig
 from pd.model.loader import weights_digest
 
 DEFAULT_POOL_MULTIPLE = 4  # the host tier's default slots, in device pools
@@ -55,8 +55,8 @@ def make_disk_tier(
     chunk = -(-DISK_CHUNK_TOKENS // ps) * ps
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     key = model_key(
-        config, weights_digest(model_dir), str(pool.dtype), quantization, cfg.linear_backend,
-        pool.num_layers, num_kv_heads, pool.head_dim, ps, chunk,
+        config, weights_digest(model_dir), pool.kv_format, quantization, cfg.linear_backend,
+        pool.num_layers, num_kv_heads, pool.row_dim, ps, chunk,
     )  # fmt: skip
     max_bytes = int(cfg.disk_cache_gb * 2**30)
     return DiskTier(
@@ -106,10 +106,16 @@ def machine_memory_bytes() -> int:
     return physical if limit is None else min(physical, limit)
 
 
-def host_tier_slots(cfg: EngineConfig, num_bytes_per_token: int, machine_nodes: int = 1) -> int:
+def host_tier_slots(
+    cfg: EngineConfig,
+    num_bytes_per_token: int,
+    machine_nodes: int = 1,
+    pool_slots: int | None = None,
+) -> int:
     """The host tier's slots for ``cfg``: as set, or by default ``DEFAULT_POOL_MULTIPLE``
-    device pools, at most 1/``DEFAULT_MEMORY_SHARE`` of the machine's memory over the
-    ``machine_nodes`` pd nodes that may share it (0: no tier)."""
+    device pools (``pool_slots`` each; default ``max_total_tokens`` or its default), at most
+    1/``DEFAULT_MEMORY_SHARE`` of the machine's memory over the ``machine_nodes`` pd nodes that
+    may share it (0: no tier). Both count bytes: an int8 pool's tier holds its slots."""
     if machine_nodes < 1:
         raise ValueError(f"machine_nodes must be >= 1, got {machine_nodes}")
     if not cfg.enable_prefix_cache:
@@ -118,7 +124,9 @@ def host_tier_slots(cfg: EngineConfig, num_bytes_per_token: int, machine_nodes: 
         return cfg.host_cache_tokens
     share = machine_memory_bytes() // machine_nodes
     by_memory = share // DEFAULT_MEMORY_SHARE // max(1, num_bytes_per_token)
-    return min(DEFAULT_POOL_MULTIPLE * cfg.max_total_tokens, by_memory)
+    if pool_slots is None:
+        pool_slots = cfg.max_total_tokens or DEFAULT_KV_TOKENS
+    return min(DEFAULT_POOL_MULTIPLE * pool_slots, by_memory)
 
 
 class HostKVPool(BaseKVMover):
@@ -130,7 +138,7 @@ class HostKVPool(BaseKVMover):
         self.num_bytes_per_token = device.num_bytes_per_token
         # the pool itself is never pinned: its pages stay lazy (the module docstring)
         self._pin = device.device.type == "cuda"
-        shape = (num_slots, device.num_kv_heads, device.head_dim)
+        shape = (num_slots, device.num_kv_heads, device.row_dim)
         self.k = [torch.empty(shape, dtype=device.dtype) for _ in device.k]
         self.v = [torch.empty(shape, dtype=device.dtype) for _ in device.v]
 
@@ -141,7 +149,7 @@ class HostKVPool(BaseKVMover):
         if not self._pin:
             return None
         d = self.device
-        shape = (num_slots, d.num_kv_heads, d.head_dim)
+        shape = (num_slots, d.num_kv_heads, d.row_dim)
         return torch.empty(shape, dtype=d.dtype, pin_memory=True)
 
     def save(self, device_slots: Sequence[int], host_slots: Sequence[int]) -> None:
@@ -190,7 +198,7 @@ class HostKVPool(BaseKVMover):
 
     def kv_of(self, where: str, slots: Sequence[int]) -> torch.Tensor:
         """The K and V of ``slots`` of the host or device pool, ``[num_layers, 2, n,
-        num_kv_heads, head_dim]`` on the CPU."""
+        num_kv_heads, row_dim]`` on the CPU (int8 rows: codes and scales)."""
         k, v = (self.k, self.v) if where == "host" else (self.device.k, self.device.v)
         idx = torch.tensor(slots, dtype=torch.int64, device=k[0].device)
         kv = torch.stack([torch.stack([kl.index_select(0, idx), vl.index_select(0, idx)])
@@ -198,7 +206,7 @@ class HostKVPool(BaseKVMover):
         return kv.cpu()
 
     def put_kv(self, where: str, kv: torch.Tensor, slots: Sequence[int]) -> None:
-        """``kv_of``'s inverse: ``kv`` (``[num_layers, 2, n, heads, head_dim]``) into ``slots``."""
+        """``kv_of``'s inverse: ``kv`` (``[num_layers, 2, n, heads, row_dim]``) into ``slots``."""
         k, v = (self.k, self.v) if where == "host" else (self.device.k, self.device.v)
         dev = k[0].device
         dst = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -212,7 +220,7 @@ class HostKVPool(BaseKVMover):
         d = self.device
         heads = num_kv_heads or d.num_kv_heads
         kv = torch.frombuffer(payload, dtype=torch.uint8).view(d.dtype)  # no copy
-        kv = kv.view(d.num_layers, 2, -1, heads, d.head_dim)[:, :, skip:]
+        kv = kv.view(d.num_layers, 2, -1, heads, d.row_dim)[:, :, skip:]
         assert kv.shape[2] == num_tokens, (kv.shape, num_tokens)
         return kv
 

@@ -102,23 +102,38 @@ class ModelRunner:
             | {s.intermediate_size for s in shards}
         )
 
+    @property
+    def num_slots(self) -> int:
+        """The slots the allocator hands out (``EngineConfig.pool_slots``; the pool has one
+        more, the compiled steps' scratch slot)."""
+        return self.cfg.pool_slots(self.model_config.head_dim)
+
     def _build_pool(self) -> tuple[KVPool, BaseAttentionBackend]:
-        """This rank's KV pool and the attention backend that reads it."""
+        """This rank's KV pool and the attention backend that reads it (int8 KV: every row
+        on pd's C++ kernel, the one reader of its codes)."""
         sc, cfg = self.shard_config, self.cfg
+        int8 = cfg.kv_cache_dtype == "int8"
+        heads = (sc.num_heads, sc.num_kv_heads, sc.head_dim)
+        if int8 and not cpu_attention.available(self.dtype, self.device, *heads):
+            raise ValueError(
+                f"kv_cache_dtype int8 is read by pd's C++ attention kernel, which does not run "
+                f"here ({self.dtype} on {self.device}, heads {heads}, or no C++ compiler): use auto"
+            )
         pool = KVPool(
             sc.num_layers,
-            cfg.max_total_tokens + 1,  # + the scratch slot
+            self.num_slots + 1,  # + the scratch slot
             sc.num_kv_heads,
             sc.head_dim,
             self.dtype,
             self.device,
+            quantize=cpu_attention.quantize if int8 else None,
         )
         attn = make_attention_backend(
             cfg.attention_backend,
             self.device,
             self.extend_attention_dtype,
             DEQUANT_MIN_TOKENS,
-            every_row_on_kernel=self.deterministic,
+            every_row_on_kernel=self.deterministic or int8,
             specs=self.model_config.attention_specs(),
         )
         return pool, attn
@@ -129,7 +144,7 @@ class ModelRunner:
             self.model,
             self.pool,
             self.cfg.buckets,
-            self.cfg.max_total_tokens,
+            self.num_slots,
             kernel=self.cfg.attention_backend == "auto",
             head=self.rank == 0,
         )
@@ -155,7 +170,7 @@ class ModelRunner:
         kv, size = self.model_config.num_kv_heads, self.tp_size
         node_heads = sum(len(kv_heads_of(kv, r, size)) for r in range(size))
         node_bytes = self.pool.num_bytes_per_token // self.shard_config.num_kv_heads * node_heads
-        num_host = host_tier_slots(self.cfg, node_bytes, self.machine_nodes)
+        num_host = host_tier_slots(self.cfg, node_bytes, self.machine_nodes, self.num_slots)
         if not num_host:
             return None
         local = HostKVPool(self.pool, num_host)

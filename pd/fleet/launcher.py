@@ -153,11 +153,7 @@ class Cluster:
         self._secret = settings.node.transfer.secret
         self.client.use_secret(self._secret)
         adopted = dataclasses.replace(settings.engine, num_threads=self.engine_cfg.num_threads)
-        if adopted.page_size != self.engine_cfg.page_size:  # the coordinator mirrors by pages
-            raise ValueError(
-                f"the running nodes use page size {adopted.page_size}, not "
-                f"{self.engine_cfg.page_size}: start with --page-size {adopted.page_size}"
-            )
+        check_adoptable(adopted, self.engine_cfg)
         if adopted != self.engine_cfg:
             logger.warning("attached nodes run %s; new nodes will too", adopted)
         self.engine_cfg = adopted
@@ -309,3 +305,16 @@ class Cluster:
             return asyncio.run(coro)
         timeout_s = timeout_s or self.cfg.ready_timeout_s + 30
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+
+def check_adoptable(running: EngineConfig, asked: EngineConfig) -> None:
+    """Raise, naming the flag to pass, where the running nodes' settings ``running`` differ
+    from ``asked`` in what a node cannot take from a peer: the page size (the coordinator
+    mirrors caches by pages) and the KV's dtype (a node refuses KV of another; a mixed
+    cluster is a configuration error). Anything else the new nodes adopt from them."""
+    for name, flag in (("page_size", "--page-size"), ("kv_cache_dtype", "--kv-cache-dtype")):
+        have, want = getattr(running, name), getattr(asked, name)
+        if have != want:
+            raise ValueError(
+                f"the running nodes use {name} {have}, not {want}: start with {flag} {have}"
+            )

@@ -77,13 +77,13 @@ class RankKV:
         return self.host
 
     def _read(self, where: str, slots: Sequence[int]) -> torch.Tensor:
-        # [num_layers, 2, n, this rank's heads, head_dim]
+        # [num_layers, 2, n, this rank's heads, row_dim]
         if where == "host":
             return self._host.kv_of("host", slots)
         return _read(self.device, slots)
 
     def gather(self, where: str, slots: Sequence[int]) -> torch.Tensor | None:
-        """Every head of ``slots`` (``[num_layers, 2, n, num_kv_heads, head_dim]``) on rank 0;
+        """Every head of ``slots`` (``[num_layers, 2, n, num_kv_heads, row_dim]``) on rank 0;
         None elsewhere."""
         parts = self.group.gather(self._padded(self._read(where, slots)))
         if not parts:
@@ -91,7 +91,7 @@ class RankKV:
         return torch.cat([parts[r][:, :, :, : len(self._heads[r])] for r in self._owners], dim=3)
 
     def _padded(self, kv: torch.Tensor) -> torch.Tensor:
-        """``kv`` (``[..., heads, head_dim]``) widened to ``_width`` heads, contiguous."""
+        """``kv`` (``[..., heads, row_dim]``) widened to ``_width`` heads, contiguous."""
         short = self._width - kv.shape[3]
         if short == 0:
             return kv.contiguous()
@@ -100,7 +100,7 @@ class RankKV:
     def scatter(self, where: str, slots: Sequence[int], full: torch.Tensor | None = None) -> None:
         """Rank 0's ``full`` (every head of ``slots``) into each rank's heads of them."""
         d = self.device
-        mine = torch.empty((d.num_layers, 2, len(slots), self._width, d.head_dim), dtype=d.dtype)
+        mine = torch.empty((d.num_layers, 2, len(slots), self._width, d.row_dim), dtype=d.dtype)
         parts: tuple[torch.Tensor, ...] = ()
         if full is not None:
             parts = tuple(self._padded(full[:, :, :, h.start : h.stop]) for h in self._heads)
@@ -173,8 +173,9 @@ class StagingPool:
         self.kv = kv
         # written before it is read (a mirror or a landed transfer): resident only as used
         self.pool = KVPool(
-            d.num_layers, d.num_slots, kv.num_kv_heads, d.head_dim, d.dtype, d.device, zeroed=False
-        )
+            d.num_layers, d.num_slots, kv.num_kv_heads, d.head_dim, d.compute_dtype, d.device,
+            zeroed=False, quantize=d.quantize,
+        )  # fmt: skip
 
     def mirror(self, slots: Sequence[int]) -> None:
         """The ranks wrote ``slots`` (a forward, a load): copy every head of them here."""

@@ -2,11 +2,12 @@
 conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
 path: alone and among 16, cold and warm, prefilled on its decode node or on a prefill node, its
 prefix pulled from another node or loaded back from the host tier, before and after a drain. The
-same with ``--dtype bfloat16`` and with ``--quantization int8`` (every other default kept), on
-the paths where they differ from the defaults (``EVERY_FORMAT``, ``EVERY_KV_DTYPE``).
+same with ``--dtype bfloat16``, and with ``--quantization int8 --kv-cache-dtype int8`` (int8
+weights, and KV as int8 codes and scales in every pool, tier, transfer and pull; every other
+default kept), on the paths where they differ from the defaults (``EVERY_FORMAT``,
+``EVERY_KV_DTYPE``).
 
-A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes;
-int8's needs no second prefill node: it is neither pulled from nor drained). The
+A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes). The
 reference is each prompt's answer alone on the idle cluster. A request made cold again is put
 in a cache namespace of its own (a salt), so nothing it needs is cached; routing is steered where
 a path must be forced (the coordinator's choices, monkeypatched in this process)."""
@@ -44,15 +45,19 @@ MAX_TOKENS = 32
 FORMATS = {
     "defaults": {"quantization": "auto"},
     "bf16": {"quantization": "auto", "dtype": "bfloat16"},  # auto: no quantization for bf16
-    "int8": {"quantization": "int8"},
+    # int8 weights and int8 KV in one cluster (a format costs a cluster start; int8 weights
+    # over fp32 KV, and int8 KV under the default int4, are checked in process:
+    # tests/executor/test_deterministic.py, tests/engine/test_kv_int8_engine.py)
+    "int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
 
 
 # Every format answers alike on both kinds of node, alone, batched, cold and warm (what its
 # kernels decide). The paths that move KV (a pull, the host tier) run where the KV's dtype
-# differs: the defaults' and int8's KV is fp32, bf16's is bf16. A drain changes only the routing.
+# differs: the defaults' KV is fp32, bf16's is bf16, int8's is int8 codes and scales. A drain
+# changes only the routing.
 EVERY_FORMAT = pytest.mark.parametrize("live_spec", list(FORMATS), indirect=True)
-EVERY_KV_DTYPE = pytest.mark.parametrize("live_spec", ["defaults", "bf16"], indirect=True)
+EVERY_KV_DTYPE = pytest.mark.parametrize("live_spec", ["defaults", "bf16", "int8"], indirect=True)
 DEFAULTS = pytest.mark.parametrize("live_spec", ["defaults"], indirect=True)
 
 
@@ -60,10 +65,7 @@ DEFAULTS = pytest.mark.parametrize("live_spec", ["defaults"], indirect=True)
 def live_spec(request) -> dict[str, Any]:
     # and the coordinator's defaults (local prefill up to 128 tokens)
     engine = {**FORMATS[request.param], "compile_buckets": "auto", "max_total_tokens": 1024}
-    num_prefill = 1 if request.param == "int8" else 2
-    return dict(
-        num_prefill=num_prefill, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine
-    )
+    return dict(num_prefill=2, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine)
 
 
 @pytest.fixture(scope="module")

@@ -48,12 +48,14 @@ def _assert_no_leak(engine: Engine) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("page_size", "kv"), [(1, "auto"), (16, "auto"), (16, "int8")])
 def test_prefixes_loaded_back_from_the_host_give_the_cold_answers(
-    tiny_llama_dir: Path, page_size: int
+    tiny_llama_dir: Path, page_size: int, kv: str
 ) -> None:
-    tiered = _engine(tiny_llama_dir, 2048, max_total_tokens=384, page_size=page_size)
-    cold = _engine(tiny_llama_dir, 0, max_total_tokens=384, enable_prefix_cache=False)
+    """(int8 KV: the tier holds the codes and scales, and the cold engine's KV is int8 too.)"""
+    kw = {"max_total_tokens": 384, "kv_cache_dtype": kv}
+    tiered = _engine(tiny_llama_dir, 2048, page_size=page_size, **kw)
+    cold = _engine(tiny_llama_dir, 0, enable_prefix_cache=False, **kw)
     vocab = tiered.runner.model_config.vocab_size
     systems = [_prompt(150, seed, vocab) for seed in range(4)]  # 4 x 150 > the 384-slot pool
     for s in systems:
@@ -85,14 +87,18 @@ def test_no_slot_or_host_page_leaks_over_fifty_cycles(tiny_llama_dir: Path) -> N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
-    tiny_llama_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path, kv: str
 ) -> None:
     """The host tier too small to keep them: prefixes come back from the disk tier; a new
-    engine on the same directory (a replacement node) finds them and hits at once."""
+    engine on the same directory (a replacement node) finds them and hits at once, and one
+    whose KV has the other dtype finds none (its chunks are keyed by the KV's format)."""
     kw = {"max_total_tokens": 256, "page_size": 16, "disk_cache_dir": str(tmp_path)}
-    tiered = _engine(tiny_llama_dir, 256, **kw)
-    cold = _engine(tiny_llama_dir, 0, max_total_tokens=384, enable_prefix_cache=False)
+    tiered = _engine(tiny_llama_dir, 256, kv_cache_dtype=kv, **kw)
+    cold = _engine(
+        tiny_llama_dir, 0, max_total_tokens=384, enable_prefix_cache=False, kv_cache_dtype=kv
+    )
     vocab = tiered.runner.model_config.vocab_size
     systems = [_prompt(192, seed, vocab) for seed in range(4)]  # 768 > 256 + 256
     for s in systems:
@@ -108,8 +114,10 @@ def test_prefixes_from_disk_and_after_a_restart_give_the_cold_answers(
     _assert_no_leak(tiered)
     _one(tiered, systems[3] + [2])  # reused: the hot prefix is written through to disk
     tiered.cache.lower.disk.flush()
-    restarted = _engine(tiny_llama_dir, 1024, **kw)
     prompt = systems[3] + _prompt(5, 300, vocab)
+    other = _engine(tiny_llama_dir, 1024, kv_cache_dtype="auto" if kv == "int8" else "int8", **kw)
+    assert _one(other, prompt)[1] == 0  # KV of another dtype: never read
+    restarted = _engine(tiny_llama_dir, 1024, kv_cache_dtype=kv, **kw)
     tokens, cached = _one(restarted, prompt)
     assert tokens == _one(cold, prompt)[0]
     assert cached >= 192 - 64, cached  # its whole 64-token chunks

@@ -106,9 +106,14 @@ def test_shapes_and_dtypes_off_the_kernel_raise_with_the_numbers():
     q, k_cache, v_cache, idx, mask = _case(2, 3, 3, 64, 8)
     with pytest.raises(ValueError, match=r"decode attention shapes: q \[2, 9, 64\], idx"):
         torch.ops.pd.paged_decode_attention(q, k_cache, v_cache, idx, mask[:, :4])
-    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Float, keys BFloat16"):
+    with pytest.raises(
+        ValueError,
+        match="bf16 or fp32 alike, its KV in q.s dtype or int8, got q Float, keys BFloat16",
+    ):
         torch.ops.pd.paged_decode_attention(q.float(), k_cache, v_cache, idx, mask)
-    with pytest.raises(ValueError, match="runs on bf16 or fp32 alike, got q Half"):
+    with pytest.raises(
+        ValueError, match="runs on bf16 or fp32 alike, its KV in q.s dtype or int8, got q Half"
+    ):
         torch.ops.pd.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), idx, mask)
     with pytest.raises(ValueError, match=r"attention shapes: .* keys \[512, 0, 64\]"):
         no_heads = k_cache[:, :0]  # no KV head: refused, not divided by
@@ -208,6 +213,9 @@ for dtype in (torch.float32, torch.bfloat16):
         slots = torch.randperm(600, generator=g)[:300]
         lens = torch.arange(251, 301)
         out.append(torch.ops.pd.paged_attention(q, k, v, slots, torch.zeros(50, dtype=torch.long), lens))
+        # int8 KV: the quantizer's bytes, and attention over them
+        k8, v8 = cpu_attention.quantize(k), cpu_attention.quantize(v)
+        out += [k8, v8, torch.ops.pd.paged_attention(q, k8, v8, slots, torch.zeros(50, dtype=torch.long), lens)]
 torch.save(out, sys.argv[1])
 """
 
@@ -215,7 +223,8 @@ torch.save(out, sys.argv[1])
 @pytest.mark.slow
 def test_an_avx2_build_gives_the_bits_of_this_machines_build(tmp_path):
     """Nodes on CPUs with and without AVX-512 compute the same attention (each of its steps is
-    spelled out: no reduction left to the compiler's vector width)."""
+    spelled out: no reduction left to the compiler's vector width), and quantize KV to int8 the
+    same (bytes a node of either kind may send the other)."""
     import subprocess
     import sys
 

@@ -111,6 +111,10 @@ FORMATS = {
     "int8": {"quantization": "int8"},
     "fp16": {"quantization": "fp16"},
     "bf16": {"dtype": "bfloat16"},
+    # KV as int8 codes and a scale per token and head (--kv-cache-dtype int8)
+    "fp32, int8 KV": {"kv_cache_dtype": "int8"},
+    "bf16, int8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+    "int4, int8 KV": {"quantization": "int4", "kv_cache_dtype": "int8"},
 }
 
 
@@ -118,6 +122,7 @@ FORMATS = {
 def test_every_way_of_computing_a_prompt_gives_its_bits(tiny_llama_dir, fmt):
     runner = _runner(tiny_llama_dir, **FORMATS[fmt])
     assert runner.deterministic
+    assert (runner.pool.dtype == torch.int8) == ("int8 KV" in fmt)
     # 200 tokens: past the 128 rows from which quantized formats used a dense copy, and past
     # oneDNN's 32-row bf16 blocks
     assert _differences(_Probe(runner, 200)) == {}
@@ -139,11 +144,15 @@ def test_the_default_model_is_deterministic_on_every_schedule(smollm2_dir, quant
 
 
 @pytest.mark.compile
-def test_a_compiled_decode_step_gives_the_eager_steps_bits(smollm2_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_compiled_decode_step_gives_the_eager_steps_bits(smollm2_dir, kv_cache_dtype):
     """pd serve's defaults: int4 and compiled steps for batches of 1 and 2 (a batch of one
     padded to two runs too). A prompt decoded in compiled steps writes the KV and gives the
-    logits that an eager prefill of the same tokens gives."""
-    runner = _runner(smollm2_dir, quantization="int4", compile_buckets="1,2")
+    logits that an eager prefill of the same tokens gives (int8 KV: the step's quantizing
+    and its attention are pd's ops, called from the graph)."""
+    runner = _runner(
+        smollm2_dir, quantization="int4", compile_buckets="1,2", kv_cache_dtype=kv_cache_dtype
+    )
     assert set(runner.graphs.compile_seconds) == {1, 2}
     probe = _Probe(runner, 60)
     ref_kv, ref_logits = probe.one_chunk()

@@ -147,6 +147,35 @@ def test_host_and_disk_tiers_move_every_ranks_shard(tiny_kv3_dir: Path, tmp_path
     assert result.token_ids == expected[0]
 
 
+@pytest.mark.timeout(300)
+def test_int8_kv_on_a_tp2_node_gives_tp1s_answers_through_its_tiers(
+    tiny_kv3_dir: Path, tmp_path: Path
+) -> None:
+    """int8 KV split over ranks of 1 and 2 KV heads (each head's row: its codes and scale):
+    the answers of a TP-1 node with int8 KV, cold and loaded back from the host tier, and its
+    disk chunks (every head) warm a TP-1 node."""
+    systems = [_prompt(150, 20 + s) for s in range(4)]
+    kw = dict(max_total_tokens=384, host_cache_tokens=2048, disk_cache_dir=str(tmp_path))
+    kw["kv_cache_dtype"] = "int8"
+    asks = [s + _prompt(5, 200 + i) for i, s in enumerate(systems)]
+    alone = _engine(tiny_kv3_dir, 1, kv_cache_dtype="int8", enable_prefix_cache=False)
+    expected = [alone.generate([p], GREEDY)[0].token_ids for p in asks]
+    engine = _engine(tiny_kv3_dir, 2, **kw)
+    try:
+        for s in systems:
+            engine.generate([s + [1]], GREEDY)
+        results = [engine.generate([p], GREEDY)[0] for p in asks]
+        assert engine.cache.tier_stats.num_loads >= 1
+        batched = engine.generate(asks, GREEDY)
+    finally:
+        engine.runner.close()
+    assert [r.token_ids for r in results] == [r.token_ids for r in batched] == expected
+    warm = _engine(tiny_kv3_dir, 1, **kw)
+    result = warm.generate([asks[0]], GREEDY)[0]
+    assert result.num_cached_tokens >= 128, "no chunk of the TP-2 node was read"
+    assert result.token_ids == expected[0]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_rank_killed_or_frozen_stops_the_node_within_the_timeout(

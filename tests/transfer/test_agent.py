@@ -9,7 +9,13 @@ import pytest
 import torch
 import zmq
 
+from pd.core.kv_pool import KVPool
+from pd.executor import cpu_attention
 from tests.transfer.helpers import (
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_LAYERS,
+    NUM_SLOTS,
     TrackingOwner,
     assert_moved,
     assert_untouched,
@@ -202,6 +208,40 @@ def test_layout_mismatch_is_refused() -> None:
     finally:
         s.close()
         r.close()
+
+
+def _int8_pool(seed: int | None) -> KVPool:
+    """``make_pool``'s shape as int8 rows (codes and each row's 4 scale bytes: --kv-cache-dtype
+    int8), random bytes or the -7 sentinel."""
+    pool = KVPool(NUM_LAYERS, NUM_SLOTS, NUM_HEADS, HEAD_DIM, quantize=cpu_attention.quantize)
+    gen = torch.Generator().manual_seed(seed or 0)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randint(-128, 128, t.shape, generator=gen) if seed is not None else -7)
+    return pool
+
+
+@pytest.mark.parametrize("backend", ["fake", "gloo"])
+def test_int8_kv_moves_bit_exact_and_a_pool_of_another_dtype_refuses_it(backend: str) -> None:
+    cfg = TransferConfig(backend=backend, **FAST)
+    src, dst, fp32 = _int8_pool(1), _int8_pool(None), make_pool(seed=None)
+    s = TransferAgent(cfg, buffers(src), src.num_layers)
+    r = TransferAgent(cfg, buffers(dst), dst.num_layers, TrackingOwner())
+    other = TransferAgent(cfg, buffers(fp32), fp32.num_layers, TrackingOwner())
+    try:
+        snd, rcv = s.sender("t", r.endpoint, 3), r.receiver("t")
+        snd.send([9, 2, 40])
+        assert run_until(lambda: _both_final(snd, rcv), [s, r], 15)
+        assert snd.poll() == KVPoll.SUCCESS, snd.failure
+        assert_moved(src, [9, 2, 40], dst, rcv.slots)
+        assert_untouched(dst, rcv.slots)
+        refused = s.sender("u", other.endpoint, 2)
+        assert run_until(lambda: refused.poll().is_final, [s, other], 10)
+        assert refused.poll() == KVPoll.FAILED
+        assert "'int8') != receiver's" in (refused.failure or "")
+        assert "'float32')" in (refused.failure or "")
+    finally:
+        for agent in (s, r, other):
+            agent.close()
 
 
 def test_unreachable_receiver_fails_within_handshake_timeout() -> None:
