@@ -187,6 +187,7 @@ class ClusterClient:
         self._tasks.spawn(self.sockets.read_forever())
         self._tasks.spawn(self.membership.liveness.run())
         self._tasks.spawn(self.mirror.run())
+        self._tasks.spawn(self.flights.probe_forever())
 
     def generate(
         self,
@@ -306,6 +307,9 @@ class ClusterClient:
             num_pull_fallbacks=pulls.num_fallbacks,
             num_stalled_streams=self.flights.num_stalled,
             num_queued_token_bytes=self.flights.num_queued_bytes,
+            num_duplicate_token_msgs=self.flights.resends.num_duplicates,
+            num_token_gaps=self.flights.resends.num_gaps,
+            num_token_resends=self.flights.resends.num_asked,
         )
 
     def _on_node_msg(self, msg: ServerMsg) -> None:

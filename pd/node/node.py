@@ -44,7 +44,7 @@ from typing import Any
 import zmq
 
 from pd.core.addresses import node_addrs
-from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg
+from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg, ResendMsg
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
 from pd.engine.torch_thread import TorchThread
@@ -275,8 +275,17 @@ class Node:
                     self.transfer.reopen_peer(msg.transfer_addr)
                 elif isinstance(msg, PullReqMsg):
                     self.pull_source.serve(msg)
+                elif isinstance(msg, ResendMsg):
+                    self._resend(msg)
                 else:
                     self.role.handle(msg)
+
+    def _resend(self, msg: ResendMsg) -> None:
+        """The server lost some of a request's tokens, or heard nothing of it for a while."""
+        sched, rid = self.core.scheduler, msg.request_id
+        live = next((r for r in (*sched.waiting, *sched.running) if r.request_id == rid), None)
+        is_held = live is None and rid in self.role.held_request_ids()
+        self.server.resend(msg, live, is_held, streams=self.role.decodes)
 
     def _on_peer_gone(self, msg: PeerGoneMsg) -> None:
         self.peers.close_peer(msg.addr)
