@@ -187,7 +187,7 @@ class ClusterClient:
         self._tasks.spawn(self.sockets.read_forever())
         self._tasks.spawn(self.membership.liveness.run())
         self._tasks.spawn(self.mirror.run())
-        self._tasks.spawn(self.flights.probe_forever())
+        self._tasks.spawn(self.flights.resends.run())
 
     def generate(
         self,

@@ -10,7 +10,7 @@ one's current attempt. A request's attempts, in the order of the client's reques
 - ``on_tokens`` (the reader, for each ``TokenMsg``): tokens, a finish or an error into the
   flight's mailbox, the tokens into the attempt's booking (which grows with the answer); a
   duplicate is dropped, a gap asked for again (``pd.cluster.token_order``, which also probes
-  silent requests: ``probe_forever``); a failed KV transfer of an attempt that streamed
+  silent requests: ``Resends.run``); a failed KV transfer of an attempt that streamed
   nothing is re-routed after ``retry_delay_s`` (``_retry_later``), unless a node death moves
   it first.
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
@@ -86,7 +86,7 @@ class Flights:
         self._flow_watchers: dict[str, Callable[[Flow], None]] = {}
         self.num_rerouted = 0
         self.num_stalled = 0  # requests ended because their client did not catch up
-        self.resends = Resends(sockets, cfg.token_probe_s)  # lost and duplicated token frames
+        self.resends = Resends(sockets, cfg, self._by_id)  # lost and duplicated token frames
 
     def __len__(self) -> int:
         """Requests in flight."""
@@ -248,13 +248,6 @@ class Flights:
             self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
         else:
             self.coordinator.on_tokens(wire, len(taken.token_ids))  # its booking grows with it
-
-    async def probe_forever(self) -> None:
-        """Every ``watch_interval_s``: ask the nodes of requests silent for a while where they
-        stand (``Resends.probe``)."""
-        while True:
-            await asyncio.sleep(self.cfg.watch_interval_s)
-            self.resends.probe(self._by_id.values())
 
     def on_node_lost(self, node_id: str, why: str) -> None:
         """``node_id`` is gone (dead or removed): each flight it served moves off it."""

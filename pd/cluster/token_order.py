@@ -21,11 +21,13 @@ an attempt's error ends it wherever it falls.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from pd.cluster.client_config import ClientConfig
 from pd.cluster.flight import Flight, FlightStatus
 from pd.cluster.sockets import NodeSockets
 from pd.core.messages import ResendMsg, TokenLogprobsMsg, TokenMsg
@@ -58,12 +60,23 @@ def take_new(have: int, msg: TokenMsg) -> Taken:
 class Resends:
     """The server's side of lost and duplicated token frames: counts, and ``ResendMsg``s."""
 
-    def __init__(self, sockets: NodeSockets, probe_after_s: float) -> None:
+    def __init__(
+        self, sockets: NodeSockets, cfg: ClientConfig, flights: Mapping[str, Flight]
+    ) -> None:
+        """``flights``: the requests in flight (``Flights``'), read by ``run``."""
         self._sockets = sockets
-        self.probe_after_s = probe_after_s
+        self._flights = flights
+        self.probe_after_s = cfg.token_probe_s
+        self.watch_interval_s = cfg.watch_interval_s
         self.num_duplicates = 0  # token messages dropped: the server had their tokens
         self.num_gaps = 0  # token messages that came after lost ones
         self.num_asked = 0  # ResendMsgs sent (after a gap, or to a silent request)
+
+    async def run(self) -> None:
+        """Every ``watch_interval_s``: ``probe`` the requests in flight."""
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            self.probe(self._flights.values())
 
     def on_gap(self, flight: Flight, node_id: str) -> None:
         """A message of ``node_id`` came after lost ones: ask it for what the server lacks,

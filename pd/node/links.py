@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import msgspec
@@ -194,8 +194,15 @@ class ServerLink:
         self.recent.add_error(msg)
         self.send(msg)
 
-    def resend(self, msg: ResendMsg, live: Req | None, is_held: bool, streams: bool) -> None:
-        """Answer the server's ``ResendMsg`` (``pd.node.replay.answer`` says how)."""
+    def resend(
+        self, msg: ResendMsg, queued: Iterable[Req], held: Collection[str], streams: bool
+    ) -> None:
+        """Answer the server's ``ResendMsg`` (``pd.node.replay.answer`` says how): ``queued``,
+        the requests the node's scheduler runs or queues; ``held``, the ids its role holds
+        apart; ``streams``, whether this node streams tokens (a decode node)."""
+        rid = msg.request_id
+        live = next((r for r in queued if r.request_id == rid), None)
+        is_held = live is None and rid in held
         self.send(answer(msg, live, is_held, streams, self.recent, self._node_id))
 
     def report_step(self, result: StepResult) -> None:

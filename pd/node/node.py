@@ -275,17 +275,12 @@ class Node:
                     self.transfer.reopen_peer(msg.transfer_addr)
                 elif isinstance(msg, PullReqMsg):
                     self.pull_source.serve(msg)
-                elif isinstance(msg, ResendMsg):
-                    self._resend(msg)
+                elif isinstance(msg, ResendMsg):  # the server lost some of its tokens
+                    sched, held = self.core.scheduler, self.role.held_request_ids()
+                    queued = (*sched.waiting, *sched.running)
+                    self.server.resend(msg, queued, held, streams=self.role.decodes)
                 else:
                     self.role.handle(msg)
-
-    def _resend(self, msg: ResendMsg) -> None:
-        """The server lost some of a request's tokens, or heard nothing of it for a while."""
-        sched, rid = self.core.scheduler, msg.request_id
-        live = next((r for r in (*sched.waiting, *sched.running) if r.request_id == rid), None)
-        is_held = live is None and rid in self.role.held_request_ids()
-        self.server.resend(msg, live, is_held, streams=self.role.decodes)
 
     def _on_peer_gone(self, msg: PeerGoneMsg) -> None:
         self.peers.close_peer(msg.addr)
