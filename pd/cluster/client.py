@@ -27,7 +27,8 @@ happens:
    reads tokens, cache events fed to the coordinator, and stats (which are also the
    heartbeats), and hands each message to the client (``_on_node_msg``); ``Flights.on_tokens``
    turns each ``TokenMsg`` into a ``FlightEvent`` in the flight's mailbox, which its stream
-   (``generate``) reads.
+   (``generate``) reads; by their offsets, repeated frames are dropped and lost ones asked for
+   again (``pd.cluster.token_order``: also a request silent for ``token_probe_s``).
 4. ``RETRY_PENDING``: its KV transfer failed before anything streamed; ``Flights`` re-routes it
    (5.) after ``retry_delay_s`` (a node death that caused the failure is usually found first:
    then it moves off that node at once).

@@ -15,7 +15,9 @@ request fails that request alone (``guard``).
 The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
 for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers (the engine's
 layer callback), so a busy loop is told from a stuck one (``pd.node.heartbeat``). Any node's ``PullSource`` answers
-another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``).
+another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``), and
+the server's ``ResendMsg`` by sending a request's output again from an offset (some of its
+token frames were lost, or it was silent: ``pd.node.replay``).
 When a peer dies or leaves
 (``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
 what it kept for the peer's requests, and refuses the peer's transfer endpoint until a node
