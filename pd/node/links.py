@@ -20,7 +20,7 @@ import zmq
 from pd.core.messages import NodeMsg, ResendMsg, ServerMsg, TokenLogprobsMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
-from pd.node.replay import RecentOutputs, answer
+from pd.node.replay import RecentOutputs, answer, split
 from transfer.auth import AuthDrops, Opener, Sealer
 from transfer.conn_cap import MAX_CONNS, ConnectionCap
 from transfer.inbound import ReadBudget, RejectsByPeer, SealedReader, limit_frame_size
@@ -203,7 +203,7 @@ class ServerLink:
         rid = msg.request_id
         live = next((r for r in queued if r.request_id == rid), None)
         is_held = live is None and rid in held
-        self.send(answer(msg, live, is_held, streams, self.recent, self._node_id))
+        self.send_all(split(answer(msg, live, is_held, streams, self.recent, self._node_id)))
 
     def report_step(self, result: StepResult) -> None:
         """The new tokens of the requests that produced any (a speculative step may produce

@@ -15,6 +15,8 @@ request's output from the offset it has, and the node answers with one ``TokenMs
   final frame is sent again; its error, for one that failed;
 - anything else (never known, or aged out of the record): ``is_unknown``, an error naming the
   tokens it cannot send, so the server ends the request at once instead of at its deadline.
+
+A long answer goes in several messages (``split``), each well within a frame's size limit.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pd.core.messages import ResendMsg, TokenLogprobsMsg, TokenMsg
+import msgspec
+
+from pd.core.messages import ResendMsg, TokenLogprobsMsg, TokenMsg, token_bytes
 from pd.core.request import Req
+
+# An answer's tokens go in messages of at most this many bytes each (``token_bytes``), in
+# order, the end on the last: far under any frame a server's socket takes, however long the
+# output and its logprobs.
+MAX_ANSWER_BYTES = 64 << 10
 
 
 class Ended(NamedTuple):
@@ -144,6 +153,35 @@ def answer(
                     logprobs=ended.logprobs[i:], finished=True,
                     finish_reason=ended.finish_reason, num_prompt_tokens=ended.num_prompt_tokens,
                     num_cached_tokens=ended.num_cached_tokens, node_id=node_id)  # fmt: skip
+
+
+def split(msg: TokenMsg, max_bytes: int = MAX_ANSWER_BYTES) -> list[TokenMsg]:
+    """``msg`` as consecutive messages of at most ``max_bytes`` of tokens each (at least one
+    token each), its end on the last."""
+    parts: list[TokenMsg] = []
+    start, n = 0, len(msg.token_ids)
+    lps = msg.logprobs
+    while True:
+        end, size = start + 1, token_bytes(1, lps[start : start + 1])
+        while end < n:
+            size += token_bytes(1, lps[end : end + 1]) - token_bytes(0, [])  # one more token
+            if size > max_bytes:
+                break
+            end += 1
+        end = min(end, n)
+        last = end >= n
+        part = msgspec.structs.replace(
+            msg,
+            offset=msg.offset + start,
+            token_ids=msg.token_ids[start:end],
+            logprobs=msg.logprobs[start:end],
+            finished=msg.finished and last,
+            finish_reason=msg.finish_reason if last else None,
+        )
+        parts.append(part)
+        if last:
+            return parts
+        start = end
 
 
 def _token_msg(

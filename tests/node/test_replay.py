@@ -3,10 +3,10 @@ requests stays bounded. No model, no sockets."""
 
 from __future__ import annotations
 
-from pd.core.messages import ResendMsg, TokenLogprobsMsg, TokenMsg
+from pd.core.messages import ResendMsg, TokenLogprobsMsg, TokenMsg, token_bytes
 from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
-from pd.node.replay import RecentOutputs, answer
+from pd.node.replay import RecentOutputs, answer, split
 
 
 def _req(rid: str, outputs: list[int], finish: str | None = None, logprobs: bool = False) -> Req:
@@ -71,3 +71,20 @@ def test_the_record_is_bounded_in_ids_age_and_tokens_each() -> None:
     assert ended is not None and (ended.offset, ended.token_ids) == (96, [96, 97, 98, 99])
     now[0] = 11.0
     assert recent.get("r4") is None and len(recent) == 0
+
+
+def test_a_long_answer_goes_in_messages_each_within_its_bytes() -> None:
+    recent = RecentOutputs()
+    live = _req("r", list(range(1000)), logprobs=True)
+    whole = answer(_ask("r", 10), live, False, True, recent, "decode-0")
+    parts = split(whole, max_bytes=2000)
+    assert len(parts) > 1 and all(token_bytes(len(m.token_ids), m.logprobs) <= 2000 for m in parts)
+    assert [m.offset for m in parts] == [10 + sum(len(m.token_ids) for m in parts[:i])
+                                         for i in range(len(parts))]  # fmt: skip
+    assert [t for m in parts for t in m.token_ids] == list(range(10, 1000))
+    assert [lp.token_id for m in parts for lp in m.logprobs] == list(range(10, 1000))
+    recent.add_finished(_req("f", list(range(100)), finish="stop"))
+    parts = split(answer(_ask("f", 40), None, False, True, recent, "d"), max_bytes=100)
+    assert [m.finished for m in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].finish_reason == "stop" and parts[0].finish_reason is None
+    assert split(answer(_ask("nobody", 0), None, False, True, recent, "d"))[0].is_unknown
