@@ -113,9 +113,11 @@ class DecodeRole(BaseRole):
         skip_draws(req.generator, 1)  # the prefill node drew the first token
         first_logprobs = [msg.first_logprobs] if msg.first_logprobs is not None else []
         req.output_logprobs = list(first_logprobs)  # in step with output_ids
+        req.num_reported_cached_tokens = msg.num_cached_tokens
         self.server.send(
             TokenMsg(
                 request_id=msg.request_id,
+                offset=0,
                 token_ids=[msg.first_token],
                 logprobs=first_logprobs,
                 finished=False,

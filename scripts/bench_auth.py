@@ -30,6 +30,7 @@ REQUEST_ID = "cmpl-0123456789abcdef"
 MESSAGES = {
     "TokenMsg, 1 token": TokenMsg(
         request_id=REQUEST_ID,
+        offset=40,
         token_ids=[31337],
         finished=False,
         finish_reason=None,

@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, EngineConfig, group=ENGINE_GROUPS)
     srv.set_defaults(**SERVE_ENGINE_DEFAULTS)
     cluster = "cluster and Ray"
-    add_dataclass_args(srv, ClientConfig, only=("heartbeat_timeout_s",), group=cluster)
+    add_dataclass_args(
+        srv, ClientConfig, only=("heartbeat_timeout_s", "token_probe_s"), group=cluster
+    )
     add_dataclass_args(srv, TransferConfig, "transfer_", only=TRANSFER_FLAGS, group=cluster)
     _add_security_args(srv)
     add_dataclass_args(srv, AutoscalerConfig, prefix=AUTOSCALE_PREFIX, group="autoscaling")

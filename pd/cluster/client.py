@@ -27,7 +27,8 @@ happens:
    reads tokens, cache events fed to the coordinator, and stats (which are also the
    heartbeats), and hands each message to the client (``_on_node_msg``); ``Flights.on_tokens``
    turns each ``TokenMsg`` into a ``FlightEvent`` in the flight's mailbox, which its stream
-   (``generate``) reads.
+   (``generate``) reads; by their offsets, repeated frames are dropped and lost ones asked for
+   again (``pd.cluster.token_order``: also a request silent for ``token_probe_s``).
 4. ``RETRY_PENDING``: its KV transfer failed before anything streamed; ``Flights`` re-routes it
    (5.) after ``retry_delay_s`` (a node death that caused the failure is usually found first:
    then it moves off that node at once).
@@ -187,6 +188,7 @@ class ClusterClient:
         self._tasks.spawn(self.sockets.read_forever())
         self._tasks.spawn(self.membership.liveness.run())
         self._tasks.spawn(self.mirror.run())
+        self._tasks.spawn(self.flights.resends.run())
 
     def generate(
         self,
@@ -306,6 +308,9 @@ class ClusterClient:
             num_pull_fallbacks=pulls.num_fallbacks,
             num_stalled_streams=self.flights.num_stalled,
             num_queued_token_bytes=self.flights.num_queued_bytes,
+            num_duplicate_token_msgs=self.flights.resends.num_duplicates,
+            num_token_gaps=self.flights.resends.num_gaps,
+            num_token_resends=self.flights.resends.num_asked,
         )
 
     def _on_node_msg(self, msg: ServerMsg) -> None:

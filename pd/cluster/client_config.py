@@ -29,9 +29,19 @@ class ClientConfig:
     # a request that streamed nothing and whose KV transfer failed is re-routed after this
     # long, unless a node death explains the failure first (then at once, off that node)
     retry_delay_s: float = 1.0
+    token_probe_s: float = option(
+        5.0,
+        "a request that heard nothing from its nodes for this long has them asked where it "
+        "stands: a lost last token frame is sent again, one they no longer know ends at once",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "heartbeat_timeout_s", "watch_interval_s"):
+        for name in (
+            "request_timeout_s",
+            "heartbeat_timeout_s",
+            "watch_interval_s",
+            "token_probe_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_reroutes < 0 or self.retry_delay_s < 0:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -153,6 +154,14 @@ class Flight:
     last_prefill: str = ""  # the node that prefilled the latest attempt (kept after it ends)
     num_attempts: int = 0
     num_received: int = 0  # tokens received (so maybe streamed to the caller)
+    # of the current attempt: its output's tokens received (the offset its next message
+    # should have: ``pd.cluster.token_order``), when its nodes were last heard of (or it was
+    # routed), when they were last asked to send its output again, and those that answered
+    # they do not know it
+    num_attempt_tokens: int = 0
+    last_heard: float = 0.0
+    asked_at: float = 0.0
+    unknown_to: set[str] = field(default_factory=set)
     backlog: Backlog | None = None  # its request's queued token bytes (streams only)
     num_queued_bytes: int = 0  # of them, this flight's, in its mailbox
     paused_wire: str = ""  # the attempt its decode node was told to pause ("" none)
@@ -186,17 +195,21 @@ class Flight:
         n = self.num_attempts
         self.num_attempts += 1
         self.wire_id = self.request_id if n == 0 else f"{self.request_id}~{n}"
+        self.num_attempt_tokens = 0
+        self.unknown_to.clear()
         return self.wire_id
 
     def route(self, prefill: str | None, decode: str) -> None:
         """The attempt is booked on these nodes (``prefill`` None: the decode node prefills)."""
         self.set_status(_S.ROUTED)
         self.prefill, self.decode = prefill or "", decode
+        self.last_heard, self.asked_at = time.monotonic(), 0.0
         self.last_prefill = self.prefill or decode
 
     def receive(self, num_tokens: int) -> None:
-        """Tokens came back from the attempt's nodes."""
+        """Tokens came back from the attempt's nodes (the next ones of its output)."""
         self.num_received += num_tokens
+        self.num_attempt_tokens += num_tokens
         if num_tokens and self._status is not _S.STREAMING:
             self.set_status(_S.STREAMING)
 

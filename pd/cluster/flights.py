@@ -8,8 +8,11 @@ one's current attempt. A request's attempts, in the order of the client's reques
 - ``dispatch``: a new wire id; book the nodes with the coordinator, waiting in FIFO order for
   room (``RoomQueue``) until the deadline, then send the request to them (``NodeSockets``).
 - ``on_tokens`` (the reader, for each ``TokenMsg``): tokens, a finish or an error into the
-  flight's mailbox, the tokens into the attempt's booking (which grows with the answer); a failed KV transfer of an attempt that streamed nothing is re-routed after
-  ``retry_delay_s`` (``_retry_later``), unless a node death moves it first.
+  flight's mailbox, the tokens into the attempt's booking (which grows with the answer); a
+  duplicate is dropped, a gap asked for again (``pd.cluster.token_order``, which also probes
+  silent requests: ``Resends.run``); a failed KV transfer of an attempt that streamed
+  nothing is re-routed after ``retry_delay_s`` (``_retry_later``), unless a node death moves
+  it first.
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
   (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere.
 - ``on_flow`` (its request's ``Backlog``, shared by its choices: ``pd.core.backlog``): its
@@ -35,6 +38,7 @@ from pd.cluster.event_loop import TaskSet
 from pd.cluster.flight import EventKind, Flight, FlightEvent, FlightStatus
 from pd.cluster.room import RoomQueue
 from pd.cluster.sockets import NodeSockets
+from pd.cluster.token_order import Order, Resends, take_new
 from pd.core.backlog import Flow
 from pd.core.messages import (
     AbortMsg,
@@ -82,6 +86,7 @@ class Flights:
         self._flow_watchers: dict[str, Callable[[Flow], None]] = {}
         self.num_rerouted = 0
         self.num_stalled = 0  # requests ended because their client did not catch up
+        self.resends = Resends(sockets, cfg, self._by_id)  # lost and duplicated token frames
 
     def __len__(self) -> int:
         """Requests in flight."""
@@ -200,21 +205,34 @@ class Flights:
                 flight.set_status(FlightStatus.RETRY_PENDING)
                 self._tasks.spawn(self._retry_later(flight, wire, msg.error or ""))
             return
-        flight.receive(len(msg.token_ids))
+        flight.last_heard = time.monotonic()
+        if msg.is_unknown and not self.resends.on_unknown(flight, msg):
+            return  # the other node of the attempt may hold it
+        flight.unknown_to.discard(msg.node_id)
         if msg.error is not None:
             self.coordinator.on_prefilled(wire)
             retried = msg.can_retry  # retryable, but not again
             why = flight.out_of_reroutes(msg.error) if retried else msg.error
             self._fail(flight, why, msg.is_refused)
             return
+        taken = take_new(flight.num_attempt_tokens, msg)
+        if taken.order is not Order.NEW:
+            if taken.order is Order.GAP:
+                self.resends.on_gap(flight, msg.node_id)
+            else:
+                self.resends.num_duplicates += 1
+            return
+        flight.receive(len(taken.token_ids))
+        if not taken.token_ids and not msg.finished:
+            return  # an answer to a probe: the node holds it, nothing new
         backlog = flight.backlog
         num_bytes = 0 if backlog is None else msg.num_bytes()
         event = FlightEvent.tokens(
-            msg.token_ids,
+            taken.token_ids,
             msg.finished,
             msg.finish_reason,
             msg.num_cached_tokens,
-            msg.logprobs,
+            taken.logprobs,
             num_bytes,
         )
         flight.mailbox.put_nowait(event)  # first: the caller gets its tokens whatever follows
@@ -229,7 +247,7 @@ class Flights:
         if msg.finished:
             self._end_attempt(flight, FlightStatus.FINISHED, abort_nodes=False)
         else:
-            self.coordinator.on_tokens(wire, len(msg.token_ids))  # its booking grows with it
+            self.coordinator.on_tokens(wire, len(taken.token_ids))  # its booking grows with it
 
     def on_node_lost(self, node_id: str, why: str) -> None:
         """``node_id`` is gone (dead or removed): each flight it served moves off it."""

@@ -180,12 +180,30 @@ class PeerGoneMsg(msgspec.Struct, tag="peer_gone", frozen=True, kw_only=True):
     transfer_addr: str  # its transfer control endpoint
 
 
-class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
-    """Node -> server: new tokens of a request, all from its decode node once the KV is there
-    (a request that ends at its first token is answered by its prefill node). ``error`` is set
-    when the request failed inside the cluster; ``node_id`` says who sent it."""
+class ResendMsg(msgspec.Struct, tag="resend", frozen=True, kw_only=True):
+    """Server -> node: send the request's output again from ``from_offset`` (the tokens the
+    server has), in one ``TokenMsg``: after a gap in its offsets (frames were lost), or when a
+    request was silent for a while (a probe). A request still waiting or prefilling there is
+    answered without tokens; one the node does not know (any more), with ``is_unknown``."""
 
     request_id: str
+    from_offset: int
+
+    def __post_init__(self) -> None:
+        if self.from_offset < 0:
+            raise ValueError(f"resend from offset {self.from_offset}")
+
+
+class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
+    """Node -> server: new tokens of a request, all from its decode node once the KV is there
+    (a request that ends at its first token is answered by its prefill node). ``offset`` is the
+    index in the request's output of its first token (of a message without tokens: the output's
+    length so far), so the server drops duplicates and sees gaps (``pd.cluster.token_order``).
+    ``error`` is set when the request failed inside the cluster; ``node_id`` says who sent
+    it."""
+
+    request_id: str
+    offset: int
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -196,6 +214,14 @@ class TokenMsg(msgspec.Struct, tag="token", frozen=True, kw_only=True):
     can_retry: bool = False  # the error is its KV transfer's, not the request's own
     is_refused: bool = False  # the error is the request's own fault (its grammar): a 400
     logprobs: list[TokenLogprobsMsg] = []  # one per token id, when the request asked for them
+    is_unknown: bool = False  # an answer to ResendMsg: the node knows nothing of the request
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or (self.logprobs and len(self.logprobs) != len(self.token_ids)):
+            raise ValueError(
+                f"token message at offset {self.offset}: {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} logprobs"
+            )
 
     def num_bytes(self) -> int:
         """About its frame's size: what a server queues for its reader (``token_bytes``)."""
@@ -311,5 +337,6 @@ NodeMsg = (
     | PeerUpMsg
     | PullReqMsg
     | PullRefusedMsg
+    | ResendMsg
 )
 ServerMsg = TokenMsg | CacheEventMsg | NodeStatsMsg | PullDoneMsg

@@ -47,6 +47,9 @@ class ClusterStats(NamedTuple):
     num_pull_fallbacks: int = 0  # pulls that did not come: computed instead
     num_stalled_streams: int = 0  # streams ended because their client did not catch up
     num_queued_token_bytes: int = 0  # token messages queued for streams' readers now
+    num_duplicate_token_msgs: int = 0  # token messages dropped: their tokens had come
+    num_token_gaps: int = 0  # token messages that came after lost ones (pd.cluster.token_order)
+    num_token_resends: int = 0  # nodes asked to send a request's output again
 
 
 class EngineClient(Protocol):

@@ -95,6 +95,9 @@ class Req:
     num_overtaken: int = 0  # later arrivals admitted ahead of it (pd.core.priority)
     guide: Any = None  # its grammar's matcher (pd.executor.grammar); opaque here
     is_paused: bool = False  # its client fell behind: left out of steps (Scheduler.set_paused)
+    # on a decode node: the prefill node's cache hit, what its first token message said (-1:
+    # none; a message sent again from offset 0 says it too)
+    num_reported_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)

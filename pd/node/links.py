@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import msgspec
 import zmq
 
-from pd.core.messages import NodeMsg, ServerMsg, TokenLogprobsMsg, TokenMsg
+from pd.core.messages import NodeMsg, ResendMsg, ServerMsg, TokenLogprobsMsg, TokenMsg
 from pd.core.request import Req
 from pd.engine.scheduler import StepResult
+from pd.node.replay import RecentOutputs, answer, split
 from transfer.auth import AuthDrops, Opener, Sealer
 from transfer.conn_cap import MAX_CONNS, ConnectionCap
 from transfer.inbound import ReadBudget, RejectsByPeer, SealedReader, limit_frame_size
@@ -97,7 +98,9 @@ class Inbox:
 class ServerLink:
     """The PUSH socket to the server. While no server reads (it exited and a new one will
     attach), a message waits at most ``send_timeout_ms``, and later ones are dropped at once
-    (``num_unsent_msgs``) until a send succeeds again."""
+    (``num_unsent_msgs``) until a send succeeds again. Every token message carries its offset
+    in the request's output; the ends of finished requests are kept a while (``recent``), so
+    the server can have a lost one sent again (``resend``: ``pd.node.replay``)."""
 
     def __init__(
         self,
@@ -115,6 +118,7 @@ class ServerLink:
         self._push, self._sealer = self._connect(server_addr)
         self._is_server_gone = False
         self.num_unsent_msgs = 0
+        self.recent = RecentOutputs()
 
     def _connect(self, server_addr: str) -> tuple[zmq.Socket[Any], Sealer]:
         push = self._ctx.socket(zmq.PUSH)
@@ -144,11 +148,14 @@ class ServerLink:
     def report(
         self, req: Req, new_tokens: list[int], logprobs: list[TokenLogprobsMsg] | None = None
     ) -> None:
-        """``req``'s new tokens, their logprobs if it asked for them (and its end, if it
-        ended)."""
+        """``req``'s new tokens (the last of its output), their logprobs if it asked for them
+        (and its end, if it ended)."""
+        if req.is_finished:
+            self.recent.add_finished(req)
         self.send(
             TokenMsg(
                 request_id=req.request_id,
+                offset=len(req.output_ids) - len(new_tokens),
                 token_ids=new_tokens,
                 logprobs=logprobs or [],
                 finished=req.is_finished,
@@ -161,30 +168,50 @@ class ServerLink:
         )
 
     def report_error(
-        self, request_id: str, error: str, can_retry: bool = False, is_refused: bool = False
+        self,
+        request_id: str,
+        error: str,
+        can_retry: bool = False,
+        is_refused: bool = False,
+        offset: int = 0,
     ) -> None:
         """``can_retry``: the request itself is fine (its KV transfer or a peer failed);
-        ``is_refused``: the request itself is at fault (its grammar), the server's 400."""
-        self.send(
-            TokenMsg(
-                request_id=request_id,
-                token_ids=[],
-                finished=True,
-                finish_reason="abort",
-                num_prompt_tokens=0,
-                num_cached_tokens=0,
-                error=error,
-                node_id=self._node_id,
-                can_retry=can_retry,
-                is_refused=is_refused,
-            )
+        ``is_refused``: the request itself is at fault (its grammar), the server's 400;
+        ``offset``: the tokens of it the server was sent (none before it streams)."""
+        msg = TokenMsg(
+            request_id=request_id,
+            offset=offset,
+            token_ids=[],
+            finished=True,
+            finish_reason="abort",
+            num_prompt_tokens=0,
+            num_cached_tokens=0,
+            error=error,
+            node_id=self._node_id,
+            can_retry=can_retry,
+            is_refused=is_refused,
         )
+        self.recent.add_error(msg)
+        self.send(msg)
+
+    def resend(
+        self, msg: ResendMsg, queued: Iterable[Req], held: Collection[str], streams: bool
+    ) -> None:
+        """Answer the server's ``ResendMsg`` (``pd.node.replay.answer`` says how): ``queued``,
+        the requests the node's scheduler runs or queues; ``held``, the ids its role holds
+        apart; ``streams``, whether this node streams tokens (a decode node)."""
+        rid = msg.request_id
+        live = next((r for r in queued if r.request_id == rid), None)
+        is_held = live is None and rid in held
+        self.send_all(split(answer(msg, live, is_held, streams, self.recent, self._node_id)))
 
     def report_step(self, result: StepResult) -> None:
         """The new tokens of the requests that produced any (a speculative step may produce
         several), errors of those that failed."""
         for req in result.failed:
-            self.report_error(req.request_id, req.error or "failed", is_refused=req.is_refused)
+            num_sent = len(req.output_ids) - req.num_new_outputs
+            why = req.error or "failed"
+            self.report_error(req.request_id, why, is_refused=req.is_refused, offset=num_sent)
         for req in result.produced:
             self.report(req, *req.take_new_outputs())
 

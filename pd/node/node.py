@@ -15,7 +15,9 @@ request fails that request alone (``guard``).
 The stats the loop publishes are its heartbeat: the server declares a node dead when they stop
 for ``heartbeat_timeout_s``. A long forward pass beats between its decoder layers (the engine's
 layer callback), so a busy loop is told from a stuck one (``pd.node.heartbeat``). Any node's ``PullSource`` answers
-another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``).
+another node's ``PullReqMsg`` by sending the KV of the prefix it holds (``pd.node.pulls``), and
+the server's ``ResendMsg`` by sending a request's output again from an offset (some of its
+token frames were lost, or it was silent: ``pd.node.replay``).
 When a peer dies or leaves
 (``PeerGoneMsg``), the node closes its pair groups and sockets to that peer and the role frees
 what it kept for the peer's requests, and refuses the peer's transfer endpoint until a node
@@ -44,7 +46,7 @@ from typing import Any
 import zmq
 
 from pd.core.addresses import node_addrs
-from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg
+from pd.core.messages import NodeInfo, PeerGoneMsg, PeerUpMsg, PullReqMsg, ResendMsg
 from pd.engine.core import EngineCore
 from pd.engine.scheduler import Scheduler
 from pd.engine.torch_thread import TorchThread
@@ -275,6 +277,10 @@ class Node:
                     self.transfer.reopen_peer(msg.transfer_addr)
                 elif isinstance(msg, PullReqMsg):
                     self.pull_source.serve(msg)
+                elif isinstance(msg, ResendMsg):  # the server lost some of its tokens
+                    sched, held = self.core.scheduler, self.role.held_request_ids()
+                    queued = (*sched.waiting, *sched.running)
+                    self.server.resend(msg, queued, held, streams=self.role.decodes)
                 else:
                     self.role.handle(msg)
 

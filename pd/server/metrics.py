@@ -133,6 +133,18 @@ _SERVER_COUNTERS = {
         "Streams ended because their client, paused behind, did not catch up within "
         "stream_pause_timeout_s",
     ),
+    "num_duplicate_token_msgs": (
+        "pd_server_duplicate_token_messages",
+        "Token messages from nodes dropped because their tokens had come already",
+    ),
+    "num_token_gaps": (
+        "pd_server_token_gaps",
+        "Token messages that came after lost ones (the node is asked to send them again)",
+    ),
+    "num_token_resends": (
+        "pd_server_token_resends",
+        "Times a node was asked to send a request's output again (after a gap, or a silence)",
+    ),
 }
 
 

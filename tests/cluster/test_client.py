@@ -71,6 +71,7 @@ class FakeNode:
         self._opener = Opener(SECRET, addr)
         self._sealer = Sealer(SECRET, server_addr)
         self._decoder = msgspec.msgpack.Decoder(NodeMsg)
+        self._offsets: dict[str, int] = {}  # by request id: the tokens sent
 
     async def recv(self, timeout: float = 5.0) -> Any:
         raw = self._opener.open(await asyncio.wait_for(self.pull.recv(), timeout))
@@ -90,9 +91,15 @@ class FakeNode:
         """An authentic frame around ``payload``, whatever it holds."""
         self.push.send(self._sealer.seal(payload))
 
-    def tokens(self, rid: str, ids: list[int], finished: bool = False) -> None:
+    def tokens(
+        self, rid: str, ids: list[int], finished: bool = False, offset: int | None = None
+    ) -> None:
+        """``ids`` of ``rid``'s output, after those sent before (or from ``offset``)."""
         reason = "length" if finished else None
-        self.send(_token_msg(rid, ids, node_id=self.node_id, finished=finished, reason=reason))
+        offset = self._offsets.get(rid, 0) if offset is None else offset
+        self._offsets[rid] = offset + len(ids)
+        msg = _token_msg(rid, ids, node_id=self.node_id, finished=finished, reason=reason)
+        self.send(msgspec.structs.replace(msg, offset=offset))
 
     def fails(
         self, rid: str, error: str, can_retry: bool = False, is_refused: bool = False
@@ -131,6 +138,7 @@ def _token_msg(
 ) -> TokenMsg:
     return TokenMsg(
         request_id=rid,
+        offset=0,
         token_ids=ids,
         finished=finished,
         finish_reason=reason,

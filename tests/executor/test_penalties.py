@@ -291,6 +291,7 @@ def test_wire_forms_round_trip_and_decode_checks_the_new_fields() -> None:
     assert msgspec.msgpack.Decoder(PrefilledMsg).decode(enc.encode(first)) == first
     tokens = TokenMsg(
         request_id="r",
+        offset=0,
         token_ids=[5],
         finished=False,
         finish_reason=None,

@@ -126,6 +126,7 @@ async def _scenario(engine_cfg: EngineConfig, reference: list[list[int]], captur
         p_ctrl, d_ctrl = p.transfer.endpoint, d.transfer.endpoint
         early_end = TokenMsg(
             request_id="r0",
+            offset=1,
             token_ids=[7],
             finished=True,
             finish_reason="stop",
