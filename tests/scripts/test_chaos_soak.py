@@ -28,6 +28,10 @@ from pdtools.chaos_lanes import lanes
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("PD_SOAK_MINUTES", "3"))
 LONG_TOKENS = 1500  # a stalled reader's stream: ~280 KB of events
+# Here the soak shares 2 cores with another test file's cluster: /health must answer, within a
+# second at p99 (a loop that never stalls for seconds); on a machine of its own the soak's
+# default is 250 ms (RELIABILITY.md's runs).
+HEALTH_P99_MS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +60,7 @@ def test_chaos_soak_passes_and_runs_every_fault(long_tiny_dir: Path, tmp_path: P
         "--model", str(long_tiny_dir), "--long-tokens", str(LONG_TOKENS),
         "--report", str(report), "--json", str(summary_path), "--log", str(log),
         "--hostile-tokens", "200", "--tokens-per-minute", "0",
+        "--max-health-p99-ms", str(HEALTH_P99_MS),
     ]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=int(MINUTES * 60) + 500
