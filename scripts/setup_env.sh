@@ -13,7 +13,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-pip=($VENV/bin/python -m pip install -q --disable-pip-version-check)
+# --no-compile: no .pyc for the thousands of modules installed (torch, ray, transformers); the
+# ones imported are compiled when first imported
+pip=($VENV/bin/python -m pip install -q --disable-pip-version-check --no-compile)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "${pip[@]}" -e ".[dev,gpu]"
 else
