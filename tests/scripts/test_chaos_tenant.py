@@ -63,7 +63,7 @@ def test_a_hostile_request_failed_only_by_a_node_the_soak_killed_is_not_a_failur
     ]
 
 
-def test_a_hostile_request_refused_while_admission_is_full_is_noted_not_failed() -> None:
+def test_a_hostile_request_refused_while_admission_is_full_or_timed_out_is_noted() -> None:
     from types import SimpleNamespace
 
     from pdtools.chaos_faults import FaultRecord
@@ -71,9 +71,14 @@ def test_a_hostile_request_refused_while_admission_is_full_is_noted_not_failed()
     from pdtools.chaos_tenant_http import Reply
 
     rec = FaultRecord("logprobs-answer", 0.0)
-    for status, code in ((429, "server_overloaded"), (429, "rate_limit_exceeded")):
+    for status, code in (
+        (429, "server_overloaded"),
+        (504, "request_timeout"),
+        (429, "rate_limit_exceeded"),
+    ):
         reply = Reply()
         reply.status, reply.code, reply.error = status, code, "server overloaded"
         _judged(SimpleNamespace(doomed={}), rec, reply, f"got {status}", "want it")  # type: ignore[arg-type]
     assert rec.failures == ["want it, got 429"]  # a key's own limit is no excuse
-    assert len(rec.notes) == 1 and "admission was full" in rec.notes[0], rec.notes
+    assert len(rec.notes) == 2 and "admission was full" in rec.notes[0], rec.notes
+    assert "request deadline" in rec.notes[1], rec.notes
