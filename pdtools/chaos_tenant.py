@@ -128,10 +128,6 @@ async def _none_dead(chaos: Chaos, rec: FaultRecord, start: float) -> None:
         rec.failures.append(f"healthy nodes found dead: {gone}")
 
 
-def _words(num_words: int) -> str:
-    return " ".join(f"w{i % 997}" for i in range(num_words))
-
-
 @fault("limit-edges", "tenant")
 async def limit_edges(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> None:
     """Fields one past their character bounds: each a 400 that says which and how far."""
@@ -151,11 +147,7 @@ async def limit_edges(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> Non
         "type": "function",
         "function": {
             "name": "lookup",
-            # words of a token or two each, twice the context's tokens (a run of one letter
-            # is a few tokens a hundred characters), within the body's limit
-            "arguments": json.dumps(
-                {"a": _words(2 * chaos.cfg.max_model_len)[: chaos.cfg.max_body_bytes // 3]}
-            ),
+            "arguments": json.dumps({"a": "y" * (chaos.cfg.max_body_bytes // 3)}),
         },
     }
     cases = {  # name -> (body, what the 400's message must hold)
