@@ -70,23 +70,26 @@ def _slowest_files(terminalreporter: Any, reports: list[Any], num: int = 20) -> 
 # The files that take longest (the summary's "slowest files"), longest first. ``make test`` hands
 # whole files to two workers in collection order (``--dist loadfile --no-loadscope-reorder``):
 # started first, the long files run beside the many short ones, and the workers end together
-# instead of one running a long file alone at the end.
+# instead of one running a long file alone at the end. The chaos soak runs last (``_LAST``): its
+# judgements of heartbeats and latency want the cores that a cluster file beside it would take.
 _LONGEST_FILES = (
     "tests/cluster/test_exact_defaults.py",
-    "tests/scripts/test_chaos_soak.py",
     "tests/multihost/test_onprem_cluster.py",
     "tests/cluster/test_e2e.py",
     "tests/cluster/test_tensor_parallel_live.py",
     "tests/fleet/test_operate.py",
 )
+_LAST = ("tests/scripts/test_chaos_soak.py",)
 
 
 def _file_rank(item: pytest.Item) -> int:
     """Where ``item``'s file runs: the longest files first, then every file that starts a
-    cluster or a process of its own, then the rest."""
+    cluster or a process of its own, then the rest, then the chaos soak."""
     path = item.nodeid.split("::", 1)[0]
     if path in _LONGEST_FILES:
         return _LONGEST_FILES.index(path)
+    if path in _LAST:
+        return len(_LONGEST_FILES) + 2
     heavy = any(item.get_closest_marker(m) for m in ("soak", "multihost", "cluster"))
     return len(_LONGEST_FILES) + (0 if heavy else 1)
 

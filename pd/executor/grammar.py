@@ -25,7 +25,6 @@ e.g. a JSON schema's) masks the tokens it may sample, wherever one is sampled.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import weakref
@@ -66,16 +65,6 @@ def make_tokenizer(
 def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask of ``num_rows`` rows: [num_rows, ceil(vocab_size / 32)] int32."""
     return llg_torch.allocate_token_bitmask(num_rows, vocab_size)
-
-
-def _give_back_memory() -> None:
-    """Hand the allocator's free memory back to the system: a large grammar's build takes
-    tens of MiB on the worker's thread, which glibc keeps in that thread's arena after it is
-    freed (the node's memory would stay at its largest compile). No-op without glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class GrammarRefused(ValueError):
@@ -273,8 +262,6 @@ class GrammarCompiler:
                 job.future.set_result(matcher)
             except Exception as e:  # handed to ``poll``
                 job.future.set_exception(e)
-            finally:
-                _give_back_memory()
 
         self._pool.submit(compile_)
 
