@@ -8,7 +8,9 @@ The life of a request on a decode node (its scheduler is ``DecodeScheduler``):
    whose status says where it is, and its prefill node. A ``LocalReqMsg`` instead goes straight
    to the scheduler's ``waiting`` queue: this node prefills it itself (conditional
    disaggregation), in chunks interleaved with the running decodes, and streams every token,
-   the first included.
+   the first included; one with ``output_ids`` is a started request resumed here after its
+   decode node died (failover): its prompt and that output are prefilled, then it streams on
+   from that offset (``EngineCore.make_request``).
 2. The prefill node's transfer request arrives (the queue is the transfer agent's slot owner).
    If it came before the server's ``DecodeReqMsg`` (two sockets, no order between them), the
    agent holds it until the queue knows the request, and this role has it answered as soon as
@@ -92,8 +94,10 @@ class DecodeRole(BaseRole):
         if self.recent_aborts.take(msg.request_id):
             return  # its abort overtook it (done at its first token on the prefill node)
         try:
+            # a failover's output so far
+            resumed = msg.output_ids if isinstance(msg, LocalReqMsg) else []
             req = self.core.make_request(
-                msg.prompt_ids, msg.sampling, msg.request_id, msg.namespace
+                msg.prompt_ids, msg.sampling, msg.request_id, msg.namespace, resumed
             )
             if isinstance(msg, LocalReqMsg):
                 self.scheduler.add(req)

@@ -36,7 +36,9 @@ happens:
    ``heartbeat_timeout_s`` (``Liveness``, which calls ``Membership.fail_node``). The membership
    drops it (``Membership._drop``) and ``Flights.on_node_lost`` moves its requests: one that has streamed
    nothing is re-routed once, back to 1. (waiting for room or for a replacement node); one that
-   streamed tokens from the dead decode node fails; one already decoding elsewhere is not
+   streamed tokens from the dead decode node fails over (at most ``max_failovers`` times, then
+   it fails): back to 1. too, resumed on a decode node alone from the tokens it streamed (its
+   stream goes on with no token repeated or missing); one already decoding elsewhere is not
    touched. Every surviving node hears ``PeerGoneMsg`` and frees what it kept for the dead
    node; when a node registers, the others hear ``PeerUpMsg`` (its replacement may have been
    given the dead node's port, which they refuse for a while).
@@ -311,6 +313,7 @@ class ClusterClient:
             num_duplicate_token_msgs=self.flights.resends.num_duplicates,
             num_token_gaps=self.flights.resends.num_gaps,
             num_token_resends=self.flights.resends.num_asked,
+            num_failovers=self.flights.num_failovers,
         )
 
     def _on_node_msg(self, msg: ServerMsg) -> None:

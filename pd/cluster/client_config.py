@@ -26,6 +26,8 @@ class ClientConfig:
     watch_interval_s: float = 0.25  # how often heartbeats are checked and actors pinged
     ping_timeout_s: float = 10.0  # an unanswered ping is left to the heartbeat to judge
     max_reroutes: int = 1  # times a request that streamed nothing moves off a dead node
+    # times a started request resumes on another decode node when its own dies (a failover)
+    max_failovers: int = 2
     # a request that streamed nothing and whose KV transfer failed is re-routed after this
     # long, unless a node death explains the failure first (then at once, off that node)
     retry_delay_s: float = 1.0
@@ -44,8 +46,8 @@ class ClientConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_reroutes < 0 or self.retry_delay_s < 0:
+        if min(self.max_reroutes, self.max_failovers, self.retry_delay_s) < 0:
             raise ValueError(
-                f"max_reroutes ({self.max_reroutes}) and retry_delay_s ({self.retry_delay_s}) "
-                "must be >= 0"
+                f"max_reroutes ({self.max_reroutes}), max_failovers ({self.max_failovers}) and "
+                f"retry_delay_s ({self.retry_delay_s}) must be >= 0"
             )

@@ -10,10 +10,12 @@ The status, and the only moves ``Flight`` allows (each checked where it is made)
    ``FINISHED`` (a last message without tokens).
 4. ``RETRY_PENDING``: its KV transfer failed; it moves to ``REROUTING`` after
    ``retry_delay_s``, or at once when a node death explains the failure.
-5. ``STREAMING``: tokens came back (so maybe reached the caller): never re-routed again.
-   -> ``FINISHED``.
+5. ``STREAMING``: tokens came back (so maybe reached the caller): -> ``FINISHED``, or
+   ``REROUTING`` when its decode node died (a *failover*, at most ``max_failovers`` times:
+   ``can_fail_over``): its next attempt resumes from the output it has (``output_ids``).
 6. ``REROUTING``: the attempt was given up and a ``REROUTE`` event waits in the mailbox; the
-   next attempt goes back to ``WAITING``.
+   next attempt goes back to ``WAITING``. An attempt after tokens came (a failover) goes to a
+   decode node alone, with the prompt and ``output_ids``: it streams on from their offset.
 7. Over: ``FINISHED`` (its last tokens came), ``FAILED`` (an error, its deadline) or
    ``ABORTED`` (``abort()``, or its caller stopped reading). Any status not over may fail or
    be aborted. The mailbox still holds the last event for the stream to read.
@@ -63,7 +65,7 @@ ALLOWED: dict[FlightStatus, frozenset[FlightStatus]] = {
     _S.WAITING: frozenset({_S.ROUTED}) | _END,
     _S.ROUTED: frozenset({_S.STREAMING, _S.RETRY_PENDING, _S.REROUTING, _S.FINISHED}) | _END,
     _S.RETRY_PENDING: frozenset({_S.STREAMING, _S.REROUTING, _S.FINISHED}) | _END,
-    _S.STREAMING: frozenset({_S.FINISHED}) | _END,
+    _S.STREAMING: frozenset({_S.FINISHED, _S.REROUTING}) | _END,
     _S.REROUTING: frozenset({_S.WAITING}) | _END,
     _S.FINISHED: frozenset(),
     _S.FAILED: frozenset(),
@@ -153,7 +155,9 @@ class Flight:
     decode: str = ""  # (both "" when it holds no routed attempt)
     last_prefill: str = ""  # the node that prefilled the latest attempt (kept after it ends)
     num_attempts: int = 0
-    num_received: int = 0  # tokens received (so maybe streamed to the caller)
+    # tokens received (so maybe streamed to the caller): what a failover resumes from
+    output_ids: list[int] = field(default_factory=list)
+    num_failovers: int = 0  # attempts that resumed it after its decode node died
     # of the current attempt: its output's tokens received (the offset its next message
     # should have: ``pd.cluster.token_order``), when its nodes were last heard of (or it was
     # routed), when they were last asked to send its output again, and those that answered
@@ -170,6 +174,10 @@ class Flight:
     @property
     def status(self) -> FlightStatus:
         return self._status
+
+    @property
+    def num_received(self) -> int:
+        return len(self.output_ids)
 
     @property
     def is_over(self) -> bool:
@@ -195,7 +203,7 @@ class Flight:
         n = self.num_attempts
         self.num_attempts += 1
         self.wire_id = self.request_id if n == 0 else f"{self.request_id}~{n}"
-        self.num_attempt_tokens = 0
+        self.num_attempt_tokens = len(self.output_ids)  # a failover's offsets go on from there
         self.unknown_to.clear()
         return self.wire_id
 
@@ -206,12 +214,19 @@ class Flight:
         self.last_heard, self.asked_at = time.monotonic(), 0.0
         self.last_prefill = self.prefill or decode
 
-    def receive(self, num_tokens: int) -> None:
+    def receive(self, token_ids: list[int]) -> None:
         """Tokens came back from the attempt's nodes (the next ones of its output)."""
-        self.num_received += num_tokens
-        self.num_attempt_tokens += num_tokens
-        if num_tokens and self._status is not _S.STREAMING:
+        self.num_attempt_tokens += len(token_ids)
+        self.output_ids += token_ids
+        if token_ids and self._status is not _S.STREAMING:
             self.set_status(_S.STREAMING)
+
+    def can_fail_over(self, max_failovers: int) -> bool:
+        """Tokens came back (it started), its decode node is gone, and it may resume on
+        another: failovers are left, and so are tokens to generate."""
+        started = self.holds_attempt and bool(self.output_ids)
+        left = len(self.output_ids) < self.params.max_tokens
+        return started and left and self.num_failovers < max_failovers
 
     def end_attempt(self, status: FlightStatus) -> Attempt | None:
         """Move to ``status`` (``REROUTING``, or over), giving up the attempt it holds: that
@@ -223,8 +238,10 @@ class Flight:
         return attempt if held else None
 
     def out_of_reroutes(self, error: str) -> str:
-        """The error of a request that fails where it could have been re-routed, saying why
-        not when it was re-routed before (its attempts are spent)."""
-        if self.num_attempts > 1:
+        """The error of a request that fails where it could have been re-routed (or failed
+        over), saying why not when it was before (its attempts are spent)."""
+        if self.num_failovers:
+            error += f" (failed over {self.num_failovers} time(s) before: no more)"
+        elif self.num_attempts > 1:
             error += f" (re-routed {self.num_attempts - 1} time(s) before: no more)"
         return error

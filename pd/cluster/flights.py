@@ -14,7 +14,11 @@ one's current attempt. A request's attempts, in the order of the client's reques
   nothing is re-routed after ``retry_delay_s`` (``_retry_later``), unless a node death moves
   it first.
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
-  (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere.
+  (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere. A
+  started one on a dead decode node fails over (``Flight.can_fail_over``: at most
+  ``max_failovers`` times): re-routed too, its next attempt resumes on a decode node alone from
+  the output the server has (the prompt and that output prefilled there, the same sampling
+  parameters; its offsets, and so its stream, go on where they stopped).
 - ``on_flow`` (its request's ``Backlog``, shared by its choices: ``pd.core.backlog``): its
   client fell behind, so its decode node is told to pause it (``PauseMsg``; a flight that has
   not streamed yet is told at its first tokens), or to resume it; a client that did not catch
@@ -85,6 +89,7 @@ class Flights:
         # by request id: what watches its backlog (``on_flow`` of the flight)
         self._flow_watchers: dict[str, Callable[[Flow], None]] = {}
         self.num_rerouted = 0
+        self.num_failovers = 0  # started requests resumed off a dead decode node
         self.num_stalled = 0  # requests ended because their client did not catch up
         self.resends = Resends(sockets, cfg, self._by_id)  # lost and duplicated token frames
 
@@ -137,11 +142,17 @@ class Flights:
         if flight.is_over:  # aborted or stalled while re-routing: its last event is next
             return
         wire = flight.begin_attempt()
-        prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
+        p, ns, resumed = flight.params, flight.namespace, flight.output_ids
+        prompt, max_tokens = flight.prompt_ids + resumed, p.max_tokens - len(resumed)
         try:
             route = await self._room.wait(
                 lambda: self.coordinator.route(
-                    wire, prompt, p.max_tokens, ns, allow_local=not flight.is_warmup
+                    wire,
+                    prompt,
+                    max_tokens,
+                    ns,
+                    allow_local=not flight.is_warmup,
+                    local_only=bool(resumed),  # a failover: its decode node prefills the output
                 ),
                 flight.deadline,
                 flight.ticket,
@@ -222,7 +233,7 @@ class Flights:
             else:
                 self.resends.num_duplicates += 1
             return
-        flight.receive(len(taken.token_ids))
+        flight.receive(taken.token_ids)
         if not taken.token_ids and not msg.finished:
             return  # an answer to a probe: the node holds it, nothing new
         backlog = flight.backlog
@@ -292,9 +303,13 @@ class Flights:
         self.coordinator.on_finished(attempt.wire_id)
         self._room.wake()
 
-    def _reroute(self, flight: Flight, why: str) -> None:
+    def _reroute(self, flight: Flight, why: str, is_failover: bool = False) -> None:
         self._end_attempt(flight, FlightStatus.REROUTING, abort_nodes=True)  # the live ones
-        self.num_rerouted += 1
+        if is_failover:  # it started: it resumes from its output (``dispatch``)
+            flight.num_failovers += 1
+            self.num_failovers += 1
+        else:
+            self.num_rerouted += 1
         flight.mailbox.put_nowait(FlightEvent.reroute(why))
 
     def _fail(self, flight: Flight, error: str, is_refused: bool = False) -> None:
@@ -311,9 +326,12 @@ class Flights:
             self._reroute(flight, error)
 
     def _lose(self, flight: Flight, node_id: str, why: str) -> None:
+        is_decode = node_id == flight.decode
         if flight.can_reroute(self.cfg.max_reroutes):
             self._reroute(flight, f"node {node_id}: {why}")
-        elif flight.status is not FlightStatus.STREAMING or node_id == flight.decode:
+        elif is_decode and flight.can_fail_over(self.cfg.max_failovers):
+            self._reroute(flight, f"node {node_id}: {why}", is_failover=True)
+        elif flight.status is not FlightStatus.STREAMING or is_decode:
             self._fail(flight, flight.out_of_reroutes(f"node {node_id} failed: {why}"))
         # else it decodes on a live node that has its KV already: leave it be
 
@@ -325,8 +343,11 @@ def send_attempt(
     decode node alone to prefill it."""
     prompt, p, ns = flight.prompt_ids, flight.params, flight.namespace
     d = nodes[route.decode]
-    if route.prefill is None:
-        msg = LocalReqMsg(request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns)
+    if route.prefill is None:  # with the output so far, when it resumes there (a failover)
+        out = flight.output_ids
+        msg = LocalReqMsg(
+            request_id=wire, prompt_ids=prompt, sampling=p, namespace=ns, output_ids=out
+        )
         sockets.send(route.decode, msg)
         return
     sockets.send(

@@ -129,12 +129,15 @@ class DecodeReqMsg(msgspec.Struct, tag="decode_req", frozen=True, kw_only=True):
 
 class LocalReqMsg(msgspec.Struct, tag="local_req", frozen=True, kw_only=True):
     """Server -> decode node: prefill this request here too, then decode it (conditional
-    disaggregation: its uncached part is short, or this node holds most of it)."""
+    disaggregation: its uncached part is short, or this node holds most of it). ``output_ids``:
+    a started request whose decode node died (a failover): the output it had, prefilled after
+    the prompt, and decoding goes on from there."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     namespace: str
+    output_ids: list[int] = []
 
 
 class PrefilledMsg(msgspec.Struct, tag="prefilled", frozen=True, kw_only=True):

@@ -50,6 +50,7 @@ class ClusterStats(NamedTuple):
     num_duplicate_token_msgs: int = 0  # token messages dropped: their tokens had come
     num_token_gaps: int = 0  # token messages that came after lost ones (pd.cluster.token_order)
     num_token_resends: int = 0  # nodes asked to send a request's output again
+    num_failovers: int = 0  # started requests resumed on another decode node (theirs died)
 
 
 class EngineClient(Protocol):

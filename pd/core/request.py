@@ -98,6 +98,9 @@ class Req:
     # on a decode node: the prefill node's cache hit, what its first token message said (-1:
     # none; a message sent again from offset 0 says it too)
     num_reported_cached_tokens: int = -1
+    # outputs it had when this engine took it over from a dead node (a failover: they are
+    # prefilled after the prompt); ``output_logprobs`` starts after them
+    num_resumed: int = 0
 
     def __post_init__(self) -> None:
         self.fill_len = self.fill_len or len(self.prompt_ids)

@@ -27,7 +27,7 @@ from pd.executor.config import EngineConfig
 from pd.executor.grammar import GrammarCompiler
 from pd.executor.host_pool import make_disk_tier
 from pd.executor.runner import ModelRunner
-from pd.executor.sampler import make_generator
+from pd.executor.sampler import make_generator, skip_draws
 from pd.model.tokenizer import eos_token_ids, load_tokenizer
 from pd.parallel.group import TensorParallelError
 from pd.parallel.ranks import RankLink
@@ -141,18 +141,32 @@ class EngineCore:
         params: SamplingParams,
         request_id: str,
         namespace: str = "",
+        output_ids: Sequence[int] = (),
     ) -> Req:
         """A checked request (ValueError, with the numbers, if it can never run here); its
-        grammar, if any, starts compiling now (off this thread: it runs once compiled)."""
+        grammar, if any, starts compiling now (off this thread: it runs once compiled).
+
+        ``output_ids``: a request resumed here (a failover: its decode node died) with the
+        output it had. They are prefilled after the prompt (``fill_len``, as a retracted
+        request's), its sampler skips their draws (one per token: a seeded request draws on as
+        it would have), and its grammar and penalties count them (synced from the output)."""
         if self.fatal_error is not None:
             raise TensorParallelError(self.fatal_error)
         vocab = self.runner.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in (*prompt_ids, *output_ids) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
-        req = Req(request_id, list(prompt_ids), params, namespace)
+        if len(output_ids) >= params.max_tokens:
+            raise ValueError(
+                f"a resumed request has {len(output_ids)} output tokens, max_tokens "
+                f"{params.max_tokens}: nothing is left to generate"
+            )
+        req = Req(request_id, list(prompt_ids), params, namespace, output_ids=list(output_ids))
+        req.num_resumed = req.fill_len = len(output_ids)
+        req.fill_len += len(prompt_ids)
         self.scheduler.check_request(req)
         req.generator = make_generator(params, self._rng.randrange(2**31))
+        skip_draws(req.generator, len(output_ids))
         self.grammars.prepare(req)
         return req
 

@@ -74,13 +74,14 @@ class RecentOutputs:
 
     def add_finished(self, req: Req) -> None:
         """``req`` finished (its last tokens were just sent)."""
-        start = max(len(req.output_ids) - self.window, 0)
+        # (a resumed request holds no logprobs for the output it came with)
+        start = max(len(req.output_ids) - self.window, req.num_resumed)
         self._add(
             req.request_id,
             Ended(
                 start,
                 req.output_ids[start:],
-                req.output_logprobs[start:],
+                req.output_logprobs[start - req.num_resumed :],
                 req.finish_reason,
                 req.num_prompt_tokens,
                 reported_cached_tokens(req),
@@ -129,9 +130,12 @@ def answer(
     rid, start = msg.request_id, msg.from_offset
     if live is not None or is_held:
         n = len(live.output_ids) if live is not None and streams else 0
-        if live is None or not streams or start > n:  # no output here (yet), or not from here
+        # no output here (yet), or not from here (one resumed here holds no logprobs for the
+        # output it came with, which the server has)
+        if live is None or not streams or not live.num_resumed <= start <= n:
             return _token_msg(rid, node_id, min(start, n), [], [], live)
-        logprobs = live.output_logprobs[start:] if live.output_logprobs else []
+        lp_start = start - live.num_resumed
+        logprobs = live.output_logprobs[lp_start:] if live.output_logprobs else []
         return _token_msg(rid, node_id, start, live.output_ids[start:], logprobs, live)
     ended = recent.get(rid)
     if ended is not None and ended.error is not None:

@@ -137,11 +137,13 @@ class Coordinator:
         namespace: str = "",
         *,
         allow_local: bool = True,
+        local_only: bool = False,
     ) -> Route:
         """Choose both nodes (or the decode node alone: conditional disaggregation, unless not
-        ``allow_local``), then book the request on them; raises NoCapacityError if no decode
-        node has room now, ValueError if none ever could. Routing a request that is still
-        booked releases its booking first."""
+        ``allow_local``; always with ``local_only``: a failover's resumed request, whose
+        output its decode node prefills too), then book the request on them; raises
+        NoCapacityError if no decode node has room now, ValueError if none ever could. Routing
+        a request that is still booked releases its booking first."""
         if request_id in self._requests:
             self.on_finished(request_id)
         page = self.cfg.page_size
@@ -160,6 +162,7 @@ class Coordinator:
             match,
             allow_local=allow_local,
             decode_only=self._decode_only,
+            local_only=local_only,
         )
         prompt = InFlight(key, namespace, len(prompt_ids) - choice.num_matched)
         booking = _Booking(choice.prefill, choice.decode, 0, len(prompt_ids), max_tokens)

@@ -10,7 +10,8 @@
    ``cache_threshold`` of it (a conversation's next turn returns to its history); else the one
    with the most unreserved slots.
 2. **Alone?** With no prefill pool by choice (``decode_only``: ``pd serve --prefill 0``) the
-   decode node prefills every request, warm-ups too. Otherwise, where the caller allows it
+   decode node prefills every request, warm-ups too; so it does a failover's resumed request
+   (``local_only``: its output is prefilled after its prompt). Otherwise, where the caller allows it
    (``allow_local``; conditional disaggregation, off with ``local_prefill_tokens=-1``), it does
    so only if it holds at least as much of the prompt as any prefill node (it never computes
    again what one holds), and either what it would compute is at most ``local_prefill_tokens``,
@@ -202,6 +203,7 @@ class RoutePolicy:
         *,
         allow_local: bool,
         decode_only: bool,
+        local_only: bool = False,
     ) -> Choice:
         """The nodes for a request of ``prompt_len`` tokens that books ``need`` KV slots on
         its decode node and may grow to ``most`` (module docstring); ``match``: the prompt in
@@ -209,8 +211,10 @@ class RoutePolicy:
         node accepts when one is needed), ValueError if no decode node ever could."""
         decode = self._pick_decode(members, need, most, prompt_len, match)
         held = match.expected_len(decode.index.bit)
-        if decode_only and not members.accepting:
-            local = True  # no prefill pool: the decode nodes prefill every prompt (warm-ups too)
+        if local_only or (decode_only and not members.accepting):
+            # a failover's resumed request, or no prefill pool: the decode nodes prefill every
+            # prompt (warm-ups too)
+            local = True
         else:
             local = allow_local and self._is_local(members, decode, prompt_len, held, match)
         if local:

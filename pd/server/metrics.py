@@ -145,6 +145,10 @@ _SERVER_COUNTERS = {
         "pd_server_token_resends",
         "Times a node was asked to send a request's output again (after a gap, or a silence)",
     ),
+    "num_failovers": (
+        "pd_server_failovers",
+        "Started requests resumed on another decode node from their output, theirs having died",
+    ),
 }
 
 

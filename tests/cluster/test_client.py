@@ -374,19 +374,18 @@ def test_the_nodes_a_cluster_starts_with_register_before_the_client_binds() -> N
     assert list(client.membership.nodes) == ["prefill-0", "decode-0", "decode-1"]
 
 
-async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed_ones() -> None:
+async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_over_streamed_ones() -> (
+    None
+):
     async with _harness() as h:
         p = h.add("prefill-0")
         survivor, victim = h.add("decode-0", slots=100), h.add("decode-1", slots=1000)
         for rid in ("streamed", "waiting"):  # both go to the node with the most room
             h.request(rid)
             assert (await p.recv_until(PrefillReqMsg)).decode_node == victim.node_id
-        victim.tokens("streamed", [4])
-        await _until(lambda: h.tokens_of("streamed") == [4])
+        victim.tokens("streamed", [4, 5])
+        await _until(lambda: h.tokens_of("streamed") == [4, 5])
         h.client.membership.fail_node(victim.node_id, "killed by the test")
-        await h.wait_done("streamed")
-        assert isinstance(h.errors["streamed"], ClusterError)
-        assert "node decode-1 failed: killed by the test" in str(h.errors["streamed"])
         # the prefill node forgets both attempts, hears the node is gone, and gets the
         # request that streamed nothing again, under a new wire id, bound for the survivor
         msgs = await _drain(p)
@@ -397,11 +396,48 @@ async def test_a_dead_decode_node_reroutes_unstarted_requests_and_fails_streamed
         assert gone in msgs
         again = [m for m in msgs if isinstance(m, PrefillReqMsg)]
         assert [(m.request_id, m.decode_node) for m in again] == [("waiting~1", "decode-0")]
-        assert (await survivor.recv_until(PeerGoneMsg)).node_id == "decode-1"
+        # the one that streamed resumes on the survivor alone, from the output it has
+        resumed = await survivor.recv_until(LocalReqMsg)
+        assert (resumed.request_id, resumed.prompt_ids) == ("streamed~1", PROMPT)
+        assert resumed.output_ids == [4, 5] and resumed.sampling == PARAMS
+        survivor.tokens("streamed~1", [5, 6], offset=1)  # an overlap: only 6 is new
+        survivor.tokens("streamed~1", [7], finished=True, offset=3)
+        await h.wait_done("streamed")
+        assert "streamed" not in h.errors and h.tokens_of("streamed") == [4, 5, 6, 7]
+        assert h.outputs["streamed"][-1].finish_reason == "length"
         survivor.tokens("waiting~1", [8, 9], finished=True)
         await h.wait_done("waiting")
         assert h.tokens_of("waiting") == [8, 9] and "waiting" not in h.errors
-        assert h.client.flights.num_rerouted == 1 and h.client.stats().num_failed_nodes == 1
+        stats = h.client.stats()
+        assert h.client.flights.num_rerouted == 1 and stats.num_failed_nodes == 1
+        assert stats.num_failovers == 1
+
+
+async def test_a_started_request_fails_over_at_most_max_failovers_times() -> None:
+    async with _harness(max_failovers=2) as h:
+        h.add("prefill-0")
+        nodes = [h.add(f"decode-{i}", slots=1000 - i) for i in range(3)]
+        h.request("r")
+        nodes[0].tokens("r", [4])
+        await _until(lambda: h.tokens_of("r") == [4])
+        for i in range(2):  # each death resumes it on the next node, with what it streamed
+            h.client.membership.fail_node(nodes[i].node_id, "killed by the test")
+            resumed = await nodes[i + 1].recv_until(LocalReqMsg)
+            assert resumed.request_id == f"r~{i + 1}" and resumed.output_ids == [
+                4,
+                *range(5, 5 + i),
+            ]
+            nodes[i + 1].tokens(resumed.request_id, [5 + i], offset=1 + i)
+            await _until(lambda i=i: len(h.tokens_of("r")) == 2 + i)
+        h.client.membership.fail_node(nodes[2].node_id, "killed by the test")
+        await h.wait_done("r")
+        assert h.tokens_of("r") == [4, 5, 6]  # no token repeated, none missing
+        assert isinstance(h.errors["r"], ClusterError)
+        assert (
+            "node decode-2 failed: killed by the test (failed over 2 time(s) before: no more)"
+            in str(h.errors["r"])
+        )
+        assert h.client.stats().num_failovers == 2
 
 
 async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_alone() -> None:
