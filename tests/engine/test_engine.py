@@ -10,6 +10,7 @@ import torch
 
 from pd.core.batch import SeqInput
 from pd.core.kv_pool import SlotAllocator
+from pd.core.request import Req
 from pd.core.sampling_params import SamplingParams
 from pd.engine.engine import Engine
 from pd.executor.config import EngineConfig
@@ -288,4 +289,48 @@ def test_a_paused_request_resumes_with_the_same_tokens_and_others_run_on(tiny_ll
     while engine.has_unfinished:
         step()
     assert [got[paused], got[other]] == want
+    _assert_no_leak(engine)
+
+
+def test_a_request_resumed_from_its_output_goes_on_as_undisturbed_and_a_bad_resume_is_refused(
+    tiny_llama_dir,
+):
+    """A failover's resume (``EngineCore.make_request`` with ``output_ids``): the prompt and the
+    output so far are prefilled, and it goes on with the tokens (and logprobs) of the
+    undisturbed run, greedy, seeded with penalties and logprobs (its draws skipped), and with
+    ``min_tokens``; a resume with nothing left to generate or a token outside the vocabulary is
+    refused with the numbers."""
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.9,
+            seed=3,
+            frequency_penalty=0.4,
+            logprobs=1,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=15, logit_bias=((9, 2.0),)),
+    ]
+    prompts = [_prompt(n, seed) for seed, n in enumerate((9, 21, 14))]
+    engine = _make_engine(tiny_llama_dir)
+    core = engine.core
+
+    def run(i: int, output_ids: list[int]) -> Req:
+        req = core.make_request(prompts[i], params[i], f"r{i}-{len(output_ids)}", "", output_ids)
+        core.scheduler.add(req)
+        while not req.is_finished:
+            core.step()
+        return req
+
+    want = [run(i, []) for i in range(len(params))]
+    for i, w in enumerate(want):
+        k = 7
+        req = run(i, w.output_ids[:k])
+        assert req.output_ids == w.output_ids and req.num_resumed == k
+        assert req.output_logprobs == w.output_logprobs[k:] and req.finish_reason == w.finish_reason
+    with pytest.raises(ValueError, match="has 20 output tokens, max_tokens 20"):
+        core.make_request(prompts[0], params[0], "r", "", want[0].output_ids)
+    with pytest.raises(ValueError, match="token id 99999999 outside the vocabulary"):
+        core.make_request(prompts[0], params[0], "r", "", [99999999])
     _assert_no_leak(engine)

@@ -51,6 +51,21 @@ def test_a_finished_request_is_answered_from_the_record_and_an_unknown_one_with_
     assert "it keeps tokens 2-5" in answer(_ask("r", 1), None, False, True, recent, "d").error
 
 
+def test_a_resumed_request_answers_with_the_logprobs_it_made_here() -> None:
+    """A failover brought it 3 tokens (their logprobs stayed at the server): it made 2 more."""
+    live = _req("r", [10, 11, 12, 13, 14], logprobs=True)
+    live.num_resumed, live.output_logprobs = 3, live.output_logprobs[3:]
+    msg = answer(_ask("r", 4), live, False, True, RecentOutputs(), "decode-1")
+    assert (msg.offset, msg.token_ids, [lp.token_id for lp in msg.logprobs]) == (4, [14], [14])
+    msg = answer(_ask("r", 1), live, False, True, RecentOutputs(), "decode-1")
+    assert (msg.offset, msg.token_ids, msg.logprobs) == (1, [], [])  # the server has those
+    recent = RecentOutputs(window=4)
+    live.finish_reason = "length"
+    recent.add_finished(live)
+    msg = answer(_ask("r", 3), None, False, True, recent, "decode-1")
+    assert (msg.token_ids, [lp.token_id for lp in msg.logprobs]) == ([13, 14], [13, 14])
+
+
 def test_a_failed_request_is_answered_with_its_error_again() -> None:
     recent = RecentOutputs()
     err = TokenMsg(request_id="r", offset=0, token_ids=[], finished=True, finish_reason="abort",
