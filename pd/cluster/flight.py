@@ -222,11 +222,11 @@ class Flight:
             self.set_status(_S.STREAMING)
 
     def can_fail_over(self, max_failovers: int) -> bool:
-        """Tokens came back (it started), its decode node is gone, and it may resume on
-        another: failovers are left, and so are tokens to generate."""
-        started = self.holds_attempt and bool(self.output_ids)
+        """Its decode node is gone, and it may go on on another: failovers are left, and so
+        are tokens to generate. (One that streamed resumes from its output; one that did not,
+        its re-routes spent, say after a transfer to a frozen node timed out, starts again.)"""
         left = len(self.output_ids) < self.params.max_tokens
-        return started and left and self.num_failovers < max_failovers
+        return self.holds_attempt and left and self.num_failovers < max_failovers
 
     def end_attempt(self, status: FlightStatus) -> Attempt | None:
         """Move to ``status`` (``REROUTING``, or over), giving up the attempt it holds: that

@@ -16,7 +16,8 @@ one's current attempt. A request's attempts, in the order of the client's reques
 - ``on_node_lost`` (membership, for a dead or removed node): each flight on it is re-routed
   (a ``REROUTE`` event: the stream dispatches again), failed, or left decoding elsewhere. A
   started one on a dead decode node fails over (``Flight.can_fail_over``: at most
-  ``max_failovers`` times): re-routed too, its next attempt resumes on a decode node alone from
+  ``max_failovers`` times, which also give one that streamed nothing more attempts once its
+  re-routes are spent): re-routed too, its next attempt resumes on a decode node alone from
   the output the server has (the prompt and that output prefilled there, the same sampling
   parameters; its offsets, and so its stream, go on where they stopped).
 - ``on_flow`` (its request's ``Backlog``, shared by its choices: ``pd.core.backlog``): its

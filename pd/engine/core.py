@@ -161,12 +161,12 @@ class EngineCore:
                 f"a resumed request has {len(output_ids)} output tokens, max_tokens "
                 f"{params.max_tokens}: nothing is left to generate"
             )
-        req = Req(request_id, list(prompt_ids), params, namespace, output_ids=list(output_ids))
-        req.num_resumed = req.fill_len = len(output_ids)
-        req.fill_len += len(prompt_ids)
+        n = len(output_ids)
+        req = Req(request_id, list(prompt_ids), params, namespace, output_ids=list(output_ids),
+                  fill_len=len(prompt_ids) + n, num_resumed=n)  # fmt: skip
         self.scheduler.check_request(req)
         req.generator = make_generator(params, self._rng.randrange(2**31))
-        skip_draws(req.generator, len(output_ids))
+        skip_draws(req.generator, n)
         self.grammars.prepare(req)
         return req
 

@@ -442,6 +442,22 @@ async def test_a_started_request_fails_over_at_most_max_failovers_times() -> Non
         assert "pd_server_failovers 2.0" in metrics.render().decode()
 
 
+async def test_a_decode_node_removed_past_its_drain_deadline_fails_its_streams_over() -> None:
+    async with _harness() as h:
+        h.add("prefill-0")
+        leaving, other = h.add("decode-0", slots=1000), h.add("decode-1", slots=100)
+        h.request("r")
+        leaving.tokens("r", [4, 5, 6])
+        await _until(lambda: h.tokens_of("r") == [4, 5, 6])
+        h.client.membership.drain_node("decode-0")
+        h.client.membership.unregister_node("decode-0")  # its drain's deadline passed
+        resumed = await other.recv_until(LocalReqMsg)
+        assert (resumed.request_id, resumed.output_ids) == ("r~1", [4, 5, 6])
+        other.tokens("r~1", [7], finished=True, offset=3)
+        await h.wait_done("r")
+        assert h.tokens_of("r") == [4, 5, 6, 7] and "r" not in h.errors
+
+
 async def test_a_dead_prefill_node_reroutes_the_unstarted_and_leaves_decoding_alone() -> None:
     async with _harness() as h:
         p0, p1, d = h.add("prefill-0"), h.add("prefill-1"), h.add("decode-0")
@@ -631,6 +647,26 @@ async def test_a_failed_transfer_reroutes_a_request_that_streamed_nothing_once()
         assert str(h.errors["own-error"]).endswith("sampling failed")
         assert not isinstance(h.errors["own-error"], ValueError)  # the server's 500
         assert h.client.flights.num_rerouted == 1
+
+
+async def test_a_silent_request_out_of_reroutes_is_tried_again_when_its_decode_node_dies() -> None:
+    """A transfer to a frozen decode node times out (its one re-route goes to the same node,
+    not yet found dead); when the node is found dead, the request is tried again elsewhere (a
+    failover of one that streamed nothing), not failed."""
+    async with _harness(retry_delay_s=0.1) as h:
+        p = h.add("prefill-0")
+        frozen, other = h.add("decode-0", slots=1000), h.add("decode-1", slots=100)
+        h.request("r")
+        assert (await p.recv_until(PrefillReqMsg)).decode_node == "decode-0"
+        p.fails("r", "KV transfer failed: not acknowledged", can_retry=True)
+        again = await p.recv_until(PrefillReqMsg)
+        assert (again.request_id, again.decode_node) == ("r~1", "decode-0")
+        h.client.membership.fail_node(frozen.node_id, "no heartbeat")
+        last = await p.recv_until(PrefillReqMsg)
+        assert (last.request_id, last.decode_node) == ("r~2", "decode-1")
+        other.tokens("r~2", [3, 4], finished=True)
+        await h.wait_done("r")
+        assert h.tokens_of("r") == [3, 4] and "r" not in h.errors
 
 
 async def test_a_request_a_node_refuses_for_its_grammar_raises_a_value_error() -> None:

@@ -89,7 +89,8 @@ class Freezer:
 def engine_cfg(request, tiny_llama_dir) -> EngineConfig:
     cfg = EngineConfig(model=str(tiny_llama_dir), max_total_tokens=2048, page_size=4)
     if request.param == "speculative":
-        cfg = dataclasses.replace(cfg, speculative_tokens=4)
+        # speculating in every step, however many requests it holds
+        cfg = dataclasses.replace(cfg, speculative_tokens=4, speculative_max_batch=64)
     return cfg
 
 
@@ -145,6 +146,8 @@ async def _scenario(engine_cfg: EngineConfig) -> None:
         for i in range(n):
             assert got[i] == want[i], (i, PARAMS[i], got[i], want[i])
         assert started >= 1 and client.stats().num_failovers == started
+        if engine_cfg.speculative_tokens:  # the resumed requests decoded speculatively there
+            assert d1.call(lambda: d1.scheduler.stats().num_draft_tokens) > 0
         for node in (p, d1):
             report = node.check_integrity()
             assert report["unfinished"] == 0 and report["in_use"] == 0, (node.node_id, report)

@@ -51,7 +51,7 @@ def test_a_started_flight_fails_over_from_its_output_a_bounded_number_of_times()
     f = _make_flight()  # max_tokens 4
     f.begin_attempt()
     f.route("prefill-0", "decode-0")
-    assert not f.can_fail_over(max_failovers=2)  # nothing streamed: a re-route's case
+    assert f.can_fail_over(max_failovers=2)  # (nothing streamed: once its re-routes are spent)
     f.receive([7, 8])
     assert f.can_fail_over(max_failovers=2) and not f.can_fail_over(max_failovers=0)
     f.end_attempt(S.REROUTING)  # its decode node died
