@@ -89,6 +89,7 @@ class Node:
                 staged=True,
             )
         )
+        self.core.grammars.warm()  # llguidance's tokenizer, on its worker: a start's memory
         secret = node_cfg.transfer.secret
         # the largest legitimate frame carries a prompt (or cache path, slots) of max_model_len
         frame_limit = max_frame_bytes(self.core.max_model_len)
