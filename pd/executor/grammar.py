@@ -149,9 +149,9 @@ class GrammarCompiler:
     built from it; ~8 MiB for a schema of 128k characters), so a count alone let 16 large
     grammars hold ~130 MiB; characters bound it by what was sent.
 
-    ``warm`` builds llguidance's tokenizer on the worker, at once: a node calls it at its start,
-    so its memory (~80 MiB with the HF tokenizer it is made from) is part of the node's start,
-    not a step minutes into its life at its first guided request.
+    ``warm`` builds llguidance's tokenizer on the worker, at once: a node waits for it before it
+    says where to reach it, so its memory (~80 MiB with the HF tokenizer it is made from) is
+    part of the node's start, not a step minutes into its life at its first guided request.
 
     Budgets: a grammar longer than ``max_chars`` is refused before it compiles; one that takes
     longer than ``timeout_s`` on its worker is refused at that deadline. llguidance cannot be
@@ -254,9 +254,10 @@ class GrammarCompiler:
         if futures:
             wait(futures, timeout_s, FIRST_COMPLETED)
 
-    def warm(self) -> None:
-        """Build llguidance's tokenizer now, on the worker (the first compile would)."""
-        self._pool.submit(self._llg_tokenizer)
+    def warm(self) -> Future[llguidance.LLTokenizer]:
+        """Build llguidance's tokenizer now, on the worker (the first compile would); done when
+        it is built (its error, if it cannot be, is the first compile's again)."""
+        return self._pool.submit(self._llg_tokenizer)
 
     def close(self) -> None:
         if self._pool is not None:
