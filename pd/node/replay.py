@@ -12,9 +12,9 @@ request's output from the offset it has, and the node answers with one ``TokenMs
 - a request it holds without output yet (waiting, expected, its KV landing): no tokens;
 - a request it finished: the tail of its output from ``RecentOutputs``, a bounded record of the
   last messages of recently finished requests (the last ``window`` tokens of each, their
-  logprobs kept as msgpack bytes), bounded in count, age and bytes (an ``n=16``,
-  ``top_logprobs=20`` answer's end takes ~40 times the bytes of a plain one), so a lost final
-  frame is sent again; its error, for one that failed;
+  logprobs kept as msgpack bytes: ~16 KB for 64 tokens of ``top_logprobs=20``, ~100 KB as
+  objects), bounded in count, age and bytes, so a lost final frame is sent again; its error,
+  for one that failed;
 - anything else (never known, or aged out of the record): ``is_unknown``, an error naming the
   tokens it cannot send, so the server ends the request at once instead of at its deadline.
 
