@@ -269,15 +269,18 @@ MIN_NODE_LIFE_S = 60.0  # a node sampled for less long is not judged (its warm-u
 
 
 def node_memory_check(samples: dict[str, list[tuple[float, float]]], bound: float) -> Check:
-    """Each node's RSS growth over the second half of its life (the first warms its caches
-    and compiled steps up); nodes that lived less than ``MIN_NODE_LIFE_S`` are not judged."""
-    growth: dict[str, tuple[float, float, float]] = {}  # node -> (mid, last, growth)
+    """Each node's RSS growth over the second half of its life: its last sample over the most
+    of its first half (which warms its caches, compiled steps and grammar tokenizer up, and
+    holds answers in flight as large as the second half's: a node's last sample taken while a
+    16 x 1,000-token logprobs answer is in flight is no growth); nodes that lived less than
+    ``MIN_NODE_LIFE_S`` are not judged."""
+    growth: dict[str, tuple[float, float, float]] = {}  # node -> (first half's most, last, growth)
     for node, series in samples.items():
         if len(series) < 2 or series[-1][0] - series[0][0] < MIN_NODE_LIFE_S:
             continue
         half = (series[0][0] + series[-1][0]) / 2
-        mid = next(r for t, r in series if t >= half)
-        growth[node] = (mid, series[-1][1], series[-1][1] - mid)
+        most = max(r for t, r in series if t <= half)
+        growth[node] = (most, series[-1][1], series[-1][1] - most)
     worst = sorted(growth.items(), key=lambda kv: -kv[1][2])[:3]
     measured = (
         f"{len(growth)} nodes judged; most: "

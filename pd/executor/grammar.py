@@ -142,8 +142,16 @@ class _Compile:
 
 class GrammarCompiler:
     """Compiles grammars on ``num_threads`` worker threads, never on the caller's (an
-    engine's loop thread), and keeps the last ``cache_size`` results (compiled matchers and
-    refusals) by grammar text.
+    engine's loop thread), and keeps the last results (compiled matchers and refusals) by
+    grammar text: at most ``cache_size`` of them, of at most ``max_cached_chars`` characters of
+    grammar together (the newest always kept: its request's other choices take it next). A
+    compiled matcher's memory follows its grammar's text (llguidance's lexer and parser are
+    built from it; ~8 MiB for a schema of 128k characters), so a count alone let 16 large
+    grammars hold ~130 MiB; characters bound it by what was sent.
+
+    ``warm`` builds llguidance's tokenizer on the worker, at once: a node waits for it before it
+    says where to reach it, so its memory (~80 MiB with the HF tokenizer it is made from) is
+    part of the node's start, not a step minutes into its life at its first guided request.
 
     Budgets: a grammar longer than ``max_chars`` is refused before it compiles; one that takes
     longer than ``timeout_s`` on its worker is refused at that deadline. llguidance cannot be
@@ -160,6 +168,7 @@ class GrammarCompiler:
         timeout_s: float,
         num_threads: int = 1,
         cache_size: int = 16,
+        max_cached_chars: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer  # built on a worker, the first time one compiles
         self._tokenizer_lock = threading.Lock()
@@ -171,7 +180,10 @@ class GrammarCompiler:
         for _ in range(num_threads):
             self._pool.submit(time.sleep, 0.05)  # each submit while none is idle starts one
         self._cache_size = cache_size
+        # two grammars at the size budget, or many small ones
+        self.max_cached_chars = 2 * max_chars if max_cached_chars is None else max_cached_chars
         self._done: OrderedDict[str, llguidance.LLMatcher | GrammarRefused] = OrderedDict()
+        self.num_cached_chars = 0  # of the grammars in ``_done``
         self._compiling: dict[str, _Compile] = {}
         self.num_compiled = 0  # compiles started (a cached grammar starts none)
 
@@ -242,6 +254,11 @@ class GrammarCompiler:
         if futures:
             wait(futures, timeout_s, FIRST_COMPLETED)
 
+    def warm(self) -> Future[llguidance.LLTokenizer]:
+        """Build llguidance's tokenizer now, on the worker (the first compile would); done when
+        it is built (its error, if it cannot be, is the first compile's again)."""
+        return self._pool.submit(self._llg_tokenizer)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -273,8 +290,11 @@ class GrammarCompiler:
         self, grammar: str, result: llguidance.LLMatcher | GrammarRefused
     ) -> llguidance.LLMatcher | GrammarRefused:
         self._done[grammar] = result
-        while len(self._done) > self._cache_size:
-            self._done.popitem(last=False)
+        self.num_cached_chars += len(grammar)
+        while len(self._done) > 1 and (
+            len(self._done) > self._cache_size or self.num_cached_chars > self.max_cached_chars
+        ):
+            self.num_cached_chars -= len(self._done.popitem(last=False)[0])
         return result
 
 

@@ -188,9 +188,9 @@ class ModelRunner:
 
     @functools.cached_property
     def grammar_tokenizer(self) -> Any:
-        """llguidance's tokenizer (``pd.executor.grammar``), built when a grammar is first
-        compiled, on the compiler's worker: seconds, which an engine that never sees a grammar
-        never spends."""
+        """llguidance's tokenizer (``pd.executor.grammar``), built on the compiler's worker
+        when a grammar is first compiled (seconds, which an engine that never sees a grammar
+        never spends), or at a node's start (``GrammarCompiler.warm``)."""
         tokenizer = load_tokenizer(self.model_dir)
         return make_tokenizer(
             tokenizer, self.model_config.vocab_size, eos_token_ids(self.model_dir)

@@ -58,6 +58,16 @@ def encode_chat(
     return _as_id_list(encoded)
 
 
+def chat_template(
+    tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]] | None = None
+) -> str | None:
+    """The source of the chat template ``encode_chat`` renders with (a tokenizer's named
+    ``tool_use`` template where it has one and ``tools`` are given); None without one."""
+    if not tokenizer.chat_template:
+        return None
+    return tokenizer.get_chat_template(None, list(tools) if tools else None)
+
+
 def eos_token_ids(
     model: str | os.PathLike[str] | None, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> tuple[int, ...]:

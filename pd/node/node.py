@@ -40,6 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +63,7 @@ from transfer.agent import TransferAgent
 from transfer.inbound import max_frame_bytes
 
 logger = logging.getLogger(__name__)
+WARM_TIMEOUT_S = 60.0  # what a start waits for llguidance's tokenizer (seconds, on a busy host)
 _PAIR_THREADS = ("kv-pair-", "kv-copy-")  # a pair group's worker and copier (transfer.datapath)
 
 
@@ -89,6 +91,8 @@ class Node:
                 staged=True,
             )
         )
+        # llguidance's tokenizer, built on the grammar worker meanwhile: a start's memory
+        self._grammar_warm = self.core.grammars.warm()
         secret = node_cfg.transfer.secret
         # the largest legitimate frame carries a prompt (or cache path, slots) of max_model_len
         frame_limit = max_frame_bytes(self.core.max_model_len)
@@ -162,7 +166,9 @@ class Node:
     # -- called from the actor's thread -----------------------------------------------------
 
     def start(self) -> NodeInfo:
-        """Start the event loop; return where to reach this node."""
+        """Start the event loop; return where to reach this node (once llguidance's tokenizer
+        is built, or ``WARM_TIMEOUT_S`` passed: it goes on building on its worker)."""
+        futures.wait([self._grammar_warm], WARM_TIMEOUT_S)
         if not self._thread.has_loop:
             self._thread.start(self._loop)
         return self.info()

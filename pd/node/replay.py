@@ -11,8 +11,10 @@ request's output from the offset it has, and the node answers with one ``TokenMs
   token to the decode node), no tokens: it is still being prefilled;
 - a request it holds without output yet (waiting, expected, its KV landing): no tokens;
 - a request it finished: the tail of its output from ``RecentOutputs``, a bounded record of the
-  last messages of recently finished requests (the last ``window`` tokens of each), so a lost
-  final frame is sent again; its error, for one that failed;
+  last messages of recently finished requests (the last ``window`` tokens of each, their
+  logprobs kept as msgpack bytes: ~16 KB for 64 tokens of ``top_logprobs=20``, ~100 KB as
+  objects), bounded in count, age and bytes, so a lost final frame is sent again; its error,
+  for one that failed;
 - anything else (never known, or aged out of the record): ``is_unknown``, an error naming the
   tokens it cannot send, so the server ends the request at once instead of at its deadline.
 
@@ -37,12 +39,19 @@ from pd.core.request import Req
 MAX_ANSWER_BYTES = 64 << 10
 
 
+_LOGPROBS = msgspec.msgpack.Decoder(list[TokenLogprobsMsg])
+_ENCODER = msgspec.msgpack.Encoder()
+# what an entry of the record holds besides its logprobs' bytes: a Python int per token id
+# and its list's pointer (36 bytes), the tuple, its strings and the dict's entry
+_ID_BYTES, _ENTRY_BYTES = 36, 512
+
+
 class Ended(NamedTuple):
     """A finished request's last ``window`` tokens (from ``offset``) and how it ended."""
 
     offset: int
     token_ids: list[int]
-    logprobs: list[TokenLogprobsMsg]
+    logprobs: bytes  # msgpack of their list[TokenLogprobsMsg] (b"" without logprobs)
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -53,8 +62,9 @@ class Ended(NamedTuple):
 
 
 class RecentOutputs:
-    """The ends of the last ``max_ids`` finished requests, each for ``max_age_s`` (the oldest go
-    first), each its last ``window`` tokens: bounded whatever the node serves."""
+    """The ends of the last ``max_ids`` finished requests, each for ``max_age_s``, in at most
+    ``max_bytes`` (``num_bytes``; the oldest go first), each its last ``window`` tokens:
+    bounded whatever the node serves."""
 
     def __init__(
         self,
@@ -62,12 +72,15 @@ class RecentOutputs:
         max_age_s: float = 120.0,
         window: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int = 16 << 20,
     ) -> None:
         self.max_ids = max_ids
         self.max_age_s = max_age_s
         self.window = window
+        self.max_bytes = max_bytes
         self._clock = clock
         self._ends: OrderedDict[str, Ended] = OrderedDict()  # oldest first
+        self.num_bytes = 0  # what the entries hold (``_size``)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -81,7 +94,9 @@ class RecentOutputs:
             Ended(
                 start,
                 req.output_ids[start:],
-                req.output_logprobs[start - req.num_resumed :],
+                _ENCODER.encode(req.output_logprobs[start - req.num_resumed :])
+                if req.output_logprobs
+                else b"",
                 req.finish_reason,
                 req.num_prompt_tokens,
                 reported_cached_tokens(req),
@@ -94,14 +109,17 @@ class RecentOutputs:
 
     def add_error(self, msg: TokenMsg) -> None:
         """A request failed here with ``msg`` (it holds no tokens)."""
-        ended = Ended(msg.offset, [], [], msg.finish_reason, msg.num_prompt_tokens,
+        ended = Ended(msg.offset, [], b"", msg.finish_reason, msg.num_prompt_tokens,
                       msg.num_cached_tokens, msg.error, msg.is_refused, msg.can_retry,
                       self._clock())  # fmt: skip
         self._add(msg.request_id, ended)
 
     def _add(self, request_id: str, ended: Ended) -> None:
-        self._ends.pop(request_id, None)
+        old = self._ends.pop(request_id, None)
+        if old is not None:
+            self.num_bytes -= _size(old)
         self._ends[request_id] = ended
+        self.num_bytes += _size(ended)
         self._expire()
 
     def get(self, request_id: str) -> Ended | None:
@@ -111,9 +129,18 @@ class RecentOutputs:
     def _expire(self) -> None:
         limit = self._clock() - self.max_age_s
         while self._ends and (
-            len(self._ends) > self.max_ids or next(iter(self._ends.values())).when < limit
+            len(self._ends) > self.max_ids
+            or self.num_bytes > self.max_bytes
+            or next(iter(self._ends.values())).when < limit
         ):
-            self._ends.popitem(last=False)
+            self.num_bytes -= _size(self._ends.popitem(last=False)[1])
+
+
+def _size(ended: Ended) -> int:
+    """About the bytes an entry holds (its logprobs' msgpack, its ids as Python ints, its
+    error's text)."""
+    num_ids = len(ended.token_ids)
+    return len(ended.logprobs) + _ID_BYTES * num_ids + len(ended.error or "") + _ENTRY_BYTES
 
 
 def answer(
@@ -154,7 +181,8 @@ def answer(
                         error=why, node_id=node_id, is_unknown=True)  # fmt: skip
     i = start - ended.offset
     return TokenMsg(request_id=rid, offset=start, token_ids=ended.token_ids[i:],
-                    logprobs=ended.logprobs[i:], finished=True,
+                    logprobs=_LOGPROBS.decode(ended.logprobs)[i:] if ended.logprobs else [],
+                    finished=True,
                     finish_reason=ended.finish_reason, num_prompt_tokens=ended.num_prompt_tokens,
                     num_cached_tokens=ended.num_cached_tokens, node_id=node_id)  # fmt: skip
 

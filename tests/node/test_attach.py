@@ -126,3 +126,12 @@ def test_a_node_whose_server_stopped_reading_keeps_its_loop_running(engine_cfg, 
     finally:
         node.shutdown()
         ctx.term()
+
+
+def test_a_started_node_has_built_llguidances_tokenizer(started: tuple[Node, Node]) -> None:
+    """Built on the grammar worker while the node starts, waited for before ``start`` says
+    where to reach it: its memory (~80 MiB on SmolLM2) is the start's, not a step at the node's
+    first guided request, minutes into its life (the soak judges the second half)."""
+    for node in started:
+        assert "grammar_tokenizer" in vars(node.core.runner), node.node_id
+        assert node.core.grammars.num_compiled == 0

@@ -103,3 +103,37 @@ def test_a_long_answer_goes_in_messages_each_within_its_bytes() -> None:
     assert [m.finished for m in parts] == [False] * (len(parts) - 1) + [True]
     assert parts[-1].finish_reason == "stop" and parts[0].finish_reason is None
     assert split(answer(_ask("nobody", 0), None, False, True, recent, "d"))[0].is_unknown
+
+
+def test_the_record_of_logprob_answers_stays_within_its_bytes() -> None:
+    """One tenant's short ``n=16``, ``top_logprobs=20`` requests fill the record's 4,096 ends
+    within its 120 s: held as objects, their logprobs took ~120 KB an end (~480 MiB a node);
+    held as msgpack and bounded in bytes, the record stays under ``max_bytes``."""
+    import gc
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+
+    def lp(token: int) -> TokenLogprobsMsg:
+        ids = [rng.randrange(49152) for _ in range(20)]
+        return TokenLogprobsMsg(token, -rng.random(), ids, [-rng.random() for _ in ids])
+
+    recent = RecentOutputs()  # the node's defaults
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1024):
+            req = _req(f"r{i}", list(range(64)), finish="length")
+            req.output_logprobs = [lp(t) for t in req.output_ids]
+            recent.add_finished(req)
+            del req
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 20 << 20, f"{held / 2**20:.0f} MiB held by the record"  # 16 MiB, and slack
+    assert recent.num_bytes <= recent.max_bytes == 16 << 20, recent.num_bytes
+    assert 0 < len(recent) < 1024  # the oldest went first
+    newest = answer(_ask("r1023", 60), None, False, True, recent, "d")
+    assert newest.token_ids == [60, 61, 62, 63] and len(newest.logprobs[0].top_ids) == 20

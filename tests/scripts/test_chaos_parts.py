@@ -386,6 +386,8 @@ def test_node_memory_is_judged_over_the_second_half_of_each_life() -> None:
     warm = [(t, 100.0 + (200.0 if t >= 10 else 0.0)) for t in range(0, 121, 5)]  # warms up
     leak = [(t, 100.0 + t) for t in range(0, 121, 5)]  # grows all its life
     short = [(0.0, 100.0), (30.0, 900.0)]  # too short-lived to judge
-    assert node_memory_check({"a": warm, "s": short}, 96.0).ok
+    # an answer in flight (+200) in each half, the midpoint between them: no growth
+    busy = [(t, 100.0 + (200.0 if 20 <= t <= 40 or t >= 115 else 0.0)) for t in range(0, 121, 5)]
+    assert node_memory_check({"a": warm, "s": short, "c": busy}, 96.0).ok
     check = node_memory_check({"a": warm, "b": leak}, 50.0)
     assert not check.ok and "b 160 -> 220" in check.measured

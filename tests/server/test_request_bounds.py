@@ -63,3 +63,45 @@ async def test_tools_and_tool_calls_count_against_the_prompts_characters(make_ap
         r = await c.post("/v1/chat/completions", json={"messages": messages})
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
     assert fake.requests == []
+
+
+async def test_an_assistants_tool_calls_reach_the_prompt_where_the_template_drops_them(
+    make_app: Any, tokenizer: Any
+) -> None:
+    """SmolLM2's template never names ``tool_calls``: the calls are written into the
+    assistant's turn as the ``<tool_call>`` blocks this server parses from answers, so the
+    model sees them and they count against the context (they were dropped: a call of ~350k
+    characters got a 200 at SmolLM2's context of 8,192 tokens)."""
+    assert "tool_calls" not in tokenizer.chat_template
+    app, fake = make_app(output_ids=[100], max_model_len=8192)
+
+    def conversation(arguments: str) -> list[dict[str, Any]]:
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "lookup", "arguments": arguments}}  # fmt: skip
+        return [
+            *MSG,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        big = '{"a": "' + "y" * 349_000 + '"}'
+        r = await c.post("/v1/chat/completions", json={"messages": conversation(big), "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "8192" in err["message"], err
+        assert fake.requests == []
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": conversation('{"word": "river"}'), "max_tokens": 4},
+        )
+        assert r.status_code == 200, r.text
+        (_, prompt_ids, _), = fake.requests
+        prompt = tokenizer.decode(prompt_ids)
+        want = '<tool_call>\n{"name": "lookup", "arguments": {"word": "river"}}\n</tool_call>'
+        assert f"<|im_start|>assistant\n{want}<|im_end|>" in prompt, prompt
+        bad = conversation("{}")
+        bad[1]["tool_calls"] = [{"id": "c1", "type": "function", "function": {"arguments": "{}"}}]
+        r = await c.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 4})
+        assert r.status_code == 400 and "tool_calls[0]" in r.json()["error"]["message"], r.text

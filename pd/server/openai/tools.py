@@ -13,6 +13,10 @@ given, the grammar a required call is sampled under, and the answer's ``tool_cal
    JSON text of its arguments (the model's own text where the block opens with its name,
    ``{"name": ..., "arguments": {...``: what a stream sends as it comes,
    ``pd.server.openai.tool_stream``), and the text outside the blocks (if any) as its content.
+4. An assistant's ``tool_calls`` sent back in the conversation go to the chat template; a
+   template with no place for them (one that never names ``tool_calls``: SmolLM2's) gets them
+   as those blocks in the assistant's content (``calls_as_content``), as the model wrote them.
+   Nothing the client sent is dropped, and the calls count against the context like any text.
 """
 
 from __future__ import annotations
@@ -160,6 +164,38 @@ class Tools:
             if end is not None and json.loads(raw) == args:
                 return ToolCall(obj["name"], raw)  # as streamed
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def calls_as_content(
+    messages: list[dict[str, Any]], template: str | None
+) -> list[dict[str, Any]]:
+    """``messages`` (``ChatMessage.template_dict``'s) as a chat template of source ``template``
+    gets them: unchanged where it names ``tool_calls``, else each assistant's calls written
+    after its content as ``<tool_call>`` blocks (the arguments' text as sent); APIError (400)
+    for a call without a function's name and arguments."""
+    if template is None or "tool_calls" in template:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        if not m.get("tool_calls"):
+            out.append(m)
+            continue
+        text = [m["content"]] if m["content"] else []
+        for j, call in enumerate(m["tool_calls"]):
+            fn = call.get("function") if isinstance(call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if not isinstance(name, str) or not isinstance(args, str | dict):
+                raise APIError(
+                    f"messages[{i}].tool_calls[{j}] needs function.name (a string) and "
+                    "function.arguments (JSON text)",
+                    param="messages",
+                )
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            head = json.dumps({"name": name}, ensure_ascii=False)[:-1]
+            text.append(f'{CALL_OPEN}\n{head}, "arguments": {args}}}\n{CALL_CLOSE}')
+        out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": "\n".join(text)})
+    return out
 
 
 def blocks(text: str) -> list[tuple[int, str, int]]:

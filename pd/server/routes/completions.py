@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.executor.grammar import grammar_error
+from pd.model.tokenizer import chat_template
 from pd.server.checks import Prepared, RequestChecks
 from pd.server.generation import Choices, Generation, Step
 from pd.server.http.errors import APIError
@@ -31,7 +32,7 @@ from pd.server.openai.responses import (
     Usage,
 )
 from pd.server.openai.tool_stream import ToolCallStream
-from pd.server.openai.tools import Tools
+from pd.server.openai.tools import Tools, calls_as_content
 from pd.server.routes.common import json_body, parse_body, serve_generation
 
 router = APIRouter()
@@ -72,8 +73,11 @@ def prepare_chat(checks: RequestChecks, body: bytes, api_key: str | None) -> Pre
         fields["grammar"] = tools.grammar()
         if error := grammar_error(fields["grammar"]):
             raise APIError(f"the tools' parameters do not compile: {error}", param="tools")
-    messages = [m.template_dict() for m in req.messages]
-    prompt_ids = checks.apply_chat_template(messages, req.tools if tools is not None else None)
+    shown_tools = req.tools if tools is not None else None
+    messages = calls_as_content(
+        [m.template_dict() for m in req.messages], chat_template(checks.tokenizer, shown_tools)
+    )
+    prompt_ids = checks.apply_chat_template(messages, shown_tools)
     return _prepare_openai(checks, req, prompt_ids, fields, api_key, "messages", tools)
 
 
