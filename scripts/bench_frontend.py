@@ -13,12 +13,13 @@ utime+stime of that one process from ``/proc/<pid>/stat`` around each phase:
 4. one at a time: ``--serial`` streamed requests, one in flight (how a new user measures it).
 
 Printed per phase: CPU ms, CPU ms per request and per output token (everything the process did
-in the phase, idle time included), tokens/s served, the process's share of a core, and the
-tokens/s one front end could stream on one core at that cost (1,000 / ms per token). CPU time,
+in the phase, idle time included; and less the idle rate times the phase's wall time), tokens/s
+served, the process's share of a core, and the tokens/s one front end could stream on one core
+at that cost (1,000 / ms per token). CPU time,
 not wall time, is the metric: the machine may be shared. A warm-up round runs first.
 
     python scripts/bench_frontend.py [--launch ARGS] [--requests 24] [--concurrency 8]
-        [--max-tokens 128] [--serial 3]
+        [--max-tokens 128] [--serial 3] [--url URL --pid PID: a server running already]
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import httpx
@@ -52,19 +55,21 @@ class Phase(NamedTuple):
     cpu_s: float
     wall_s: float
 
-    def row(self) -> str:
+    def row(self, idle_ms_s: float) -> str:
         ms_token = 1e3 * self.cpu_s / max(self.num_tokens, 1)
+        busy_ms = 1e3 * self.cpu_s - idle_ms_s * self.wall_s  # less what idling costs
         return (
             f"| {self.name} | {self.num_requests} | {self.num_tokens} | {1e3 * self.cpu_s:.0f} "
             f"| {1e3 * self.cpu_s / max(self.num_requests, 1):.1f} | {ms_token:.3f} "
-            f"| {self.num_tokens / self.wall_s:.0f} | {100 * self.cpu_s / self.wall_s:.0f}% "
-            f"| {1e3 / ms_token:.0f} |"
+            f"| {busy_ms / max(self.num_tokens, 1):.3f} | {self.num_tokens / self.wall_s:.0f} "
+            f"| {100 * self.cpu_s / self.wall_s:.0f}% | {1e3 / ms_token:.0f} |"
         )
 
 
 HEADER = (
-    "| phase | requests | tokens | CPU ms | CPU ms / request | CPU ms / token | tokens/s "
-    "| CPU share | tokens/s at one core |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| phase | requests | tokens | CPU ms | CPU ms / request | CPU ms / token "
+    "| CPU ms / token, less idle | tokens/s | CPU share | tokens/s at one core |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -121,7 +126,9 @@ def _phase(
 ) -> Phase:
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     tokens = asyncio.run(_load(url, num, concurrency, args.max_tokens, **kw))
-    return Phase(name, num, tokens, cpu_seconds(pid) - cpu0, time.monotonic() - t0)
+    phase = Phase(name, num, tokens, cpu_seconds(pid) - cpu0, time.monotonic() - t0)
+    print(f"[{name}] {phase.cpu_s:.2f} CPU s in {phase.wall_s:.0f} s", file=sys.stderr, flush=True)
+    return phase
 
 
 def main() -> None:
@@ -132,8 +139,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--serial", type=int, default=3, help="streamed requests, one at a time")
     ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--url", help="measure this running server instead (with --pid)")
+    ap.add_argument("--pid", type=int, help="the running server's process (with --url)")
     args = ap.parse_args()
-    with launched_process(parse_launch(f"frontend={args.launch}")) as (url, pid):
+    if (args.url is None) != (args.pid is None):
+        ap.error("--url and --pid go together")
+    server = (
+        nullcontext((args.url, args.pid))
+        if args.url is not None
+        else launched_process(parse_launch(f"frontend={args.launch}"))
+    )
+    with server as (url, pid):
         n, c = args.requests, args.concurrency
         _phase("warm-up", pid, url, c, c, args, stream=True, first=10_000)
         cpu0 = cpu_seconds(pid)
@@ -145,10 +161,10 @@ def main() -> None:
             _phase("streamed, one at a time", pid, url, args.serial, 1, args, stream=True,
                    first=2 * n),
         ]  # fmt: skip
-    print(f"pd serve {args.launch}: idle {idle_ms_s:.1f} CPU ms/s")
+    print(f"pd serve {args.url or args.launch}: idle {idle_ms_s:.1f} CPU ms/s")
     print(HEADER)
     for p in phases:
-        print(p.row())
+        print(p.row(idle_ms_s))
 
 
 if __name__ == "__main__":
