@@ -5,7 +5,8 @@ FastAPI. Three pieces:
 
 - ``IncrementalDetokenizer``: decodes a growing id sequence into text deltas without ever
   emitting half of a multi-byte character (the prefix-offset / read-offset technique), at a
-  bounded cost per id: ids that make no whole character are held back a few ids at most.
+  bounded cost per id: ids that make no whole character are held back a few ids at most;
+  its decodes go straight to a stock fast tokenizer's Rust backend (``backend_decoder``).
 - ``StopChecker``: finds stop strings in a stream of text deltas (a stop string may span
   deltas), truncates there, and holds back a tail that could still grow into a stop string.
 - ``TextStream``: the two chained, driven by ``step(new_token_ids, finished)``;
