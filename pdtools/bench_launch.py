@@ -204,6 +204,16 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 @contextmanager
 def launched(launch: Launch, start_timeout_s: float | None = None) -> Iterator[str]:
     """Start ``launch``'s server on a free loopback port; yield its base URL; stop it."""
+    with launched_process(launch, start_timeout_s) as (url, _):
+        yield url
+
+
+@contextmanager
+def launched_process(
+    launch: Launch, start_timeout_s: float | None = None
+) -> Iterator[tuple[str, int]]:
+    """``launched``, yielding the server process's pid beside its URL (the process the
+    command started: for pd, ``pd serve`` itself, not its nodes, which Ray runs elsewhere)."""
     port = free_port()
     cmd = server_command(launch, port)
     fd, name = tempfile.mkstemp(prefix=f"bench-{launch.kind}-{launch.label}-", suffix=".log")
@@ -227,6 +237,6 @@ def launched(launch: Launch, start_timeout_s: float | None = None) -> Iterator[s
         print(
             f"[{launch.label}] serving {url} after {time.monotonic() - t0:.0f} s", file=sys.stderr
         )
-        yield url
+        yield url, proc.pid
     finally:
         stop(proc)

@@ -25,7 +25,8 @@ nodes and the coordinator know); leaving them gives it up (``end_attempt``).
 
 The mailbox carries ``FlightEvent``s to the request's stream, in order: ``TOKENS`` (made from a
 node's ``TokenMsg`` by ``Flights.on_tokens``), ``REROUTE``, ``ABORT`` (a last, empty output),
-``ERROR`` and ``STALLED`` (its client fell behind for too long: ``pd.core.backlog``); a
+``ERROR``, ``STALLED`` (its client fell behind for too long: ``pd.core.backlog``) and
+``DEADLINE`` (put by the flight's one deadline timer, armed at its stream's first wait); a
 ``TOKENS`` event's bytes count in its request's backlog until the stream reads it.
 ``Flights`` (``pd.cluster.flights``) makes every move of a flight but ``NEW``.
 """
@@ -81,6 +82,7 @@ class EventKind(enum.Enum):
     ABORT = enum.auto()  # abort() was called: a last output, empty, finish reason "abort"
     ERROR = enum.auto()  # it failed in the cluster (``why``): the stream raises
     STALLED = enum.auto()  # its client did not catch up (``why``): the stream raises
+    DEADLINE = enum.auto()  # its deadline passed while its stream waited: the stream raises
 
 
 class FlightEvent(NamedTuple):
@@ -126,6 +128,10 @@ class FlightEvent(NamedTuple):
         return cls(EventKind.ABORT, [], True, "abort", 0, "")
 
     @classmethod
+    def deadline(cls) -> FlightEvent:
+        return cls(EventKind.DEADLINE, [], True, None, 0, "")
+
+    @classmethod
     def error(
         cls, why: str, kind: EventKind = EventKind.ERROR, is_refused: bool = False
     ) -> FlightEvent:
@@ -169,6 +175,7 @@ class Flight:
     backlog: Backlog | None = None  # its request's queued token bytes (streams only)
     num_queued_bytes: int = 0  # of them, this flight's, in its mailbox
     paused_wire: str = ""  # the attempt its decode node was told to pause ("" none)
+    deadline_timer: asyncio.TimerHandle | None = None  # puts DEADLINE in the mailbox
     _status: FlightStatus = field(default=FlightStatus.NEW, init=False)
 
     @property

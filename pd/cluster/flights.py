@@ -131,6 +131,8 @@ class Flights:
         """Out of the table: its stream has ended (what its mailbox holds leaves the
         backlog)."""
         self._by_id.pop(flight.request_id, None)
+        if flight.deadline_timer is not None:
+            flight.deadline_timer.cancel()
         on_flow = self._flow_watchers.pop(flight.request_id, None)
         if flight.backlog is not None and on_flow is not None:
             flight.backlog.unwatch(on_flow)
@@ -173,19 +175,21 @@ class Flights:
             raise ClusterError(f"cannot reach {route.prefill} or {route.decode}: {e}") from e
 
     async def next_event(self, flight: Flight) -> FlightEvent:
-        """The next event in its mailbox (its bytes leave the backlog); TimeoutError at its
-        deadline."""
-        if not flight.mailbox.empty():
-            event = flight.mailbox.get_nowait()
+        """The next event in its mailbox (its bytes leave the backlog); TimeoutError once its
+        deadline passed with the mailbox empty. One timer per flight (armed here, at the first
+        wait; ``leave`` cancels it) puts a ``DEADLINE`` event at the deadline, so a wait per
+        token costs no timer and no task."""
+        if flight.mailbox.empty():
+            if flight.deadline_timer is None:
+                left = max(flight.deadline - time.monotonic(), 0.0)
+                put = partial(flight.mailbox.put_nowait, FlightEvent.deadline())
+                flight.deadline_timer = asyncio.get_running_loop().call_later(left, put)
+            event = await flight.mailbox.get()
         else:
-            left = flight.deadline - time.monotonic()
-            try:
-                event = await asyncio.wait_for(flight.mailbox.get(), max(left, 0.0))
-            except TimeoutError:
-                limit = self.cfg.request_timeout_s
-                raise TimeoutError(
-                    f"request {flight.request_id} passed its deadline ({limit} s)"
-                ) from None
+            event = flight.mailbox.get_nowait()
+        if event.kind is EventKind.DEADLINE:
+            limit = self.cfg.request_timeout_s
+            raise TimeoutError(f"request {flight.request_id} passed its deadline ({limit} s)")
         if event.num_bytes and flight.backlog is not None:
             flight.num_queued_bytes -= event.num_bytes
             flight.backlog.take(event.num_bytes)

@@ -3,7 +3,9 @@
 A node is dead when its Ray actor is gone (a ping fails) or when its loop has published nothing
 for ``heartbeat_timeout_s``: its stats are its heartbeat, sent by the loop thread itself (also
 between the layers of a long forward pass). The actor answers pings from another thread, so an
-unanswered ping proves nothing and a stuck loop is only seen by its silence.
+unanswered ping proves nothing and a stuck loop is only seen by its silence; only a node that
+has been silent since the watchdog's last look is pinged (a ping is a Ray call, which costs
+the server far more than a beat it reads: BENCHMARKS.md, the front end's own cost).
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ class Liveness:
             self._last_heard[node_id] = time.monotonic()
 
     async def run(self) -> None:
-        """The watchdog: every ``watch_interval_s``, judge the heartbeats and ping the actors."""
+        """The watchdog: every ``watch_interval_s``, judge the heartbeats and ping the actors
+        of the nodes not heard from since the last look (a node that beats is alive; one
+        whose process died stops beating, so it is pinged at the next look or the one after,
+        and its failed ping finds it dead long before its heartbeat timeout would)."""
+        last_look = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(self.watch_interval_s)
@@ -53,9 +59,10 @@ class Liveness:
                     if now - heard > self.heartbeat_timeout_s:
                         why = f"no heartbeat for {now - heard:.1f} s"
                         self._dead(node_id, f"{why} (limit {self.heartbeat_timeout_s} s)")
-                for node_id in list(self._last_heard):
-                    if self._ping is not None and node_id not in self._pings:
+                for node_id, heard in list(self._last_heard.items()):
+                    if self._ping is not None and node_id not in self._pings and heard < last_look:
                         self._pings[node_id] = asyncio.ensure_future(self._ping_once(node_id))
+                last_look = now
         finally:
             for task in self._pings.values():
                 task.cancel()

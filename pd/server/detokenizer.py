@@ -5,7 +5,8 @@ FastAPI. Three pieces:
 
 - ``IncrementalDetokenizer``: decodes a growing id sequence into text deltas without ever
   emitting half of a multi-byte character (the prefix-offset / read-offset technique), at a
-  bounded cost per id: ids that make no whole character are held back a few ids at most.
+  bounded cost per id: ids that make no whole character are held back a few ids at most;
+  its decodes go straight to a stock fast tokenizer's Rust backend (``backend_decoder``).
 - ``StopChecker``: finds stop strings in a stream of text deltas (a stop string may span
   deltas), truncates there, and holds back a tail that could still grow into a stop string.
 - ``TextStream``: the two chained, driven by ``step(new_token_ids, finished)``;
@@ -14,8 +15,9 @@ FastAPI. Three pieces:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import anyio
@@ -31,6 +33,44 @@ _REPLACEMENT_CHAR = "\ufffd"
 # goes out, U+FFFD for bytes that make no character, instead of being decoded again at every id.
 _MAX_HELD_IDS = 6
 _MAX_STOP_CHARS_ON_LOOP = 1024  # stop strings longer in all are compiled off the event loop
+
+
+def backend_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """``decode(ids, skip_special_tokens)`` equal to ``tokenizer.decode(ids,
+    skip_special_tokens=..., clean_up_tokenization_spaces=False)``: for a transformers fast
+    tokenizer whose class keeps the library's ``_decode`` (which then only calls its Rust
+    backend), the backend's own ``decode``, without the Python layers around it that cost
+    most of a call on a few ids (twice per streamed token); else the tokenizer's ``decode``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    stock_decode, stock_inner = _stock_decodes()
+    if backend is not None and getattr(cls, "decode", None) is stock_decode and (
+        getattr(cls, "_decode", None) in stock_inner
+    ):
+        return backend.decode  # type: ignore[no-any-return]
+
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(  # type: ignore[no-any-return]
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    return decode
+
+
+@functools.cache
+def _stock_decodes() -> tuple[Any, frozenset[Any]]:
+    """transformers' ``decode`` and its fast tokenizers' ``_decode`` (v5's
+    ``TokenizersBackend``, v4's ``PreTrainedTokenizerFast``): on a list of ids, with
+    ``clean_up_tokenization_spaces=False``, the two return ``self._tokenizer.decode(ids,
+    skip_special_tokens=...)`` alone."""
+    import transformers
+
+    inner = set()
+    for name in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            inner.add(cls._decode)
+    return transformers.PreTrainedTokenizerBase.decode, frozenset(inner)
 
 
 class IncrementalDetokenizer:
@@ -60,7 +100,7 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._backend_decode = backend_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(prompt_ids[-_NUM_PROMPT_CONTEXT_IDS:])
         self._num_context_ids = len(self.token_ids)
@@ -78,11 +118,7 @@ class IncrementalDetokenizer:
         return len(self.token_ids) - self._read_offset
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._backend_decode(ids, self._skip_special_tokens)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add ids; return the text they complete (possibly "")."""

@@ -41,8 +41,14 @@ T = TypeVar("T")
 _DONE = "data: [DONE]\n\n"
 
 
-def sse_event(payload: BaseModel | dict[str, Any]) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else _json(payload)
+def sse_event(payload: BaseModel | dict[str, Any] | str) -> str:
+    """An event of ``payload``: a model, a dict, or JSON already encoded (a str)."""
+    if isinstance(payload, str):
+        body = payload
+    elif isinstance(payload, BaseModel):
+        body = payload.model_dump_json()
+    else:
+        body = _json(payload)
     return f"data: {body}\n\n"
 
 
@@ -162,7 +168,7 @@ async def anext_or_none(it: AsyncIterator[T]) -> T | None:
 
 async def sse_steps(
     choices: Choices,
-    make_chunk: Callable[[int, Step], BaseModel | None],
+    make_chunk: Callable[[int, Step], BaseModel | str | None],
     usage_chunk: Callable[[], BaseModel | None] | None,
     first: BaseModel | None,
     deadline: float,
@@ -177,11 +183,16 @@ async def sse_steps(
         async with aclosing(choices.steps()) as steps:
             while True:
                 # Only the wait is in the scope (never a yield): past the deadline it cancels
-                # the step, which aborts the engine request.
-                with anyio.move_on_after(deadline - time.monotonic()) as scope:
-                    step = await anext_or_none(steps)
-                if scope.cancelled_caught:
-                    raise DeadlineExceeded()
+                # the step, which aborts the engine request. asyncio's own timeout: a timer,
+                # where anyio's scope costs several times as much, once per token.
+                timeout = asyncio.timeout(deadline - time.monotonic())
+                try:
+                    async with timeout:
+                        step = await anext_or_none(steps)
+                except TimeoutError:
+                    if not timeout.expired():  # the engine's own (its request's deadline)
+                        raise
+                    raise DeadlineExceeded() from None
                 if step is None:
                     break
                 chunk = make_chunk(*step)

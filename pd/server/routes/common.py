@@ -52,8 +52,9 @@ class Renderer(Protocol):
         """A stream's opening chunk, if it has one."""
         ...
 
-    def chunk(self, index: int, step: Step) -> BaseModel | None:
-        """A stream's chunk of choice ``index`` for one of its steps (None: nothing to send)."""
+    def chunk(self, index: int, step: Step) -> BaseModel | str | None:
+        """A stream's chunk of choice ``index`` for one of its steps (None: nothing to send;
+        a str: the chunk's JSON, encoded already)."""
         ...
 
     def usage(self) -> BaseModel | None:

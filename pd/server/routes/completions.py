@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from pd.core.messages import TokenLogprobsMsg
 from pd.executor.grammar import grammar_error
@@ -106,14 +108,49 @@ def _prepare_openai(
     )
 
 
+# Stands for a chunk's text while its JSON is encoded once (``_StreamRenderer._text_chunk``):
+# NUL characters, which encode as escapes that no id or model name's encoding holds alone.
+_TEXT_MARK = "\x00pd-text\x00"
+_ENCODED_MARK = to_json(_TEXT_MARK).decode()
+
+
 class _StreamRenderer:
-    """Chunks and the usage chunk of an OpenAI stream; subclasses give the choice shape."""
+    """Chunks and the usage chunk of an OpenAI stream; subclasses give the choice shape.
+
+    A chunk of text alone (no finish, no logprobs, no tool calls: all a stream's chunks but
+    its first and last) is its choice's JSON encoded once with a mark for the text, the
+    text's encoding put in its place: the same bytes as the chunk's model would encode, at
+    the cost of encoding the text. Every chunk of a stream has the stream's ``created``."""
 
     chunk_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
     def __init__(self, model_name: str, choices: Choices) -> None:
         self.model_name = model_name
         self.choices = choices
+        self.created = int(time.time())
+        # choice index -> its text chunk's JSON before and after the text (None: not split)
+        self._text_chunks: dict[int, tuple[str, str] | None] = {}
+
+    def _text_chunk(self, index: int, text: str) -> str | None:
+        """The JSON of choice ``index``'s chunk of ``text`` alone (None: build the model)."""
+        if (parts := self._text_chunks.get(index, ())) == ():
+            choice = self._choice(index, _TEXT_MARK, None, None)
+            encoded = self._chunk_model([choice]).model_dump_json().split(_ENCODED_MARK)
+            parts = self._text_chunks[index] = (
+                (encoded[0], encoded[1]) if len(encoded) == 2 else None
+            )
+        if parts is None:
+            return None
+        return f"{parts[0]}{to_json(text).decode()}{parts[1]}"
+
+    def _chunk_model(self, choices: list[Any], usage: Usage | None = None) -> BaseModel:
+        return self.chunk_model(
+            id=self.choices.request_id,
+            model=self.model_name,
+            created=self.created,
+            choices=choices,
+            usage=usage,
+        )
 
     def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any) -> Any:
         raise NotImplementedError
@@ -121,23 +158,22 @@ class _StreamRenderer:
     def _logprobs(self, gen: Generation, index: int, lps: Sequence[TokenLogprobsMsg]) -> Any:
         raise NotImplementedError
 
-    def chunk(self, index: int, step: Step) -> BaseModel | None:
+    def chunk(self, index: int, step: Step) -> BaseModel | str | None:
         """A step's chunk, for choice ``index``: its text, and its tokens' logprobs when asked
         for (a step whose tokens make no text yet still carries them)."""
         if not step.text and step.finish_reason is None and not step.logprobs:
             return None
-        choices = self.choices
-        gen = choices.gens[index]
+        gen = self.choices.gens[index]
         want = gen.params.logprobs is not None
+        if not want and step.finish_reason is None:
+            if (encoded := self._text_chunk(index, step.text)) is not None:
+                return encoded
         logprobs = self._logprobs(gen, index, step.logprobs) if want else None
         choice = self._choice(index, step.text, step.finish_reason, logprobs)
-        return self.chunk_model(id=choices.request_id, model=self.model_name, choices=[choice])
+        return self._chunk_model([choice])
 
     def usage(self) -> BaseModel:
-        choices = self.choices
-        return self.chunk_model(
-            id=choices.request_id, model=self.model_name, choices=[], usage=usage_of(choices)
-        )
+        return self._chunk_model([], usage_of(self.choices))
 
 
 class CompletionRenderer(_StreamRenderer):
@@ -185,11 +221,10 @@ class ChatRenderer(_StreamRenderer):
         super().__init__(model_name, choices)
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls, with tools
 
-    def chunk(self, index: int, step: Step) -> BaseModel | None:
+    def chunk(self, index: int, step: Step) -> BaseModel | str | None:
         """With tools, a step's content and ``tool_calls`` (``pd.server.openai.tool_stream``); the
         last step's ``finish_reason`` is ``"tool_calls"`` when the choice made a call."""
-        choices = self.choices
-        gen = choices.gens[index]
+        gen = self.choices.gens[index]
         if gen.tools is None:
             return super().chunk(index, step)
         calls = self._tool_streams.setdefault(index, ToolCallStream(gen.tools))
@@ -207,7 +242,7 @@ class ChatRenderer(_StreamRenderer):
             finish_reason=finish_reason,
             logprobs=self._logprobs(gen, index, step.logprobs) if want else None,
         )
-        return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=[choice])
+        return self._chunk_model([choice])
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: ChatLogprobs | None
@@ -229,7 +264,7 @@ class ChatRenderer(_StreamRenderer):
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
             for i in range(len(choices.gens))
         ]
-        return ChatCompletionChunk(id=choices.request_id, model=self.model_name, choices=roles)
+        return self._chunk_model(roles)
 
     def final(self) -> BaseModel:
         choices = self.choices
