@@ -12,7 +12,8 @@ report (a markdown table for RELIABILITY.md) and exits 1 on any failure.
 
 Without ``--url`` it starts ``pd serve --prefill 2 --decode 2`` itself (a session of its own,
 ended with every process in it, and a disk tier in a directory of its own) at pd serve's engine
-defaults (int4 weights and compiled decode steps on a CPU), or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
+defaults (int4 weights and compiled decode steps on a CPU), ``--engine eager`` (the defaults but
+``--compile-buckets off``) or ``--engine fp32-eager`` (``--quantization none --compile-buckets off``),
 speculating with ``--speculative-tokens K``, its nodes of ``--tp N`` ranks each (then a rank
 of a node is also killed or frozen alone: the node must go down as one and be replaced); with
 ``--url`` it tests that server, and signals its
@@ -63,7 +64,11 @@ SETTLE_S = 30.0  # the checks may take this long to pass (nodes report every 0.2
 MAX_INFLIGHT, MAX_QUEUED = 32, 32  # admission limits of a server the soak starts
 MAX_BODY_BYTES = 1 << 20
 # a started server's engine flags, by --engine
-ENGINES = {"defaults": [], "fp32-eager": ["--quantization", "none", "--compile-buckets", "off"]}
+ENGINES = {
+    "defaults": [],
+    "eager": ["--compile-buckets", "off"],
+    "fp32-eager": ["--quantization", "none", "--compile-buckets", "off"],
+}
 WRITE_TIMEOUT_S = 8.0  # a started server's --stream-write-timeout-s, where it has one
 
 
@@ -92,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine",
         choices=sorted(ENGINES),
         default="defaults",
-        help="a started server's engine: pd serve's defaults, or fp32 weights and eager steps",
+        help="a started server's engine: pd serve's defaults, without compiled steps, or fp32 eager",
     )
     p.add_argument(
         "--speculative-tokens", type=int, default=0, help="a started server's (0: no speculation)"

@@ -34,7 +34,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from pd.core.request import Req
@@ -63,8 +62,12 @@ def make_tokenizer(
 
 
 def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """A bitmask of ``num_rows`` rows: [num_rows, ceil(vocab_size / 32)] int32."""
-    return llg_torch.allocate_token_bitmask(num_rows, vocab_size)
+    """A bitmask of ``num_rows`` rows: [num_rows, ceil(vocab_size / 32)] int32, every token
+    allowed (``llguidance.torch``'s layout; that module is not imported: it compiles a kernel
+    with ``torch.compile`` at import, which loads TorchDynamo and Inductor into every process
+    that imports the engine, seconds of each node's start)."""
+    shape = (num_rows, (vocab_size + 31) // 32)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 class GrammarRefused(ValueError):
@@ -107,8 +110,12 @@ class Guide:
         self.num_consumed = len(output_ids)
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``masks[row]``."""
-        llg_torch.fill_next_token_bitmask(self.matcher, masks, row)
+        """Write the tokens allowed next into ``masks[row]`` (``allocate_masks``'s rows: the
+        matcher writes the row's bytes through its pointer)."""
+        assert masks.dtype == torch.int32 and masks.is_cpu and masks.dim() == 2, masks.shape
+        mask = masks[row]
+        assert mask.is_contiguous()
+        self.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
 
     def fill_draft(self, draft: Sequence[int], masks: torch.Tensor, row: int) -> list[int]:
         """The longest prefix of ``draft`` the grammar accepts, n tokens; ``masks[row + i]``

@@ -1,9 +1,12 @@
-"""End to end over real HTTP with the official openai client: 1P+1D, 2P+1D and 1P+2D clusters.
+"""End to end over real HTTP with the official openai client: a 2P+1D and a 1P+2D cluster.
 The 2P+1D cluster decodes speculatively (4 tokens, in batches up to 8): every answer there must
-still be HF's, cold, warm, streamed and 32 at once, its prefix pulled or reused. The SDK's
-structured forms (``parse`` for ten prompts, ``tool_choice="required"`` for ten, tool calls
-and ``parse`` streamed) run on the 1P+1D cluster only: they test the server's side, which the
-other shapes share."""
+still be HF's, cold, warm, streamed and 32 at once, its prefix pulled or reused. The 1P+2D
+cluster decodes one token a step, its KV in pages of 16 tokens. Between them each test runs
+across two prefill nodes and two decode nodes, with and without speculation, on token-level and
+paged KV (a 1P+1D cluster, the smallest, adds no path of its own: a cluster start and a pass of
+every test). The SDK's structured forms (``parse`` for ten prompts, ``tool_choice="required"``
+for ten, tool calls and ``parse`` streamed) run on the 1P+2D cluster only: they test the
+server's side, which the other shape shares."""
 
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ SPECULATIVE = {"speculative_tokens": 4, "speculative_max_batch": 8}
 
 @pytest.fixture(
     scope="module",
-    params=[(1, 1, 1, {}), (2, 1, 1, SPECULATIVE), (1, 2, 16, {})],
-    ids=["1p1d", "2p1d-speculative", "1p2d-page16"],
+    params=[(2, 1, 1, SPECULATIVE), (1, 2, 16, {})],
+    ids=["2p1d-speculative", "1p2d-page16"],
 )
 def live_spec(request, smollm2_dir) -> dict[str, Any]:
     num_prefill, num_decode, page_size, engine = request.param
@@ -68,10 +71,10 @@ def _client(live: LiveCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _only_1p1d(live_spec: dict[str, Any]) -> None:
+def _only_1p2d(live_spec: dict[str, Any]) -> None:
     shape = (live_spec["num_prefill"], live_spec["num_decode"], live_spec["page_size"])
-    if shape != (1, 1, 1) or live_spec["engine_kwargs"]:
-        pytest.skip("the SDK's structured forms run on the 1p1d cluster only")
+    if shape != (1, 2, 16) or live_spec["engine_kwargs"]:
+        pytest.skip("the SDK's structured forms run on the 1p2d cluster only")
 
 
 def _hf_text(model_dir, tokenizer, prompt_ids, max_tokens) -> str:
@@ -490,12 +493,12 @@ def test_n_choices_share_one_prefill_node_and_equal_hf_greedy(
 @pytest.mark.slow
 def test_sdk_parse_gives_a_parsed_object_for_ten_prompts(live, live_spec):
     """``beta.chat.completions.parse`` with a Pydantic model, ten prompts at once."""
-    _only_1p1d(live_spec)
+    _only_1p2d(live_spec)
     check_parse_ten_prompts(_client(live), MODEL)
 
 
 def test_sdk_tool_choice_required_gives_a_parsed_call_for_ten_prompts(live, live_spec):
-    _only_1p1d(live_spec)
+    _only_1p2d(live_spec)
     check_required_tool_calls_ten_prompts(_client(live), MODEL)
 
 
@@ -503,7 +506,7 @@ def test_sdk_tool_choice_required_gives_a_parsed_call_for_ten_prompts(live, live
 def test_sdk_streamed_tool_calls_and_parse_equal_the_non_streamed(live, live_spec):
     """Tool calls streamed (plain, n=2, named; the SDK's ``stream`` helper with a strict
     Pydantic tool) add up to the non-streamed greedy answer; streamed ``parse`` parses."""
-    _only_1p1d(live_spec)
+    _only_1p2d(live_spec)
     client = _client(live)
     check_streamed_tool_calls(client, MODEL)
     check_stream_helpers(client, MODEL)

@@ -10,8 +10,11 @@ request runs once its grammar is in.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -23,6 +26,7 @@ from pd.executor import grammar as grammar_mod
 from pd.executor.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parents[2]
 
 POINT = {
     "type": "object",
@@ -181,3 +185,19 @@ def test_a_queued_grammar_whose_requests_were_aborted_is_skipped(
     assert outs[-1].error is None and len(gate.threads) == 2
     engine.check_integrity()
     engine.close()
+
+
+def test_importing_the_engine_and_the_server_loads_no_inductor() -> None:
+    """Every node, ``pd serve`` and TP rank process imports the engine: ``llguidance.torch``
+    compiles a kernel with ``torch.compile`` when it is imported, which loads Inductor (a second
+    of CPU time a process); pd writes the masks itself and compiles only its decode steps, when
+    asked. Checked in a fresh interpreter."""
+    code = (
+        "import sys, pd.fleet.node_actor, pd.cli.serve, pd.parallel.main; "
+        "print(sorted({'torch._inductor.compile_fx', 'llguidance.torch'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]

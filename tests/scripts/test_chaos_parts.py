@@ -278,6 +278,7 @@ def test_the_soak_starts_pd_serve_at_its_defaults_or_as_asked() -> None:
     from scripts.chaos_soak import engine_args, parse_args
 
     assert engine_args(parse_args([])) == []  # pd serve's own defaults
+    assert engine_args(parse_args(["--engine", "eager"])) == ["--compile-buckets", "off"]
     args = parse_args(["--engine", "fp32-eager", "--speculative-tokens", "4"])
     assert engine_args(args) == [
         "--quantization", "none", "--compile-buckets", "off", "--speculative-tokens", "4",
