@@ -5,7 +5,8 @@ An eager decode step runs ~45 small torch ops per layer, each paying its dispatc
 however few tokens it computes. Here the whole decode forward (embedding, every
 layer with its KV write and its attention over the paged pool, the final norm and the LM head)
 is traced once per bucket with static shapes and compiled by inductor (C++ loops on the CPU;
-the weights frozen into the graph, so matmuls use packed weights). A batch of B decode rows
+with ``--no-deterministic`` the weights are frozen into the graph, so library matmuls use packed
+weights). A batch of B decode rows
 runs in the smallest bucket >= B, padded with rows that write and read only the pool's scratch
 slot. The key length is the one dynamic dimension: the attention takes the keys by an index
 tensor (``PagedDecodeAttention``), so a longer context reuses the graph instead of recompiling.
@@ -25,8 +26,10 @@ enter: it runs eagerly after the graph. A speculative step's draft rows are one-
 verify runs in the graph of its row count.
 
 Each bucket compiles at start-up (``DecodeGraphs.compile``; tens of seconds a bucket for
-SmolLM2 on 2 cores, fewer when inductor's on-disk cache holds it) and the seconds are kept per
-bucket (``compile_seconds``).
+SmolLM2 on 2 cores) and the seconds are kept per bucket (``compile_seconds``). A deterministic
+runner's steps (one whole graph, weights read as inputs) are compiled ahead of their first call
+and kept on disk (``pd.executor.compile_cache``): a later start with the same code, model and
+flags loads them (``loaded``) instead of compiling.
 """
 
 from __future__ import annotations
