@@ -67,6 +67,11 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_signature() -> str:
+    """The CPU's flags and the ``PD_CPU_ISA`` level: what code built here may assume."""
+    return f"{envs.PD_CPU_ISA} {_cpu_flags().strip()}"
+
+
 def isa_flags(level: str | None = None) -> tuple[str, ...]:
     """The compiler flags of ``level`` (default ``PD_CPU_ISA``); ValueError where this CPU
     lacks what the level needs."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pd.cache.tenants import TenantShares
+from pd.core import envs
 from pd.core.kv_pool import KV_SCALE_BYTES
 from pd.core.options import option
 from pd.executor.graphs import parse_buckets
@@ -56,6 +58,12 @@ class EngineConfig:
         "off",
         "decode batch sizes with a compiled step (torch.compile at start-up, tens of seconds a "
         "size on a cpu), e.g. 1,2,4,8; off: eager; auto: 1,2,4 on a cpu (pd serve's default)",
+    )
+    compile_cache: str = option(
+        "auto",
+        "where compiled decode steps are kept (keyed by pd's code, torch, the model, the flags "
+        "and the cpu), so a restart loads them in seconds: auto (PD_CACHE_DIR/compiled) | a "
+        "directory | off (compile at every start)",
     )
     deterministic: bool = option(
         True,
@@ -290,6 +298,14 @@ class EngineConfig:
         except ValueError:
             return "none"
         return "int4" if all(k % INT4_GROUP_SIZE == 0 for k in in_features) else "none"
+
+    @property
+    def compile_cache_dir(self) -> Path | None:
+        """``compile_cache`` resolved: the directory of kept compiled steps, or None (off)."""
+        spec = self.compile_cache.strip()
+        if spec.lower() in ("", "off", "none"):
+            return None
+        return envs.PD_CACHE_DIR / "compiled" if spec.lower() == "auto" else Path(spec).expanduser()
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from pd.core.request import Req
 from pd.executor import cpu_attention
 from pd.executor.attention import make_attention_backend
 from pd.executor.batch_sampler import BatchSampler
+from pd.executor.compile_cache import CompiledStepCache
 from pd.executor.config import EngineConfig
 from pd.executor.grammar import make_tokenizer
 from pd.executor.graphs import DecodeGraphs
@@ -32,7 +33,7 @@ from pd.executor.sampler import SampledRow
 from pd.model import fixed_ops
 from pd.model.config import ModelConfig
 from pd.model.decoder import DecoderLM
-from pd.model.loader import load_config, load_weights, resolve_model
+from pd.model.loader import load_config, load_weights, resolve_model, weights_digest
 from pd.model.quant import (
     DEQUANT_MIN_TOKENS,
     check_deterministic,
@@ -147,9 +148,32 @@ class ModelRunner:
             self.num_slots,
             kernel=self.cfg.attention_backend == "auto",
             head=self.rank == 0,
+            freeze=not self.deterministic,
+            cache=self._step_cache(),
         )
         graphs.compile()
         return graphs
+
+    def _step_cache(self) -> CompiledStepCache | None:
+        """Where the compiled steps are kept on disk (``pd.executor.compile_cache``), keyed by
+        what shapes them here: None without buckets, with ``compile_cache`` off, or where a
+        step freezes its weights (``--no-deterministic``) or routes by data (a mixture of
+        experts), which torch cannot save."""
+        cfg = self.cfg
+        root = cfg.compile_cache_dir
+        if root is None or not (cfg.buckets and self.deterministic) or self.model.has_moe:
+            return None
+        pool = self.pool
+        identity = {
+            "weights": weights_digest(self.model_dir),
+            "modules": repr(self.model),  # the layers' formats and shapes
+            "flags": repr((cfg.dtype, self.quantization, cfg.linear_backend,
+                           cfg.attention_backend, cfg.kv_cache_dtype, self.deterministic)),
+            "rank": f"{self.rank} of {self.tp_size}",
+            "pool": repr((pool.num_layers, pool.num_slots, pool.num_kv_heads, pool.head_dim,
+                          pool.dtype, pool.compute_dtype, str(pool.device))),
+        }  # fmt: skip
+        return CompiledStepCache(identity, root)
 
     @property
     def transfer_pool(self) -> KVPool:
