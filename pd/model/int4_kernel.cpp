@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -173,12 +174,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0, 1 the int32 sums of x's high and low bytes ([16 rows, 16 columns]); 2, 3 those
-// bytes for a group ([16 rows, 32 inputs]); 4 the group's weights in AMX's layout ([8 rows of
-// 4 inputs, 16 columns]).
+// Tiles: 0, 1 and 5, 6 the int32 sums of x's high and low bytes ([16 rows, 16 columns]) of
+// even and odd groups; 2, 3 those bytes for a group ([16 rows, 32 inputs]); 4 the group's
+// weights in AMX's layout ([8 rows of 4 inputs, 16 columns]).
 static void amx_configure() {
   TileConfig cfg;
-  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
   cfg.rows[4] = 8, cfg.colsb[4] = 64;
   _tile_loadconfig(&cfg);
@@ -201,44 +202,82 @@ static inline void amx_weights(const uint8_t* q0, const uint8_t* q1, int64_t G, 
     }
 }
 
+// Rows r0 .. r1 - 1 of one group's fp32 steps (``block16``'s), from the group's int32 sums of
+// the high and low bytes (``hi``, ``lo``: [16 rows, 16 columns]), into ``acc``.
+template <int R0, int R1>
+static inline void amx_scale(const int32_t (*hi)[16], const int32_t (*lo)[16], const float* dx,
+                             const float* xs, int64_t m0, int64_t G, int64_t g, __m512 s,
+                             __m512 z, __m512* acc) {
+#pragma GCC unroll 16
+  for (int i = R0; i < R1; ++i) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8),
+                                         _mm512_load_si512(lo[i]));
+    const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),
+                                     _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
+    acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
+    acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
+  }
+}
+
+// Group g's tile work: zero the sums (tiles A, B), load its bytes of x and its weights,
+// multiply, and store the sums to hi, lo, with the previous group's fp32 steps (``prev``:
+// rows 0..15 of it, from ``phi``, ``plo``) interleaved between, so that the vector units
+// scale while the tiles multiply (its sums were stored a group before). A macro: the tile
+// intrinsics take their tile's number as a literal.
+#define PD_AMX_GROUP(NAME, A, B)                                                                \
+  static inline void NAME(const int8_t* xhi, const uint8_t* xlo, int64_t K, const uint8_t* w,   \
+                          int64_t m0, int64_t g, int32_t(*hi)[16], int32_t(*lo)[16], bool prev, \
+                          const int32_t(*phi)[16], const int32_t(*plo)[16], const float* dx,    \
+                          const float* xs, int64_t G, __m512 s, __m512 z, __m512* acc) {        \
+    _tile_zero(A);                                                                              \
+    _tile_zero(B);                                                                              \
+    _tile_loadd(2, xhi + m0 * K + g * 32, K);                                                   \
+    if (prev) amx_scale<0, 4>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                       \
+    _tile_loadd(3, xlo + m0 * K + g * 32, K);                                                   \
+    _tile_loadd(4, w + g * 512, 64);                                                            \
+    if (prev) amx_scale<4, 8>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                       \
+    _tile_dpbsud(A, 2, 4);                                                                      \
+    _tile_dpbuud(B, 3, 4);                                                                      \
+    if (prev) amx_scale<8, 12>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                      \
+    _tile_stored(A, hi, 64);                                                                    \
+    _tile_stored(B, lo, 64);                                                                    \
+    if (prev) amx_scale<12, 16>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                     \
+  }
+PD_AMX_GROUP(amx_group_even, 0, 1)
+PD_AMX_GROUP(amx_group_odd, 5, 6)
+#undef PD_AMX_GROUP
+
 // 16 rows of x from m0 (xhi, xlo: the high and low bytes of their int16 inputs, rows K apart;
 // dx, xs padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
 // int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) = sum(xq * q), exactly
-// ``block16``'s, and the fp32 steps after it are ``block16``'s, so every output has the bits
-// the AVX-512 and AVX2 paths give it.
+// ``block16``'s, and the fp32 steps after it are ``block16``'s, in the same order of groups,
+// so every output has the bits the AVX-512 and AVX2 paths give it. Even and odd groups take
+// turns on two pairs of sum tiles, so group g's tiles multiply while group g - 1 is scaled.
 static inline void amx_block(const int8_t* xhi, const uint8_t* xlo, const float* dx,
                              const float* xs, int64_t m0, int64_t M, int64_t K, const uint8_t* w,
                              const uint16_t* s0, const uint16_t* s1, const uint16_t* z0,
                              const uint16_t* z1, int64_t n, int64_t N, float* y) {
   const int64_t G = K / 32;
-  alignas(64) int32_t hi[16][16], lo[16][16];
+  alignas(64) int32_t hi[2][16][16], lo[2][16][16];
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  auto scales = [&](int64_t g, __m512* s, __m512* z) {  // group g's, of the 16 output rows
+    *s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)), bf16x8(s1 + g * 8), 1);
+    *z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)), bf16x8(z1 + g * 8), 1);
+  };
+  __m512 s = _mm512_setzero_ps(), z = s;
   for (int64_t g = 0; g < G; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, xhi + m0 * K + g * 32, K);
-    _tile_loadd(3, xlo + m0 * K + g * 32, K);
-    _tile_loadd(4, w + g * 512, 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbuud(1, 3, 4);
-    _tile_stored(0, hi, 64);
-    _tile_stored(1, lo, 64);
-    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)),
-                                        bf16x8(s1 + g * 8), 1);
-    const __m512 z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)),
-                                        bf16x8(z1 + g * 8), 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8),
-                                           _mm512_load_si512(lo[i]));
-      const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
-      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),
-                                       _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
-      acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
-      acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
-    }
+    if (g > 0) scales(g - 1, &s, &z);
+    if (g % 2 == 0)
+      amx_group_even(xhi, xlo, K, w, m0, g, hi[0], lo[0], g > 0, hi[1], lo[1], dx, xs, G, s, z,
+                     acc);
+    else
+      amx_group_odd(xhi, xlo, K, w, m0, g, hi[1], lo[1], true, hi[0], lo[0], dx, xs, G, s, z,
+                    acc);
   }
+  scales(G - 1, &s, &z);
+  amx_scale<0, 16>(hi[(G - 1) % 2], lo[(G - 1) % 2], dx, xs, m0, G, G - 1, s, z, acc);
   for (int i = 0; i < 16 && m0 + i < M; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n, acc[i]);
 }
 #endif
@@ -246,6 +285,8 @@ static inline void amx_block(const int8_t* xhi, const uint8_t* xlo, const float*
 // From this many rows of x on, AMX's tiles multiply (where the CPU has them): fewer rows would
 // leave most of a tile's 16 empty.
 static constexpr int64_t kAmxMinRows = 16;
+// From this many rows of x on, the threads share their quantization.
+static constexpr int64_t kQuantizeTeamRows = 16;
 
 // x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
 // y: [M, N] fp32.
@@ -264,12 +305,9 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   xq.resize(M * K);
   dx.assign(Mp * G, 0.0f);
   xs.assign(Mp * G, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g)
-      dx[m * G + g] = quantize_group(x + m * K + g * 32, &xq[m * K + g * 32], &xs[m * G + g]);
   // the thread-locals of this thread, by pointer: each OpenMP thread has its own
-  const int16_t* q = xq.data();
-  const float *d = dx.data(), *sums = xs.data();
+  int16_t* q = xq.data();
+  float *d = dx.data(), *sums = xs.data();
   const int64_t NB = N / 8;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   const int64_t NB2 = NB / 2 * 2;  // blocks taken two at a time; an odd last one below
@@ -277,22 +315,42 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   const int64_t NB2 = 0;
 #endif
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  // AMX multiplies bytes: each int16 input as its high (signed) and low (unsigned) byte
+  // AMX multiplies bytes: each int16 input as its high (signed) and low (unsigned) byte (the
+  // rows past M zero)
   static thread_local std::vector<int8_t> xhi;
   static thread_local std::vector<uint8_t> xlo;
   if (amx) {
-    xhi.assign(Mp * K, 0);
-    xlo.assign(Mp * K, 0);
-    for (int64_t i = 0; i < M * K; ++i) {
-      xhi[i] = static_cast<int8_t>(xq[i] >> 8);
-      xlo[i] = static_cast<uint8_t>(xq[i] & 0xFF);
-    }
+    xhi.resize(Mp * K);
+    xlo.resize(Mp * K);
+    std::fill(xhi.begin() + M * K, xhi.end(), 0);
+    std::fill(xlo.begin() + M * K, xlo.end(), 0);
   }
-  const int8_t* xh = xhi.data();
-  const uint8_t* xl = xlo.data();
+  int8_t* xh = xhi.data();
+  uint8_t* xl = xlo.data();
 #endif
+  // each row of x alone (its inputs do not depend on the other rows or the threads): on the
+  // team from kQuantizeTeamRows rows on, before it below (a decode step's rows are not worth a
+  // barrier)
+  auto quantize_row = [&](int64_t m) {
+    for (int64_t g = 0; g < G; ++g)
+      d[m * G + g] = quantize_group(x + m * K + g * 32, q + m * K + g * 32, sums + m * G + g);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx)
+      for (int64_t i = m * K; i < (m + 1) * K; ++i) {
+        xh[i] = static_cast<int8_t>(q[i] >> 8);
+        xl[i] = static_cast<uint8_t>(q[i] & 0xFF);
+      }
+#endif
+  };
+  const bool team_quantizes = M >= kQuantizeTeamRows && threads > 1;
+  if (!team_quantizes)
+    for (int64_t m = 0; m < M; ++m) quantize_row(m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    if (team_quantizes) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) quantize_row(m);
+    }
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
     if (amx) {
       amx_configure();
