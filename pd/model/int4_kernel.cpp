@@ -202,84 +202,75 @@ static inline void amx_weights(const uint8_t* q0, const uint8_t* q1, int64_t G, 
     }
 }
 
-// Rows r0 .. r1 - 1 of one group's fp32 steps (``block16``'s), from the group's int32 sums of
-// the high and low bytes (``hi``, ``lo``: [16 rows, 16 columns]), into ``acc``.
-template <int R0, int R1>
-static inline void amx_scale(const int32_t (*hi)[16], const int32_t (*lo)[16], const float* dx,
-                             const float* xs, int64_t m0, int64_t G, int64_t g, __m512 s,
-                             __m512 z, __m512* acc) {
-#pragma GCC unroll 16
-  for (int i = R0; i < R1; ++i) {
-    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8),
-                                         _mm512_load_si512(lo[i]));
-    const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
-    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),
-                                     _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
-    acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
-    acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
-  }
-}
-
-// Group g's tile work: zero the sums (tiles A, B), load its bytes of x and its weights,
-// multiply, and store the sums to hi, lo, with the previous group's fp32 steps (``prev``:
-// rows 0..15 of it, from ``phi``, ``plo``) interleaved between, so that the vector units
-// scale while the tiles multiply (its sums were stored a group before). A macro: the tile
-// intrinsics take their tile's number as a literal.
-#define PD_AMX_GROUP(NAME, A, B)                                                                \
-  static inline void NAME(const int8_t* xhi, const uint8_t* xlo, int64_t K, const uint8_t* w,   \
-                          int64_t m0, int64_t g, int32_t(*hi)[16], int32_t(*lo)[16], bool prev, \
-                          const int32_t(*phi)[16], const int32_t(*plo)[16], const float* dx,    \
-                          const float* xs, int64_t G, __m512 s, __m512 z, __m512* acc) {        \
-    _tile_zero(A);                                                                              \
-    _tile_zero(B);                                                                              \
-    _tile_loadd(2, xhi + m0 * K + g * 32, K);                                                   \
-    if (prev) amx_scale<0, 4>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                       \
-    _tile_loadd(3, xlo + m0 * K + g * 32, K);                                                   \
-    _tile_loadd(4, w + g * 512, 64);                                                            \
-    if (prev) amx_scale<4, 8>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                       \
-    _tile_dpbsud(A, 2, 4);                                                                      \
-    _tile_dpbuud(B, 3, 4);                                                                      \
-    if (prev) amx_scale<8, 12>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                      \
-    _tile_stored(A, hi, 64);                                                                    \
-    _tile_stored(B, lo, 64);                                                                    \
-    if (prev) amx_scale<12, 16>(phi, plo, dx, xs, m0, G, g - 1, s, z, acc);                     \
-  }
-PD_AMX_GROUP(amx_group_even, 0, 1)
-PD_AMX_GROUP(amx_group_odd, 5, 6)
-#undef PD_AMX_GROUP
-
 // 16 rows of x from m0 (xhi, xlo: the high and low bytes of their int16 inputs, rows K apart;
-// dx, xs padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
+// dx, xs by group, [G, Mp], padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
 // int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) = sum(xq * q), exactly
 // ``block16``'s, and the fp32 steps after it are ``block16``'s, in the same order of groups,
-// so every output has the bits the AVX-512 and AVX2 paths give it. Even and odd groups take
-// turns on two pairs of sum tiles, so group g's tiles multiply while group g - 1 is scaled.
+// so every output has the bits the AVX-512 and AVX2 paths give it.
+//
+// Even and odd groups take turns on two pairs of sum tiles (0, 1 and 5, 6) and of buffers:
+// group g's tiles are zeroed, loaded, multiplied and stored while group g - 1's sums (stored a
+// group before) are scaled, four rows at a time between the tile steps, so the vector units
+// work while the tiles multiply. Macros, not functions: the tile intrinsics take their tile's
+// number as a literal, and the accumulators must stay in registers (an array passed by pointer
+// is spilled around every tile step).
+#define PD_AMX_SCALE(R0, R1, HI, LO, GP)                                                     \
+  _Pragma("GCC unroll 16") for (int i = R0; i < R1; ++i) {                                  \
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(HI[i]), 8),    \
+                                         _mm512_load_si512(LO[i]));                         \
+    const float d = dx[(GP) * Mp + m0 + i], xsum = xs[(GP) * Mp + m0 + i];                  \
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),            \
+                                     _mm512_set1_ps(-8.0f * xsum)); /* sum((q - 8) * x) */  \
+    acc[i] = _mm512_fmadd_ps(s, t, acc[i]);                                                 \
+    acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);                              \
+  }
+#define PD_AMX_GROUP(A, B, HI, LO, PHI, PLO)                                                 \
+  _tile_zero(A);                                                                            \
+  _tile_zero(B);                                                                            \
+  _tile_loadd(2, xhi + m0 * K + g * 32, K);                                                 \
+  if (g > 0) { PD_AMX_SCALE(0, 4, PHI, PLO, g - 1) }                                        \
+  _tile_loadd(3, xlo + m0 * K + g * 32, K);                                                 \
+  _tile_loadd(4, w + g * 512, 64);                                                          \
+  if (g > 0) { PD_AMX_SCALE(4, 8, PHI, PLO, g - 1) }                                        \
+  _tile_dpbsud(A, 2, 4);                                                                    \
+  _tile_dpbuud(B, 3, 4);                                                                    \
+  if (g > 0) { PD_AMX_SCALE(8, 12, PHI, PLO, g - 1) }                                       \
+  _tile_stored(A, HI, 64);                                                                  \
+  _tile_stored(B, LO, 64);                                                                  \
+  if (g > 0) { PD_AMX_SCALE(12, 16, PHI, PLO, g - 1) }
+
 static inline void amx_block(const int8_t* xhi, const uint8_t* xlo, const float* dx,
-                             const float* xs, int64_t m0, int64_t M, int64_t K, const uint8_t* w,
+                             const float* xs, int64_t m0, int64_t M, int64_t Mp, int64_t K,
+                             const uint8_t* w,
                              const uint16_t* s0, const uint16_t* s1, const uint16_t* z0,
                              const uint16_t* z1, int64_t n, int64_t N, float* y) {
   const int64_t G = K / 32;
-  alignas(64) int32_t hi[2][16][16], lo[2][16][16];
+  alignas(64) int32_t hi0[16][16], lo0[16][16], hi1[16][16], lo1[16][16];
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  auto scales = [&](int64_t g, __m512* s, __m512* z) {  // group g's, of the 16 output rows
-    *s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)), bf16x8(s1 + g * 8), 1);
-    *z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)), bf16x8(z1 + g * 8), 1);
-  };
   __m512 s = _mm512_setzero_ps(), z = s;
+  auto scales = [&](int64_t g) {  // group g's scales and zeros, of the 16 output rows
+    s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)), bf16x8(s1 + g * 8), 1);
+    z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)), bf16x8(z1 + g * 8), 1);
+  };
   for (int64_t g = 0; g < G; ++g) {
-    if (g > 0) scales(g - 1, &s, &z);
-    if (g % 2 == 0)
-      amx_group_even(xhi, xlo, K, w, m0, g, hi[0], lo[0], g > 0, hi[1], lo[1], dx, xs, G, s, z,
-                     acc);
-    else
-      amx_group_odd(xhi, xlo, K, w, m0, g, hi[1], lo[1], true, hi[0], lo[0], dx, xs, G, s, z,
-                    acc);
+    if (g > 0) scales(g - 1);
+    if (g % 2 == 0) {
+      PD_AMX_GROUP(0, 1, hi0, lo0, hi1, lo1)
+    } else {
+      PD_AMX_GROUP(5, 6, hi1, lo1, hi0, lo0)
+    }
   }
-  scales(G - 1, &s, &z);
-  amx_scale<0, 16>(hi[(G - 1) % 2], lo[(G - 1) % 2], dx, xs, m0, G, G - 1, s, z, acc);
+  scales(G - 1);
+  if ((G - 1) % 2 == 0) {
+    PD_AMX_SCALE(0, 16, hi0, lo0, G - 1)
+  } else {
+    PD_AMX_SCALE(0, 16, hi1, lo1, G - 1)
+  }
   for (int i = 0; i < 16 && m0 + i < M; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n, acc[i]);
 }
+#undef PD_AMX_GROUP
+#undef PD_AMX_SCALE
 #endif
 
 // From this many rows of x on, AMX's tiles multiply (where the CPU has them): fewer rows would
@@ -319,7 +310,10 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   // rows past M zero)
   static thread_local std::vector<int8_t> xhi;
   static thread_local std::vector<uint8_t> xlo;
+  static thread_local std::vector<float> dxt, xst;  // dx and xs by group: [G, Mp]
   if (amx) {
+    dxt.assign(G * Mp, 0.0f);
+    xst.assign(G * Mp, 0.0f);
     xhi.resize(Mp * K);
     xlo.resize(Mp * K);
     std::fill(xhi.begin() + M * K, xhi.end(), 0);
@@ -327,6 +321,7 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   }
   int8_t* xh = xhi.data();
   uint8_t* xl = xlo.data();
+  float *dt = dxt.data(), *st = xst.data();
 #endif
   // each row of x alone (its inputs do not depend on the other rows or the threads): on the
   // team from kQuantizeTeamRows rows on, before it below (a decode step's rows are not worth a
@@ -335,11 +330,16 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
     for (int64_t g = 0; g < G; ++g)
       d[m * G + g] = quantize_group(x + m * K + g * 32, q + m * K + g * 32, sums + m * G + g);
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    if (amx)
+    if (amx) {
       for (int64_t i = m * K; i < (m + 1) * K; ++i) {
         xh[i] = static_cast<int8_t>(q[i] >> 8);
         xl[i] = static_cast<uint8_t>(q[i] & 0xFF);
       }
+      for (int64_t g = 0; g < G; ++g) {
+        dt[g * Mp + m] = d[m * G + g];
+        st[g * Mp + m] = sums[m * G + g];
+      }
+    }
 #endif
   };
   const bool team_quantizes = M >= kQuantizeTeamRows && threads > 1;
@@ -362,7 +362,7 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
         const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
         amx_weights(q0, q0 + G * 128, G, wa.data());
         for (int64_t m = 0; m < M; m += 16)
-          amx_block(xh, xl, d, sums, m, M, K, wa.data(), s0, s1, z0, z1, 8 * b, N, y);
+          amx_block(xh, xl, dt, st, m, M, Mp, K, wa.data(), s0, s1, z0, z1, 8 * b, N, y);
       }
       _tile_release();
     } else
