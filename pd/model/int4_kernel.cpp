@@ -203,10 +203,10 @@ static inline void amx_weights(const uint8_t* q0, const uint8_t* q1, int64_t G, 
 }
 
 // 16 rows of x from m0 (xhi, xlo: the high and low bytes of their int16 inputs, rows K apart;
-// dx, xs by group, [G, Mp], padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
-// int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) = sum(xq * q), exactly
-// ``block16``'s, and the fp32 steps after it are ``block16``'s, in the same order of groups,
-// so every output has the bits the AVX-512 and AVX2 paths give it.
+// dx, xs by group, [G, Mp], padded with zeros past M) times blocks b and b + 1
+// (``amx_weights``'s ``w``): the int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) =
+// sum(xq * q), exactly ``block16``'s, and the fp32 steps after it are ``block16``'s, in the
+// same order of groups, so every output has the bits the AVX-512 and AVX2 paths give it.
 //
 // Even and odd groups take turns on two pairs of sum tiles (0, 1 and 5, 6) and of buffers:
 // group g's tiles are zeroed, loaded, multiplied and stored while group g - 1's sums (stored a
