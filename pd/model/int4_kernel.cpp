@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -173,12 +174,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0, 1 the int32 sums of x's high and low bytes ([16 rows, 16 columns]); 2, 3 those
-// bytes for a group ([16 rows, 32 inputs]); 4 the group's weights in AMX's layout ([8 rows of
-// 4 inputs, 16 columns]).
+// Tiles: 0, 1 and 5, 6 the int32 sums of x's high and low bytes ([16 rows, 16 columns]) of
+// even and odd groups; 2, 3 those bytes for a group ([16 rows, 32 inputs]); 4 the group's
+// weights in AMX's layout ([8 rows of 4 inputs, 16 columns]).
 static void amx_configure() {
   TileConfig cfg;
-  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
   cfg.rows[4] = 8, cfg.colsb[4] = 64;
   _tile_loadconfig(&cfg);
@@ -202,50 +203,81 @@ static inline void amx_weights(const uint8_t* q0, const uint8_t* q1, int64_t G, 
 }
 
 // 16 rows of x from m0 (xhi, xlo: the high and low bytes of their int16 inputs, rows K apart;
-// dx, xs padded with zeros past M) times blocks b and b + 1 (``amx_weights``'s ``w``): the
-// int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) = sum(xq * q), exactly
-// ``block16``'s, and the fp32 steps after it are ``block16``'s, so every output has the bits
-// the AVX-512 and AVX2 paths give it.
+// dx, xs by group, [G, Mp], padded with zeros past M) times blocks b and b + 1
+// (``amx_weights``'s ``w``): the int32 sum of each group is 256 * sum(hi * q) + sum(lo * q) =
+// sum(xq * q), exactly ``block16``'s, and the fp32 steps after it are ``block16``'s, in the
+// same order of groups, so every output has the bits the AVX-512 and AVX2 paths give it.
+//
+// Even and odd groups take turns on two pairs of sum tiles (0, 1 and 5, 6) and of buffers:
+// group g's tiles are zeroed, loaded, multiplied and stored while group g - 1's sums (stored a
+// group before) are scaled, four rows at a time between the tile steps, so the vector units
+// work while the tiles multiply. Macros, not functions: the tile intrinsics take their tile's
+// number as a literal, and the accumulators must stay in registers (an array passed by pointer
+// is spilled around every tile step).
+#define PD_AMX_SCALE(R0, R1, HI, LO, GP)                                                     \
+  _Pragma("GCC unroll 16") for (int i = R0; i < R1; ++i) {                                  \
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(HI[i]), 8),    \
+                                         _mm512_load_si512(LO[i]));                         \
+    const float d = dx[(GP) * Mp + m0 + i], xsum = xs[(GP) * Mp + m0 + i];                  \
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),            \
+                                     _mm512_set1_ps(-8.0f * xsum)); /* sum((q - 8) * x) */  \
+    acc[i] = _mm512_fmadd_ps(s, t, acc[i]);                                                 \
+    acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);                              \
+  }
+#define PD_AMX_GROUP(A, B, HI, LO, PHI, PLO)                                                 \
+  _tile_zero(A);                                                                            \
+  _tile_zero(B);                                                                            \
+  _tile_loadd(2, xhi + m0 * K + g * 32, K);                                                 \
+  if (g > 0) { PD_AMX_SCALE(0, 4, PHI, PLO, g - 1) }                                        \
+  _tile_loadd(3, xlo + m0 * K + g * 32, K);                                                 \
+  _tile_loadd(4, w + g * 512, 64);                                                          \
+  if (g > 0) { PD_AMX_SCALE(4, 8, PHI, PLO, g - 1) }                                        \
+  _tile_dpbsud(A, 2, 4);                                                                    \
+  _tile_dpbuud(B, 3, 4);                                                                    \
+  if (g > 0) { PD_AMX_SCALE(8, 12, PHI, PLO, g - 1) }                                       \
+  _tile_stored(A, HI, 64);                                                                  \
+  _tile_stored(B, LO, 64);                                                                  \
+  if (g > 0) { PD_AMX_SCALE(12, 16, PHI, PLO, g - 1) }
+
 static inline void amx_block(const int8_t* xhi, const uint8_t* xlo, const float* dx,
-                             const float* xs, int64_t m0, int64_t M, int64_t K, const uint8_t* w,
+                             const float* xs, int64_t m0, int64_t M, int64_t Mp, int64_t K,
+                             const uint8_t* w,
                              const uint16_t* s0, const uint16_t* s1, const uint16_t* z0,
                              const uint16_t* z1, int64_t n, int64_t N, float* y) {
   const int64_t G = K / 32;
-  alignas(64) int32_t hi[16][16], lo[16][16];
+  alignas(64) int32_t hi0[16][16], lo0[16][16], hi1[16][16], lo1[16][16];
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 s = _mm512_setzero_ps(), z = s;
+  auto scales = [&](int64_t g) {  // group g's scales and zeros, of the 16 output rows
+    s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)), bf16x8(s1 + g * 8), 1);
+    z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)), bf16x8(z1 + g * 8), 1);
+  };
   for (int64_t g = 0; g < G; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, xhi + m0 * K + g * 32, K);
-    _tile_loadd(3, xlo + m0 * K + g * 32, K);
-    _tile_loadd(4, w + g * 512, 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbuud(1, 3, 4);
-    _tile_stored(0, hi, 64);
-    _tile_stored(1, lo, 64);
-    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(s0 + g * 8)),
-                                        bf16x8(s1 + g * 8), 1);
-    const __m512 z = _mm512_insertf32x8(_mm512_castps256_ps512(bf16x8(z0 + g * 8)),
-                                        bf16x8(z1 + g * 8), 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8),
-                                           _mm512_load_si512(lo[i]));
-      const float d = dx[(m0 + i) * G + g], xsum = xs[(m0 + i) * G + g];
-      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d),
-                                       _mm512_set1_ps(-8.0f * xsum));  // sum((q - 8) * x)
-      acc[i] = _mm512_fmadd_ps(s, t, acc[i]);
-      acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), acc[i]);
+    if (g > 0) scales(g - 1);
+    if (g % 2 == 0) {
+      PD_AMX_GROUP(0, 1, hi0, lo0, hi1, lo1)
+    } else {
+      PD_AMX_GROUP(5, 6, hi1, lo1, hi0, lo0)
     }
+  }
+  scales(G - 1);
+  if ((G - 1) % 2 == 0) {
+    PD_AMX_SCALE(0, 16, hi0, lo0, G - 1)
+  } else {
+    PD_AMX_SCALE(0, 16, hi1, lo1, G - 1)
   }
   for (int i = 0; i < 16 && m0 + i < M; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n, acc[i]);
 }
+#undef PD_AMX_GROUP
+#undef PD_AMX_SCALE
 #endif
 
 // From this many rows of x on, AMX's tiles multiply (where the CPU has them): fewer rows would
 // leave most of a tile's 16 empty.
 static constexpr int64_t kAmxMinRows = 16;
+// From this many rows of x on, the threads share their quantization.
+static constexpr int64_t kQuantizeTeamRows = 16;
 
 // x: [M, K] fp32; qw: [N / 8, K / 32, 128] bytes; scale, zero: [N / 8, K / 32, 8] bf16;
 // y: [M, N] fp32.
@@ -264,12 +296,9 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   xq.resize(M * K);
   dx.assign(Mp * G, 0.0f);
   xs.assign(Mp * G, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g)
-      dx[m * G + g] = quantize_group(x + m * K + g * 32, &xq[m * K + g * 32], &xs[m * G + g]);
   // the thread-locals of this thread, by pointer: each OpenMP thread has its own
-  const int16_t* q = xq.data();
-  const float *d = dx.data(), *sums = xs.data();
+  int16_t* q = xq.data();
+  float *d = dx.data(), *sums = xs.data();
   const int64_t NB = N / 8;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   const int64_t NB2 = NB / 2 * 2;  // blocks taken two at a time; an odd last one below
@@ -277,22 +306,51 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   const int64_t NB2 = 0;
 #endif
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  // AMX multiplies bytes: each int16 input as its high (signed) and low (unsigned) byte
+  // AMX multiplies bytes: each int16 input as its high (signed) and low (unsigned) byte (the
+  // rows past M zero)
   static thread_local std::vector<int8_t> xhi;
   static thread_local std::vector<uint8_t> xlo;
+  static thread_local std::vector<float> dxt, xst;  // dx and xs by group: [G, Mp]
   if (amx) {
-    xhi.assign(Mp * K, 0);
-    xlo.assign(Mp * K, 0);
-    for (int64_t i = 0; i < M * K; ++i) {
-      xhi[i] = static_cast<int8_t>(xq[i] >> 8);
-      xlo[i] = static_cast<uint8_t>(xq[i] & 0xFF);
-    }
+    dxt.assign(G * Mp, 0.0f);
+    xst.assign(G * Mp, 0.0f);
+    xhi.resize(Mp * K);
+    xlo.resize(Mp * K);
+    std::fill(xhi.begin() + M * K, xhi.end(), 0);
+    std::fill(xlo.begin() + M * K, xlo.end(), 0);
   }
-  const int8_t* xh = xhi.data();
-  const uint8_t* xl = xlo.data();
+  int8_t* xh = xhi.data();
+  uint8_t* xl = xlo.data();
+  float *dt = dxt.data(), *st = xst.data();
 #endif
+  // each row of x alone (its inputs do not depend on the other rows or the threads): on the
+  // team from kQuantizeTeamRows rows on, before it below (a decode step's rows are not worth a
+  // barrier)
+  auto quantize_row = [&](int64_t m) {
+    for (int64_t g = 0; g < G; ++g)
+      d[m * G + g] = quantize_group(x + m * K + g * 32, q + m * K + g * 32, sums + m * G + g);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx) {
+      for (int64_t i = m * K; i < (m + 1) * K; ++i) {
+        xh[i] = static_cast<int8_t>(q[i] >> 8);
+        xl[i] = static_cast<uint8_t>(q[i] & 0xFF);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        dt[g * Mp + m] = d[m * G + g];
+        st[g * Mp + m] = sums[m * G + g];
+      }
+    }
+#endif
+  };
+  const bool team_quantizes = M >= kQuantizeTeamRows && threads > 1;
+  if (!team_quantizes)
+    for (int64_t m = 0; m < M; ++m) quantize_row(m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    if (team_quantizes) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) quantize_row(m);
+    }
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
     if (amx) {
       amx_configure();
@@ -304,7 +362,7 @@ static void int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* qw,
         const uint16_t *z0 = zero + b * G * 8, *z1 = z0 + G * 8;
         amx_weights(q0, q0 + G * 128, G, wa.data());
         for (int64_t m = 0; m < M; m += 16)
-          amx_block(xh, xl, d, sums, m, M, K, wa.data(), s0, s1, z0, z1, 8 * b, N, y);
+          amx_block(xh, xl, dt, st, m, M, Mp, K, wa.data(), s0, s1, z0, z1, 8 * b, N, y);
       }
       _tile_release();
     } else

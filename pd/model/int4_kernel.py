@@ -32,7 +32,12 @@ its high (signed) and low (unsigned) byte, and per group ``_tile_dpbsud`` and ``
 multiply 16 rows by 16 output rows: ``256 * sum(hi * q) + sum(lo * q)`` is the same exact int32
 sum, and the fp32 steps after it are ``block16``'s. Integer sums do not depend on their order,
 so every ISA level (``PD_CPU_ISA``) gives the same bits, and which path runs a row count is a
-matter of speed alone.
+matter of speed alone. Even and odd groups take turns on two pairs of sum tiles, and a group's
+fp32 steps are interleaved with the next group's tile loads, multiplies and stores, so the
+vector units scale while the tiles multiply; each block pair's weights are widened once for all
+the rows of x, and the rows of x are quantized on the threads (each row alone). Those fp32
+steps, three fused multiply-adds per output and group of 32 inputs, bound the path: the tiles
+cannot sum past a group, whose scale is the weight's own.
 
 Built by ``pd.core.cpp.load_torch_ops`` (with AVX2 and FMA; elsewhere ``available`` is False),
 it registers ``pd::int4_mm`` from C++, so a compiled graph calls it through torch's dispatcher
