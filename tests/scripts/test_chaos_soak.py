@@ -1,7 +1,6 @@
 """The chaos soak (``scripts/chaos_soak.py``) on the tiny model: it starts its own
-``pd serve --prefill 2 --decode 2`` (with a disk tier; int4 weights as pd serve's defaults, decode
-steps not compiled: ``--engine eager``) and, for 3 minutes, kills, freezes and
-drains nodes, floods, stalls readers, trickles bodies and sends hostile input and junk frames,
+``pd serve --prefill 2 --decode 2`` (with a disk tier) at pd serve's engine defaults and, for 3
+minutes, kills, freezes and drains nodes, floods, stalls readers, trickles bodies and sends hostile input and junk frames,
 connects strangers to the nodes' ports, reads streams slowly, sends silent request heads, makes
 the disk tier read-only and plants a forged chunk in it, and sends a hostile tenant's requests
 (tool-call traps, a big schema at n=16, fields past their bounds, n=16 top_logprobs=20 readers
@@ -37,10 +36,9 @@ HEALTH_P99_MS = 1000
 # tokenizer, the build of a schema at the bound) in the second half of its life, where thirty
 # minutes spread them out: growth within 192 MiB here, the soak's default 96 over 30 minutes.
 RSS_GROWTH_MIB = 192
-# Eager decode steps: the soak judges faults, not compilation (the compiled steps' answers are
-# tests/cluster/test_exact_defaults.py's and tests/executor/test_graphs.py's). Compiling took
-# most of the server's start, and each replacement decode node compiles again before it joins.
-ENGINE = "eager"
+# The soak runs at pd serve's defaults (compiled decode steps): a replacement decode node loads
+# its steps from the compile cache the first node filled.
+ENGINE = "defaults"
 
 
 @pytest.fixture(scope="module")
