@@ -51,8 +51,8 @@ FORMATS = {
     "bf16": {"quantization": "auto", "dtype": "bfloat16"},  # auto: no quantization for bf16
     "int8": {"quantization": "int8"},
     # int8 KV at the defaults' int4 weights, and speculative decoding in the same cluster (a
-    # format costs a cluster start; int8 KV without speculation, and under int8 weights, is
-    # checked in process: tests/engine/test_kv_int8_engine.py)
+    # format costs a cluster start; int8 KV without speculation is checked in process:
+    # tests/engine/test_kv_int8_engine.py, and by the last test here)
     "int8-kv": {"quantization": "auto", "kv_cache_dtype": "int8", "speculative_tokens": 4},
 }
 
