@@ -2,19 +2,23 @@
 conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
 path: alone and among 16, cold and warm, prefilled on its decode node or on a prefill node, its
 prefix pulled from another node or loaded back from the host tier, before and after a drain. The
-same with ``--dtype bfloat16``, and with ``--quantization int8 --kv-cache-dtype int8`` (int8
-weights, and KV as int8 codes and scales in every pool, tier, transfer and pull; every other
-default kept), on the paths where they differ from the defaults (``EVERY_FORMAT``,
-``EVERY_KV_DTYPE``).
+same with ``--dtype bfloat16``, with ``--quantization int8`` (int8 weights), and with
+``--kv-cache-dtype int8 --speculative-tokens 4`` (KV as int8 codes and scales in every pool,
+tier, transfer and pull, and the decode node drafting up to 4 tokens a step; every other default
+kept, int4 weights included), on the paths where they differ from the defaults
+(``EVERY_FORMAT``, ``EVERY_KV_DTYPE``); int8 KV's answers are also the colocated engine's
+without speculation.
 
-A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes). The
-reference is each prompt's answer alone on the idle cluster. A request made cold again is put
-in a cache namespace of its own (a salt), so nothing it needs is cached; routing is steered where
-a path must be forced (the coordinator's choices, monkeypatched in this process)."""
+A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes;
+int8 weights' needs one prefill node: it is neither pulled from nor drained). The reference is
+each prompt's answer alone on the idle cluster. A request made cold again is put in a cache
+namespace of its own (a salt), so nothing it needs is cached; routing is steered where a path
+must be forced (the coordinator's choices, monkeypatched in this process)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -41,31 +45,38 @@ NOTES = " ".join(f"Note {i}: item {i} weighs {i * 7 % 13} kg." for i in range(30
 MAX_TOKENS = 32
 
 
-# pd serve's engine defaults, and two other weight formats with the rest of them
+# pd serve's engine defaults, and other weight and KV formats with the rest of them
 FORMATS = {
     "defaults": {"quantization": "auto"},
     "bf16": {"quantization": "auto", "dtype": "bfloat16"},  # auto: no quantization for bf16
-    # int8 weights and int8 KV in one cluster (a format costs a cluster start; int8 weights
-    # over fp32 KV, and int8 KV under the default int4, are checked in process:
-    # tests/executor/test_deterministic.py, tests/engine/test_kv_int8_engine.py)
-    "int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "int8": {"quantization": "int8"},
+    # int8 KV at the defaults' int4 weights, and speculative decoding in the same cluster (a
+    # format costs a cluster start; int8 KV without speculation is checked in process:
+    # tests/engine/test_kv_int8_engine.py, and by the last test here)
+    "int8-kv": {"quantization": "auto", "kv_cache_dtype": "int8", "speculative_tokens": 4},
 }
 
 
 # Every format answers alike on both kinds of node, alone, batched, cold and warm (what its
 # kernels decide). The paths that move KV (a pull, the host tier) run where the KV's dtype
-# differs: the defaults' KV is fp32, bf16's is bf16, int8's is int8 codes and scales. A drain
-# changes only the routing.
+# differs: the defaults' and int8 weights' KV is fp32, bf16's is bf16, int8-kv's is int8 codes
+# and scales. A drain changes only the routing.
 EVERY_FORMAT = pytest.mark.parametrize("live_spec", list(FORMATS), indirect=True)
-EVERY_KV_DTYPE = pytest.mark.parametrize("live_spec", ["defaults", "bf16", "int8"], indirect=True)
+EVERY_KV_DTYPE = pytest.mark.parametrize(
+    "live_spec", ["defaults", "bf16", "int8-kv"], indirect=True
+)
 DEFAULTS = pytest.mark.parametrize("live_spec", ["defaults"], indirect=True)
+INT8_KV = pytest.mark.parametrize("live_spec", ["int8-kv"], indirect=True)
 
 
 @pytest.fixture(scope="module")
 def live_spec(request) -> dict[str, Any]:
     # and the coordinator's defaults (local prefill up to 128 tokens)
     engine = {**FORMATS[request.param], "compile_buckets": "auto", "max_total_tokens": 1024}
-    return dict(num_prefill=2, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine)
+    num_prefill = 1 if request.param == "int8" else 2
+    return dict(
+        num_prefill=num_prefill, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine
+    )
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +228,23 @@ def test_after_a_prefill_node_drains_the_answers_are_the_same(live, prompts, ref
     assert _answers(live, [prompts[n] for n in names]) == [reference[n] for n in names]
     got = _answers(live, [prompts[n] for n in names], concurrent=True, cold="drained")
     assert got == [reference[n] for n in names]
+
+
+@INT8_KV
+def test_int8_kvs_speculative_answers_are_the_colocated_engines_without_speculation(
+    live, prompts, reference
+):
+    """The decode node drafted tokens (n-grams of the prompt), and every reference answer (each
+    prompt alone, cold, decoded speculatively on int8 KV) equals the colocated engine's with the
+    cluster's weights and KV, all prompts in one batch, no speculation, eager steps."""
+    from pd.core.sampling_params import SamplingParams
+    from pd.engine.engine import Engine
+
+    assert _node_sum(live, "num_draft_tokens", "decode") > 0
+    cfg = dataclasses.replace(live.cluster.engine_cfg, speculative_tokens=0, compile_buckets="off")
+    assert cfg.kv_cache_dtype == "int8" and cfg.quantization == "auto"
+    engine = Engine(cfg)
+    names = list(prompts)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    got = engine.generate([prompts[n] for n in names], greedy)
+    assert [r.token_ids for r in got] == [reference[n] for n in names]
