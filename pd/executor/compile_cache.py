@@ -18,6 +18,9 @@ loads its steps in seconds instead of compiling them (``pd.executor.graphs``).
 4. Bounded: past ``MAX_ENTRIES`` entries the least recently used (by mtime, touched when used)
    are removed when a new one is made. An entry removed while another process compiles into it
    costs that process its compile (the bucket stays eager, logged), never an answer.
+5. Not kept (``ModelRunner._step_cache``): steps that freeze their weights
+   (``--no-deterministic``), a mixture of experts' and a tensor-parallel rank's (its step's
+   guards hold its process group): torch cannot save them, so they compile at each start.
 """
 
 from __future__ import annotations

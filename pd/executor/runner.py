@@ -157,11 +157,14 @@ class ModelRunner:
     def _step_cache(self) -> CompiledStepCache | None:
         """Where the compiled steps are kept on disk (``pd.executor.compile_cache``), keyed by
         what shapes them here: None without buckets, with ``compile_cache`` off, or where a
-        step freezes its weights (``--no-deterministic``) or routes by data (a mixture of
-        experts), which torch cannot save."""
+        step freezes its weights (``--no-deterministic``), routes by data (a mixture of
+        experts) or holds a tensor-parallel process group (its guards keep the group's store),
+        which torch cannot save: those steps are compiled at each start."""
         cfg = self.cfg
         root = cfg.compile_cache_dir
         if root is None or not (cfg.buckets and self.deterministic) or self.model.has_moe:
+            return None
+        if self.tp_size > 1:  # (a rank's step calls its group's all-reduce)
             return None
         pool = self.pool
         identity = {
@@ -169,7 +172,6 @@ class ModelRunner:
             "modules": repr(self.model),  # the layers' formats and shapes
             "flags": repr((cfg.dtype, self.quantization, cfg.linear_backend,
                            cfg.attention_backend, cfg.kv_cache_dtype, self.deterministic)),
-            "rank": f"{self.rank} of {self.tp_size}",
             "pool": repr((pool.num_layers, pool.num_slots, pool.num_kv_heads, pool.head_dim,
                           pool.dtype, pool.compute_dtype, str(pool.device))),
         }  # fmt: skip
