@@ -29,6 +29,7 @@ from pd.node import Node, NodeConfig
 from pd.router.coordinator import Coordinator
 from pd.router.policy import CoordinatorConfig
 from prefill.node import PrefillRole
+from tests.cluster.test_token_frames import _whole
 from tests.conftest import free_port
 from tests.engine.test_structured_engine import PERSON, POINT, _schema_grammar
 from transfer.auth import new_secret
@@ -105,14 +106,6 @@ async def _answer(client: ClusterClient, rid: str, i: int) -> list[RequestOutput
         return [out async for out in client.generate(rid, PROMPTS[i], PARAMS[i])]
 
     return await asyncio.wait_for(run(), WAIT_S)
-
-
-def _whole(outs: list[RequestOutput]) -> tuple[Any, ...]:
-    """What a caller sees of an answer: its tokens, logprobs, end and usage."""
-    tokens = [t for out in outs for t in out.new_token_ids]
-    logprobs = [lp for out in outs for lp in out.logprobs]
-    last = outs[-1]
-    return tokens, logprobs, last.finished, last.finish_reason, last.num_prompt_tokens
 
 
 async def _scenario(engine_cfg: EngineConfig) -> None:
