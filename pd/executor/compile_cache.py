@@ -7,17 +7,21 @@ loads its steps in seconds instead of compiling them (``pd.executor.graphs``).
    caller names (``identity``: the weights' digest, the model's modules, the flags, the pool's
    shapes). Anything else is another entry; nothing is looked up by a part of a key.
 2. An entry holds a file per bucket, ``step-<bucket>.bin`` (torch's serialized precompiled
-   function: ``torch.compile(...).aot_compile``), and ``inductor/``, torch's inductor cache while
-   the entry's steps compile and load (its C++ kernels, built once). A file is written aside and
-   renamed in (``os.replace``): nodes of one machine writing the same entry leave one whole file.
+   function: ``torch.compile(...).aot_compile``). ``compiled/inductor/`` is torch's inductor cache
+   while any entry's steps compile and load: a C++ kernel is built once on a machine, whichever
+   model, pool or flags first needed it (inductor keys its kernels by their source). A file is
+   written aside and renamed in (``os.replace``): nodes of one machine writing the same entry
+   leave one whole file.
 3. A file carries the sha256 of its payload, checked before it is unpickled. A file that fails the
    check, does not deserialize or whose step does not run is logged, removed and compiled again:
    a bad entry costs a compile, never a wrong answer or a crash. What is unpickled is code, so
    ``compiled/`` is made 0700 and every file must be this user's and writable by no one else
    (``pd.core.private_dir``), as ``pd.core.cpp``'s kernels are.
 4. Bounded: past ``MAX_ENTRIES`` entries the least recently used (by mtime, touched when used)
-   are removed when a new one is made. An entry removed while another process compiles into it
-   costs that process its compile (the bucket stays eager, logged), never an answer.
+   are removed when a new one is made, and ``inductor/`` is emptied when it holds more than
+   ``MAX_INDUCTOR_BYTES`` (a step loaded afterwards builds its kernels again). An entry removed
+   while another process compiles into it costs that process its compile (the bucket stays
+   eager, logged), never an answer.
 5. Not kept (``ModelRunner._step_cache``): steps that freeze their weights
    (``--no-deterministic``), a mixture of experts' and a tensor-parallel rank's (its step's
    guards hold its process group): torch cannot save them, so they compile at each start.
@@ -46,6 +50,8 @@ from pd.core.private_dir import InsecurePathError, check_parents, check_trusted,
 logger = logging.getLogger(__name__)
 
 MAX_ENTRIES = 8  # entries (one per model x flags x code) kept under PD_CACHE_DIR/compiled
+MAX_INDUCTOR_BYTES = 1 << 30  # the kernels' directory, emptied when a new entry finds it larger
+INDUCTOR = "inductor"  # compiled/inductor: torch's inductor cache, shared by the entries
 _MAGIC = b"pd-compiled-step-1\n"
 
 
@@ -101,9 +107,10 @@ class CompiledStepCache:
 
     @contextmanager
     def inductor_dir(self) -> Iterator[None]:
-        """torch's inductor cache pointed at this entry's ``inductor/`` meanwhile (what a step
-        compiles or loads finds its C++ kernels there)."""
-        inductor = private_dir(self._ensure() / "inductor")
+        """torch's inductor cache pointed at ``compiled/inductor/`` meanwhile (what a step
+        compiles or loads finds its C++ kernels there, whichever entry built them)."""
+        self._ensure()
+        inductor = private_dir(self.root / INDUCTOR)
         with temporary_cache_dir(str(inductor)):
             yield
 
@@ -184,17 +191,40 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def prune(root: Path, keep: str, max_entries: int = MAX_ENTRIES) -> list[Path]:
+def prune(
+    root: Path,
+    keep: str,
+    max_entries: int = MAX_ENTRIES,
+    max_inductor_bytes: int = MAX_INDUCTOR_BYTES,
+) -> list[Path]:
     """Remove the least recently used entries under ``root`` past ``max_entries`` (never
-    ``keep``); -> those removed."""
+    ``keep``), and the shared kernels' directory if it holds more than ``max_inductor_bytes``;
+    -> those removed."""
     try:
         entries = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:
         return []
+    entries = [p for p in entries if p.name != INDUCTOR]
     entries.sort(key=_mtime, reverse=True)
     removed = []
     for entry in entries[max_entries:]:
         if entry.name != keep:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
+    kernels = root / INDUCTOR
+    if _size(kernels) > max_inductor_bytes:
+        shutil.rmtree(kernels, ignore_errors=True)  # a step loaded later builds its own again
+        removed.append(kernels)
     return removed
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 where it is absent)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total

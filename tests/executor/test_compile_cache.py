@@ -75,6 +75,17 @@ def test_prune_keeps_the_most_recently_used_entries(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e0", "e3", "e4"]
 
 
+def test_the_shared_kernels_are_no_entry_and_are_emptied_past_their_bound(tmp_path):
+    kernels = tmp_path / "inductor"
+    kernels.mkdir()
+    os.utime(kernels, (0, 0))  # the oldest directory, yet not an entry to remove
+    (kernels / "k.so").write_bytes(b"x" * 100)
+    (tmp_path / "e0").mkdir()
+    assert prune(tmp_path, keep="e0", max_entries=1, max_inductor_bytes=100) == []
+    assert prune(tmp_path, keep="e0", max_entries=1, max_inductor_bytes=99) == [kernels]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e0"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_second_start_loads_its_steps_and_a_corrupt_one_is_compiled_again(
