@@ -148,38 +148,44 @@ async def slow_reader(
     deadline_s: float,
 ) -> Outcome:
     """Stream ``spec`` with a small receive buffer and read it ``piece`` bytes every
-    ``interval_s``: slow, but never stalled for as long as the server's write timeout."""
+    ``interval_s``: slow, but never stalled for as long as the server's write timeout. It reads
+    on a thread of its own (a blocking socket): on the soak's event loop, busy with its floods,
+    its pace was the loop's lag (~2 KiB/s where it asks for 10), not its own."""
     out = Outcome(spec.name, "slow_reader", time.monotonic(), 0.0)
-    deadline = out.start + deadline_s
     body = json.dumps(spec.request_body(stream=True)).encode()
-    loop = asyncio.get_running_loop()
-    data, error = b"", ""
-    sock: socket.socket | None = None
-    try:
-        sock = await connect(url, rcvbuf=4 * piece)
-        await loop.sock_sendall(
-            sock, head(url, "POST", spec.path, _json_headers(headers), len(body)) + body
-        )
-        while True:
-            if (left := deadline - time.monotonic()) <= 0:
-                error = "deadline"
-                break
-            try:
-                chunk = await asyncio.wait_for(loop.sock_recv(sock, piece), left)
-            except asyncio.TimeoutError:
-                error = "deadline"
-                break
-            if not chunk:
-                break
-            data += chunk
-            await asyncio.sleep(interval_s)
-    except OSError as e:
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        if sock is not None:
-            sock.close()
+    request = head(url, "POST", spec.path, _json_headers(headers), len(body)) + body
+    data, error = await asyncio.to_thread(
+        _read_slowly, url, request, piece, interval_s, out.start + deadline_s
+    )
     _fill(out, spec, parse_raw(data, error), stream=True)
     return out
+
+
+def _read_slowly(
+    url: str, request: bytes, piece: int, interval_s: float, deadline: float
+) -> tuple[bytes, str]:
+    """``slow_reader``'s blocking half: (what it read, a transport error or "deadline")."""
+    parts = urlsplit(url)
+    chunks: list[bytes] = []
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * piece)  # before connecting
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, STALLED_MSS)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect((parts.hostname, parts.port or 80))
+            sock.sendall(request)
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                chunk = sock.recv(piece)
+                if not chunk:
+                    return b"".join(chunks), ""
+                chunks.append(chunk)
+                time.sleep(interval_s)
+    except TimeoutError:
+        pass
+    except OSError as e:
+        return b"".join(chunks), f"{type(e).__name__}: {e}"
+    return b"".join(chunks), "deadline"
 
 
 async def silent_head(

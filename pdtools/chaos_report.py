@@ -245,12 +245,6 @@ def run_checks(run: Run) -> list[Check]:
     deaths = run.metrics1.value("pd_failed_nodes") - run.metrics0.value("pd_failed_nodes")
     not_ready_s = sum(i.end - i.start for i in monitor.not_ready)
     empty_s = sum(i.end - i.start for i in monitor.empty_pools)
-    growth = rss[-1][1] - rss[0][1] if rss else 0.0
-    memory = (
-        f"{rss[0][1]:.0f} -> {rss[-1][1]:.0f} (max {max(r for _, r in rss):.0f})"
-        if rss
-        else "n/a (no pid)"
-    )
     return [
         *run.checks,
         Check("nodes found dead (pd_failed_nodes) / meant to die", f"{deaths:.0f} / {len(chaos.doomed)}", "equal", deaths == len(chaos.doomed)),
@@ -258,7 +252,7 @@ def run_checks(run: Run) -> list[Check]:
         Check("seconds a pool had no ready node", f"{empty_s:.1f}", "0", empty_s == 0),
         Check("seconds the server said it was not ready", f"{not_ready_s:.1f}", "0", not_ready_s == 0),
         Check("admin polls unanswered within 10 s", str(monitor.num_errors), "0", monitor.num_errors == 0),
-        Check("server RSS (MiB)", memory, f"growth <= {run.max_rss_growth_mib:g}", growth <= run.max_rss_growth_mib),
+        server_memory_check(rss, run.max_rss_growth_mib),
         node_memory_check(run.node_rss, run.max_rss_growth_mib),
         health_check(run.health, run.max_health_p99_ms),
         disk_off_check(run),
@@ -268,19 +262,41 @@ def run_checks(run: Run) -> list[Check]:
 MIN_NODE_LIFE_S = 60.0  # a node sampled for less long is not judged (its warm-up dominates)
 
 
+def second_half_growth(series: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """A process's RSS growth over the second half of its samples (time, MiB): its last sample
+    over the most of its first half, which warms its caches up and holds answers in flight as
+    large as the second half's (a sample taken while a 16 x 1,000-token logprobs answer is in
+    flight is no growth); a leak grows on through the second half. -> (most, last, growth)."""
+    half = (series[0][0] + series[-1][0]) / 2
+    most = max(r for t, r in series if t <= half)
+    return most, series[-1][1], series[-1][1] - most
+
+
+def server_memory_check(rss: list[tuple[float, float]], bound: float) -> Check:
+    """The server's RSS growth over the second half of the soak (``second_half_growth``), its
+    first sample and its most beside it."""
+    if len(rss) < 2:
+        return Check("server RSS over the soak's second half (MiB)", "n/a (no pid)", "", True)
+    most, last, growth = second_half_growth(rss)
+    measured = (
+        f"start {rss[0][1]:.0f}, first half's most {most:.0f}, last {last:.0f} "
+        f"(max {max(r for _, r in rss):.0f})"
+    )
+    return Check(
+        "server RSS over the soak's second half (MiB)", measured, f"growth <= {bound:g}",
+        growth <= bound,
+    )  # fmt: skip
+
+
 def node_memory_check(samples: dict[str, list[tuple[float, float]]], bound: float) -> Check:
-    """Each node's RSS growth over the second half of its life: its last sample over the most
-    of its first half (which warms its caches, compiled steps and grammar tokenizer up, and
-    holds answers in flight as large as the second half's: a node's last sample taken while a
-    16 x 1,000-token logprobs answer is in flight is no growth); nodes that lived less than
-    ``MIN_NODE_LIFE_S`` are not judged."""
+    """Each node's RSS growth over the second half of its life (``second_half_growth``: its
+    first half warms its compiled steps and grammar tokenizer up too); nodes that lived less
+    than ``MIN_NODE_LIFE_S`` are not judged."""
     growth: dict[str, tuple[float, float, float]] = {}  # node -> (first half's most, last, growth)
     for node, series in samples.items():
         if len(series) < 2 or series[-1][0] - series[0][0] < MIN_NODE_LIFE_S:
             continue
-        half = (series[0][0] + series[-1][0]) / 2
-        most = max(r for t, r in series if t <= half)
-        growth[node] = (most, series[-1][1], series[-1][1] - most)
+        growth[node] = second_half_growth(series)
     worst = sorted(growth.items(), key=lambda kv: -kv[1][2])[:3]
     measured = (
         f"{len(growth)} nodes judged; most: "
@@ -379,4 +395,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "failures": failures,
         "engine": run.engine,
         "wrong_paths": wrong_paths(run),
+        # (seconds since the start, MiB) every sample: the server's, and each node's
+        "rss": {"server": [(round(t - run.origin, 1), round(r, 1)) for t, r in run.rss],
+                "nodes": {n: [(round(t - run.origin, 1), round(r, 1)) for t, r in series]
+                          for n, series in run.node_rss.items()}},
     }  # fmt: skip

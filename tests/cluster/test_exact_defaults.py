@@ -2,15 +2,16 @@
 conditional disaggregation, pulls, the host tier) a greedy request gets the same answer on every
 path: alone and among 16, cold and warm, prefilled on its decode node or on a prefill node, its
 prefix pulled from another node or loaded back from the host tier, before and after a drain. The
-same with ``--dtype bfloat16``, with ``--quantization int8`` (int8 weights), and with
-``--kv-cache-dtype int8 --speculative-tokens 4`` (KV as int8 codes and scales in every pool,
-tier, transfer and pull, and the decode node drafting up to 4 tokens a step; every other default
-kept, int4 weights included), on the paths where they differ from the defaults
-(``EVERY_FORMAT``, ``EVERY_KV_DTYPE``); int8 KV's answers are also the colocated engine's
-without speculation.
+same with ``--dtype bfloat16``, with ``--quantization int8`` (int8 weights), with
+``--kv-cache-dtype int8`` (KV as int8 codes and scales in every pool, tier, transfer and pull;
+every other default kept, int4 weights included), and with int8 KV and ``--speculative-tokens 4``
+(the decode node drafting up to 4 tokens a step), on the paths where they differ from the
+defaults (``EVERY_FORMAT``, ``EVERY_KV_DTYPE``); int8 KV's speculative answers are also the
+colocated engine's without speculation.
 
 A cluster per format (Ray, 2 prefill + 1 decode node of the default model, real processes;
-int8 weights' needs one prefill node: it is neither pulled from nor drained). The reference is
+int8 weights' and speculation's need one prefill node: they are neither pulled from nor
+drained). The reference is
 each prompt's answer alone on the idle cluster. A request made cold again is put in a cache
 namespace of its own (a salt), so nothing it needs is cached; routing is steered where a path
 must be forced (the coordinator's choices, monkeypatched in this process)."""
@@ -50,30 +51,30 @@ FORMATS = {
     "defaults": {"quantization": "auto"},
     "bf16": {"quantization": "auto", "dtype": "bfloat16"},  # auto: no quantization for bf16
     "int8": {"quantization": "int8"},
-    # int8 KV at the defaults' int4 weights, and speculative decoding in the same cluster (a
-    # format costs a cluster start; int8 KV without speculation is checked in process:
-    # tests/engine/test_kv_int8_engine.py, and by the last test here)
-    "int8-kv": {"quantization": "auto", "kv_cache_dtype": "int8", "speculative_tokens": 4},
+    # int8 KV at the defaults (int4 weights), and with speculative decoding on
+    "int8-kv": {"quantization": "auto", "kv_cache_dtype": "int8"},
+    "int8-kv-spec": {"quantization": "auto", "kv_cache_dtype": "int8", "speculative_tokens": 4},
 }
 
 
 # Every format answers alike on both kinds of node, alone, batched, cold and warm (what its
 # kernels decide). The paths that move KV (a pull, the host tier) run where the KV's dtype
 # differs: the defaults' and int8 weights' KV is fp32, bf16's is bf16, int8-kv's is int8 codes
-# and scales. A drain changes only the routing.
+# and scales (speculation changes only the decode node's steps). A drain changes only the
+# routing.
 EVERY_FORMAT = pytest.mark.parametrize("live_spec", list(FORMATS), indirect=True)
 EVERY_KV_DTYPE = pytest.mark.parametrize(
     "live_spec", ["defaults", "bf16", "int8-kv"], indirect=True
 )
 DEFAULTS = pytest.mark.parametrize("live_spec", ["defaults"], indirect=True)
-INT8_KV = pytest.mark.parametrize("live_spec", ["int8-kv"], indirect=True)
+INT8_KV_SPEC = pytest.mark.parametrize("live_spec", ["int8-kv-spec"], indirect=True)
 
 
 @pytest.fixture(scope="module")
 def live_spec(request) -> dict[str, Any]:
     # and the coordinator's defaults (local prefill up to 128 tokens)
     engine = {**FORMATS[request.param], "compile_buckets": "auto", "max_total_tokens": 1024}
-    num_prefill = 1 if request.param == "int8" else 2
+    num_prefill = 1 if request.param in ("int8", "int8-kv-spec") else 2
     return dict(
         num_prefill=num_prefill, num_decode=1, local_prefill_tokens=128, engine_kwargs=engine
     )
@@ -230,7 +231,7 @@ def test_after_a_prefill_node_drains_the_answers_are_the_same(live, prompts, ref
     assert got == [reference[n] for n in names]
 
 
-@INT8_KV
+@INT8_KV_SPEC
 def test_int8_kvs_speculative_answers_are_the_colocated_engines_without_speculation(
     live, prompts, reference
 ):
