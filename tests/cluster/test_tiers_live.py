@@ -2,7 +2,8 @@
 thread each, every request through the prefill node): a prefix reused on the prefill node is
 written through to the disk directory; the node is killed (SIGKILL), its replacement starts on
 the same host and directory, reads the prefix up and announces it, and the first request for it
-hits there and answers as before."""
+hits there and answers as before; with the default KV and with ``--kv-cache-dtype int8`` (its
+chunks are codes and scales)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,26 @@ pytestmark = pytest.mark.timeout(420)
 PREFIX = [(7 * i) % 500 + 3 for i in range(300)]  # 4 whole 64-token chunks and a tail
 
 
-@pytest.fixture(scope="module")
-def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kv-disk")
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def kv_cache_dtype(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def live(ray_session: None, tiny_llama_dir: Path, disk: Path) -> Iterator[LiveCluster]:
-    live, stop = start_live_cluster(
-        1,
-        1,
-        model=str(tiny_llama_dir),
-        engine_kwargs={"disk_cache_dir": str(disk), "max_total_tokens": 2048},
-    )
+def disk(tmp_path_factory: pytest.TempPathFactory, kv_cache_dtype: str) -> Path:
+    return tmp_path_factory.mktemp(f"kv-disk-{kv_cache_dtype}")
+
+
+@pytest.fixture(scope="module")
+def live(
+    ray_session: None, tiny_llama_dir: Path, disk: Path, kv_cache_dtype: str
+) -> Iterator[LiveCluster]:
+    engine = {
+        "disk_cache_dir": str(disk),
+        "max_total_tokens": 2048,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    live, stop = start_live_cluster(1, 1, model=str(tiny_llama_dir), engine_kwargs=engine)
     try:
         yield live
     finally:
