@@ -276,7 +276,9 @@ async def _flood_scenario(engine_cfg: EngineConfig, reference: list[int]) -> Non
         watcher.cancel()
         assert out == reference
         assert client.membership.dead_nodes == {}
-        assert max(silence.values()) < 1.0, silence  # stats every 0.2 s, flood or not
+        # stats every 0.2 s, flood or not: silent for under a quarter of the heartbeat timeout
+        # (make test runs another file beside this one: 1.4 s was seen under that load alone)
+        assert max(silence.values()) < client.cfg.heartbeat_timeout_s / 4, silence
         sent = result["num_sent"]
         assert p.inbox.num_rejected_msgs > 10_000 and d.inbox.num_rejected_msgs > 10_000, sent
     finally:
