@@ -39,6 +39,7 @@ from pdtools.chaos_peers import hold_strangers
 from pdtools.disk_faults import CannotHarm, make_read_only, plant_over
 
 CLOSE_MARGIN_S = 5.0  # past the header deadline, for the server to close (2 shared cores)
+READONLY_GRACE_S = 15.0  # after a read-only window: for a reused node's tier-off or write to show
 WORDS = (
     "river bridge market clock wool salt railway factory museum library school music square "
     "harbour tower garden mill canal chapel orchard meadow lantern ferry station"
@@ -262,8 +263,24 @@ async def readonly_disk(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> N
         if out.cached_tokens and out.request_id:
             for attempt in await chaos.api.routes(out.request_id):
                 reused_on.add(attempt.get("prefill") or attempt.get("decode"))
-    alive = (await chaos.monitor.poll()).ids
-    missed = sorted(n for n in reused_on - off0 - set(newly_off) if n in alive)
+    # A node's writer thread writes behind its steps, and its stats reach the server a few
+    # times a second: under a flood both come late. Its tier turned off (a write failed while
+    # read-only), or it wrote a chunk since (its write came once the directory was writable
+    # again), within the grace: either is right.
+    wrote0 = before.by("pd_node_disk_tier_written", "node")
+    deadline = time.monotonic() + READONLY_GRACE_S
+    while True:
+        alive = (await chaos.monitor.poll()).ids
+        metrics = await chaos.api.metrics()
+        for n, v in metrics.by("pd_node_disk_tier_off", "node").items():
+            if v and n not in off0:
+                newly_off.setdefault(n, time.monotonic() - start)
+        wrote = metrics.by("pd_node_disk_tier_written", "node")
+        late = {n for n in reused_on if wrote.get(n, 0) > wrote0.get(n, 0)} - set(newly_off)
+        missed = sorted(n for n in reused_on - off0 - set(newly_off) - late if n in alive)
+        if not missed or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
     rec.notes.append(
         f"read-only {time.monotonic() - start:.0f} s; {len(asked)} fresh prompts asked twice "
         f"({sum(1 for o in flat if o.cached_tokens)} answers from cached tokens, on "
@@ -274,6 +291,7 @@ async def readonly_disk(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> N
             else "no node turned its tier off"
         )
         + (f" (off before: {sorted(off0)})" if off0 else "")
+        + (f"; {sorted(late)} wrote chunks once it was writable again" if late else "")
     )
     if missed:
         rec.failures.append(

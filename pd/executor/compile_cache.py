@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from pd.core import cpp
 from pd.core.private_dir import InsecurePathError, check_parents, check_trusted, private_dir
@@ -109,6 +108,10 @@ class CompiledStepCache:
     def inductor_dir(self) -> Iterator[None]:
         """torch's inductor cache pointed at ``compiled/inductor/`` meanwhile (what a step
         compiles or loads finds its C++ kernels there, whichever entry built them)."""
+        # (imported here: torch._inductor brings torch._dynamo, a second of every process's
+        # start, which a node that compiles nothing never needs)
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
         self._ensure()
         inductor = private_dir(self.root / INDUCTOR)
         with temporary_cache_dir(str(inductor)):

@@ -48,7 +48,7 @@ from pd.core.private_dir import InsecurePathError
 from pd.executor import cpu_attention
 from pd.executor.attention import PagedDecodeAttention
 from pd.executor.compile_cache import CompiledStepCache
-from pd.model.decoder import DecoderLM
+from pd.model.decoder import DecoderLM, MoE
 from pd.model.quant import Fp16Linear
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,9 @@ class DecodeGraphs:
     def _compile(self, bucket: int) -> Callable[[DecodeBatch], torch.Tensor]:
         """``bucket``'s step by ``torch.compile``, in this process's memory alone."""
         # a mixture of experts routes by data: its blocks run eagerly between the graphs
+        for module in self.model.modules():
+            if isinstance(module, MoE) and "forward" not in vars(module):
+                module.forward = torch.compiler.disable(module.forward)
         step = torch.compile(self._forward, fullgraph=not self.model.has_moe, dynamic=None)
         self._marked.add(bucket)
         with self._compiling():

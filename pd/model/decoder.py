@@ -150,7 +150,9 @@ class MoE(nn.Module):
     runs once on all its tokens (its weights read once a step, not once a token), and a
     token's outputs are added weighted, in expert order: the same order whatever the batch.
 
-    Routing is data-dependent: a compiled step runs this block eagerly between its graphs."""
+    Routing is data-dependent: a compiled step runs this block eagerly between its graphs
+    (``pd.executor.graphs`` disables its forward for torch.compile: not here, where the
+    decorator would import torch._dynamo into every process that builds a model)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -164,7 +166,6 @@ class MoE(nn.Module):
         # tensor parallel: each expert's partial sums, weighted and added, then one all-reduce
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; probs, weights: fp32
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]

@@ -189,15 +189,38 @@ def test_a_queued_grammar_whose_requests_were_aborted_is_skipped(
 
 def test_importing_the_engine_and_the_server_loads_no_inductor() -> None:
     """Every node, ``pd serve`` and TP rank process imports the engine: ``llguidance.torch``
-    compiles a kernel with ``torch.compile`` when it is imported, which loads Inductor (a second
-    of CPU time a process); pd writes the masks itself and compiles only its decode steps, when
-    asked. Checked in a fresh interpreter."""
+    compiles a kernel with ``torch.compile`` when it is imported, which loads Inductor and
+    Dynamo (a second of CPU time a process), and so did the compile cache's import of
+    Inductor's cache helper; pd writes the masks itself and loads Inductor only to compile or
+    load its decode steps, when asked. Checked in a fresh interpreter."""
     code = (
         "import sys, pd.fleet.node_actor, pd.cli.serve, pd.parallel.main; "
-        "print(sorted({'torch._inductor.compile_fx', 'llguidance.torch'} & set(sys.modules)))"
+        "print(sorted({'torch._dynamo', 'torch._inductor', 'llguidance.torch'} & set(sys.modules)))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", done.stdout[-2000:]
+
+
+def test_an_eager_engine_of_a_mixture_of_experts_loads_no_dynamo(family_dir) -> None:
+    """A prefill node (and any engine without compiled steps) builds its model, a mixture of
+    experts' too, without importing torch._dynamo (seconds of CPU a process): the experts'
+    block is kept out of torch.compile where a step is compiled, not by a decorator."""
+    model = family_dir("qwen3_moe")
+    code = (
+        "import sys\n"
+        "from pd.engine.engine import Engine\n"
+        "from pd.executor.config import EngineConfig\n"
+        "from pd.core.sampling_params import SamplingParams\n"
+        f"engine = Engine(EngineConfig(model={str(model)!r}, max_total_tokens=256))\n"
+        "assert engine.runner.model.has_moe\n"
+        "engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))\n"
+        "print(sorted({'torch._dynamo', 'torch._inductor'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
