@@ -10,7 +10,8 @@ reference answer; what it must get is written beside it):
   character bound (``MAX_GRAMMAR_CHARS``): a completed answer, or a 400 that names the
   grammar's budget; no node found dead (its compile stalled no heartbeat);
 - ``limit-edges`` (item 10): a schema and ``tools`` one character past the bound, an
-  assistant's ``tool_calls`` past the context: a 400 naming the bound;
+  assistant's ``tool_calls`` past the context: a 400 naming the bound (a 429 while a flood
+  holds every admission place, which comes before the body is read, is asked again);
 - ``stopped-readers`` (item 3): streamed ``n=16``, ``top_logprobs=20`` answers whose clients
   stop reading for ``stall_s``: each ends (whole, or cut by an error event or the server's
   close), and the server's memory meanwhile grows by less than ``hostile_rss_mib``;
@@ -60,6 +61,8 @@ from pdtools.chaos_tenant_http import (
     json_schema,
     post,
 )
+
+LIMIT_RETRY_S = 60.0  # how long limit-edges asks again after 429s (a flood's places held)
 
 
 @fault("tool-call-traps", "tenant")
@@ -161,10 +164,23 @@ async def limit_edges(chaos: Chaos, rec: FaultRecord, rng: random.Random) -> Non
     }  # fmt: skip
     got = []
     for name, (body, says) in cases.items():
-        reply = await post(chaos, "/v1/chat/completions", body)
-        got.append(f"{name}: {reply.status} in {reply.seconds:.1f} s")
-        if reply.status != 400 or says not in reply.error:
-            rec.failures.append(f"{name}: want a 400 saying {says!r}, got {reply}")
+        # a 429 while a flood holds every admission place comes before the body is read:
+        # asked again after Retry-After (as a client would), for up to LIMIT_RETRY_S
+        reply, refused, until = None, 0, time.monotonic() + LIMIT_RETRY_S
+        while True:
+            reply = await post(chaos, "/v1/chat/completions", body)
+            if not (reply.status == 429 and reply.code == "server_overloaded"):
+                break
+            if time.monotonic() > until:
+                break
+            refused += 1
+            await asyncio.sleep(0.5 + rng.random())  # Retry-After: 1, jittered
+        got.append(
+            f"{name}: {reply.status} in {reply.seconds:.1f} s"
+            + (f" (after {refused} x 429 while admission was full)" if refused else "")
+        )
+        why = "" if reply.status == 400 and says in reply.error else f"got {reply}"
+        _judged(chaos, rec, reply, why, f"{name}: want a 400 saying {says!r}")
     rec.notes.append("; ".join(got))
 
 
